@@ -1,0 +1,41 @@
+"""fp8jax: FP8 training for JAX and Flax on NVIDIA Hopper GPUs.
+
+The public API is what this module re-exports.
+"""
+
+from fp8jax.formats import ALL_E4M3, E4M3, E5M2, HYBRID, FormatPair, Fp8Format
+from fp8jax.ops.dense import dense, dot_general
+from fp8jax.ops.einsum import einsum
+from fp8jax.quantize import Fp8Array, dequantize, quantize
+from fp8jax.recipes import CurrentScaling, DelayedScaling
+from fp8jax.scaling import (
+    DotScaleState,
+    ScaleState,
+    combine_states,
+    init_state,
+    take_new_state,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ALL_E4M3",
+    "E4M3",
+    "E5M2",
+    "HYBRID",
+    "CurrentScaling",
+    "DelayedScaling",
+    "DotScaleState",
+    "FormatPair",
+    "Fp8Array",
+    "Fp8Format",
+    "ScaleState",
+    "combine_states",
+    "dense",
+    "dequantize",
+    "dot_general",
+    "einsum",
+    "init_state",
+    "quantize",
+    "take_new_state",
+]

@@ -1,0 +1,239 @@
+"""FP8 dot_general and dense: FP8-typed operands straight into ``lax.dot_general``.
+
+XLA's quantize->dequantize pattern matcher runs after Triton GEMM fusion and
+simplifies the round trip away (DESIGN.md measured zero FP8 GEMMs from it), so
+nothing here relies on it: the operands handed to ``lax.dot_general`` are
+already E4M3/E5M2 arrays, and the product is rescaled by
+``scale_inv_lhs * scale_inv_rhs``, a scalar XLA folds into the cuBLASLt call.
+
+Forward: x(E4M3) . w(E4M3). Backward: dgrad g(E5M2) . w(E4M3) and wgrad
+x(E4M3) . g(E5M2). E5M2 x E5M2, which cuBLASLt rejects, never occurs. Only
+the FP8 operands (1 byte per element) are saved for the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp8jax.formats import Fp8Format, is_fp8
+from fp8jax.ops import dimensions
+from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
+from fp8jax.recipes import DelayedScaling, resolve_recipe
+from fp8jax.scaling import DotScaleState, ScaleState, scale_from_amax, update_scale_state
+
+
+@dataclasses.dataclass(frozen=True)
+class DotConfig:
+    """Everything static about one FP8 dot_general; the custom_vjp's only static argument."""
+
+    dimension_numbers: dimensions.DimensionNumbers
+    recipe: object
+    out_dtype: np.dtype
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+
+
+def quantize_operand(
+    x: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe
+) -> tuple[Fp8Array, jax.Array]:
+    """Quantizes with the stored scale (delayed) or ``x``'s own amax (current)."""
+    x_amax = amax(x)
+    if state is None:
+        scale = scale_from_amax(x_amax, fmt.max, recipe.margin, fallback=1.0)
+    else:
+        scale = state.scale
+    return quantize_with_scale(x, fmt, scale), x_amax
+
+
+def scaled_dot(a: Fp8Array, b: Fp8Array, dims, out_dtype, precision, permutation=None) -> jax.Array:
+    """``dot_general(a.data, b.data) * a.scale_inv * b.scale_inv`` in ``out_dtype``."""
+    y = lax.dot_general(a.data, b.data, dims, precision=precision, preferred_element_type=out_dtype)
+    y = y * (a.scale_inv * b.scale_inv).astype(out_dtype)
+    return y if permutation is None else jnp.transpose(y, permutation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_dot(lhs, rhs, state, config: DotConfig):
+    return _fp8_dot_fwd(lhs, rhs, state, config)[0]
+
+
+def _fp8_dot_fwd(lhs, rhs, state, config: DotConfig):
+    recipe, fmt = config.recipe, config.recipe.formats.forward
+    lhs_q, lhs_amax = quantize_operand(lhs, fmt, state and state.x, recipe)
+    rhs_q, rhs_amax = quantize_operand(rhs, fmt, state and state.kernel, recipe)
+    y = scaled_dot(
+        lhs_q, rhs_q, config.dimension_numbers, config.out_dtype, recipe.forward_precision
+    )
+    amaxes = (lhs_amax, rhs_amax) if state is not None else None
+    return y, (lhs_q, rhs_q, state, amaxes)
+
+
+def _fp8_dot_bwd(config: DotConfig, residuals, g):
+    lhs_q, rhs_q, state, amaxes = residuals
+    recipe = config.recipe
+    g_q, g_amax = quantize_operand(g, recipe.formats.backward, state and state.grad, recipe)
+    lhs_ndim, rhs_ndim = lhs_q.data.ndim, rhs_q.data.ndim
+    dg = dimensions.dgrad(config.dimension_numbers, lhs_ndim, rhs_ndim)
+    wg = dimensions.wgrad(config.dimension_numbers, lhs_ndim, rhs_ndim)
+    d_lhs = scaled_dot(
+        g_q, rhs_q, dg.dimension_numbers, config.lhs_dtype, recipe.dgrad_precision, dg.permutation
+    )
+    d_rhs = scaled_dot(
+        lhs_q, g_q, wg.dimension_numbers, config.rhs_dtype, recipe.wgrad_precision, wg.permutation
+    )
+    if state is None:
+        return d_lhs, d_rhs, None
+    fwd_max, bwd_max = recipe.formats.forward.max, recipe.formats.backward.max
+    new_state = DotScaleState(
+        x=update_scale_state(state.x, amaxes[0], fwd_max, recipe),
+        kernel=update_scale_state(state.kernel, amaxes[1], fwd_max, recipe),
+        grad=update_scale_state(state.grad, g_amax, bwd_max, recipe),
+    )
+    return d_lhs, d_rhs, new_state
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def check_state(state, recipe, group=DotScaleState) -> None:
+    """Raises unless ``state`` is what ``recipe`` needs: None, or a matching ``group``."""
+    if not isinstance(recipe, DelayedScaling):
+        if state is not None:
+            raise ValueError(
+                "state must be None with CurrentScaling, which keeps no state; "
+                f"got a {type(state).__name__}. Pass recipe=DelayedScaling(...) to use it."
+            )
+        return
+    if state is None:
+        raise ValueError(
+            "DelayedScaling needs state: create it once with "
+            "fp8jax.init_state(recipe) and carry it through the train step."
+        )
+    if not isinstance(state, group):
+        raise TypeError(
+            f"state must be a {group.__name__} from fp8jax.init_state(recipe), "
+            f"got {type(state).__name__}."
+        )
+    expected = (recipe.amax_history_len,)
+    for role, scale_state in zip(state._fields, state, strict=True):
+        if jnp.shape(scale_state.amax_history) != expected:
+            raise ValueError(
+                f"state.{role}.amax_history has shape {jnp.shape(scale_state.amax_history)}, "
+                f"but the recipe's amax_history_len needs {expected}."
+            )
+
+
+def _out_dtype(preferred_element_type, default):
+    if preferred_element_type is None:
+        return jnp.dtype(default)
+    dtype = jnp.dtype(preferred_element_type)
+    if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
+        raise TypeError(
+            "preferred_element_type must be a high-precision float dtype "
+            f"(bfloat16, float16 or float32), got {dtype}."
+        )
+    return dtype
+
+
+def dot_general(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers,
+    *,
+    recipe=None,
+    state: DotScaleState | None = None,
+    preferred_element_type=None,
+) -> jax.Array:
+    """FP8 ``lax.dot_general``: E4M3 forward, E5M2 gradients, FP8 GEMMs both ways.
+
+    Args:
+      lhs: high-precision activations (float32, bfloat16 or float16).
+      rhs: high-precision kernel.
+      dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
+        rhs_batch))`` as in ``lax.dot_general``; negative axes are allowed.
+      recipe: :class:`~fp8jax.CurrentScaling` (default) or
+        :class:`~fp8jax.DelayedScaling`.
+      state: the :class:`~fp8jax.scaling.DotScaleState` from
+        ``fp8jax.init_state(recipe)``; required by DelayedScaling, None
+        otherwise. Its gradient is the updated state.
+      preferred_element_type: output dtype; defaults to ``lhs.dtype``.
+
+    Returns:
+      The product, laid out as ``lax.dot_general`` lays it out.
+
+    Raises:
+      TypeError: for integer or FP8 inputs, a bad recipe or state type.
+      ValueError: for dimension numbers that do not fit the shapes, or a
+        state that does not match the recipe.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fp8jax
+      >>> x = jax.random.normal(jax.random.key(0), (4, 32, 64))
+      >>> w = jax.random.normal(jax.random.key(1), (4, 64, 16))
+      >>> y = fp8jax.dot_general(x, w, (((2,), (1,)), ((0,), (0,))))
+      >>> y.shape, y.dtype
+      ((4, 32, 16), dtype('float32'))
+    """
+    check_high_precision("lhs", lhs)
+    check_high_precision("rhs", rhs)
+    dims = dimensions.normalize(dimension_numbers, lhs.shape, rhs.shape)
+    recipe = resolve_recipe(recipe)
+    check_state(state, recipe)
+    config = DotConfig(
+        dimension_numbers=dims,
+        recipe=recipe,
+        out_dtype=_out_dtype(preferred_element_type, lhs.dtype),
+        lhs_dtype=jnp.dtype(lhs.dtype),
+        rhs_dtype=jnp.dtype(rhs.dtype),
+    )
+    return _fp8_dot(lhs, rhs, state, config)
+
+
+def dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    contracting_dims=((-1,), (0,)),
+    *,
+    recipe=None,
+    state: DotScaleState | None = None,
+) -> jax.Array:
+    """FP8 dense layer: ``x . kernel + bias`` with FP8 GEMMs forward and backward.
+
+    Args:
+      x: activations, any rank, float32/bfloat16/float16.
+      kernel: weights; the contracted axes come first by default.
+      bias: optional, shaped like the kernel's non-contracted axes.
+      contracting_dims: ``(x_axes, kernel_axes)`` to contract.
+      recipe: CurrentScaling (default) or DelayedScaling.
+      state: DelayedScaling state from ``fp8jax.init_state(recipe)``.
+
+    Returns:
+      ``x``'s batch axes followed by the kernel's free axes, in ``x.dtype``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fp8jax
+      >>> x = jax.random.normal(jax.random.key(0), (2, 8, 64), jnp.bfloat16)
+      >>> w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32) * 0.1
+      >>> fp8jax.dense(x, w, jnp.zeros((32,))).dtype
+      dtype(bfloat16)
+    """
+    check_high_precision("x", x)
+    check_high_precision("kernel", kernel)
+    dims = dimensions.normalize((contracting_dims, ((), ())), x.shape, kernel.shape)
+    y = dot_general(x, kernel, dims, recipe=recipe, state=state, preferred_element_type=x.dtype)
+    if bias is None:
+        return y
+    check_high_precision("bias", bias)
+    kernel_free = tuple(y.shape[x.ndim - len(dims[0][0]) :])
+    if tuple(bias.shape) != kernel_free:
+        raise ValueError(
+            f"bias must have the kernel's output shape {kernel_free}, got {tuple(bias.shape)}."
+        )
+    return y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)

@@ -1,0 +1,113 @@
+"""Saturating FP8 quantization with native XLA ops.
+
+Everything here is plain ``jnp`` so that XLA fuses the amax reduction, the
+scaling, the clip and the cast into the producer's kernel. No custom calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.formats import Fp8Format, is_fp8
+from fp8jax.scaling import scale_from_amax
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["data", "scale_inv"], meta_fields=["format"]
+)
+@dataclasses.dataclass(frozen=True)
+class Fp8Array:
+    """An FP8 tensor and the factor that maps it back: ``value ~= data * scale_inv``.
+
+    Attributes:
+      data: the FP8 values (1 byte per element).
+      scale_inv: f32 scalar, the reciprocal of the scale used to quantize.
+      format: the :class:`~fp8jax.formats.Fp8Format` of ``data`` (static).
+    """
+
+    data: jax.Array
+    scale_inv: jax.Array
+    format: Fp8Format
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """Largest magnitude of ``x`` as an f32 scalar (NaN if ``x`` holds a NaN)."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def check_high_precision(name: str, x) -> None:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
+        raise TypeError(
+            f"{name} must be a float32, bfloat16 or float16 array, got "
+            f"{'a ' + type(x).__name__ if dtype is None else 'dtype ' + str(dtype)}. "
+            "fp8jax quantizes high-precision inputs itself; pass the unquantized tensor."
+        )
+
+
+def quantize_with_scale(x: jax.Array, fmt: Fp8Format, scale: jax.Array) -> Fp8Array:
+    """Saturating cast of ``x * scale`` to ``fmt`` (no validation; for op internals)."""
+    scale = scale.astype(jnp.float32)
+    scaled = x.astype(jnp.float32) * scale
+    # XLA's f32->f8 convert maps out-of-range values to NaN (e4m3fn) or Inf
+    # (e5m2); clipping first makes overflow saturate instead.
+    clipped = jnp.clip(scaled, -fmt.max, fmt.max)
+    return Fp8Array(clipped.astype(fmt.dtype), 1.0 / scale, fmt)
+
+
+def quantize(x: jax.Array, fmt: Fp8Format, scale: jax.Array | None = None, *, margin: float = 0):
+    """Quantizes ``x`` to FP8, saturating at the format's maximum.
+
+    Args:
+      x: a float32, bfloat16 or float16 array.
+      fmt: ``fp8jax.E4M3`` or ``fp8jax.E5M2``.
+      scale: f32 scalar to multiply by before the cast. None derives it from
+        ``x``'s own amax (current scaling): ``fmt.max / amax / 2**margin``,
+        or 1 if ``x`` is all zeros or holds a NaN/Inf.
+      margin: headroom in powers of two, used only when ``scale`` is None.
+
+    Returns:
+      ``(q, amax)``: an :class:`Fp8Array` with the FP8 data and its
+      ``scale_inv``, and ``x``'s amax as an f32 scalar.
+
+    Raises:
+      TypeError: if ``x`` is not a high-precision float array or ``fmt`` is not
+        an FP8 format.
+
+    Example:
+      >>> import jax.numpy as jnp, fp8jax
+      >>> q, amax = fp8jax.quantize(jnp.array([1.0, -2.0, 1000.0]), fp8jax.E4M3, jnp.float32(1.0))
+      >>> q.data.astype(jnp.float32).tolist(), float(amax)
+      ([1.0, -2.0, 448.0], 1000.0)
+    """
+    check_high_precision("x", x)
+    if not isinstance(fmt, Fp8Format):
+        raise TypeError(f"fmt must be fp8jax.E4M3 or fp8jax.E5M2, got {fmt!r}.")
+    x_amax = amax(x)
+    if scale is None:
+        scale = scale_from_amax(x_amax, fmt.max, margin, fallback=1.0)
+    elif jnp.shape(scale) != ():
+        raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}.")
+    return quantize_with_scale(x, fmt, jnp.asarray(scale)), x_amax
+
+
+def dequantize(q: Fp8Array, dtype=jnp.float32) -> jax.Array:
+    """Inverse of :func:`quantize`: ``q.data * q.scale_inv`` in ``dtype``.
+
+    Example:
+      >>> import jax.numpy as jnp, fp8jax
+      >>> q, _ = fp8jax.quantize(jnp.array([0.5, 3.0]), fp8jax.E4M3, jnp.float32(4.0))
+      >>> fp8jax.dequantize(q).tolist()
+      [0.5, 3.0]
+    """
+    if not isinstance(q, Fp8Array):
+        raise TypeError(f"q must be an fp8jax.Fp8Array from fp8jax.quantize, got {type(q)}.")
+    return (q.data.astype(jnp.float32) * q.scale_inv).astype(dtype)

@@ -1,0 +1,137 @@
+"""Scaling recipes: how each FP8 tensor's scale is chosen.
+
+A recipe is a frozen, hashable dataclass, passed explicitly to every op (there
+is no global recipe). Two are available:
+
+* :class:`CurrentScaling` derives the scale from the tensor being quantized.
+  It needs no state, so it is a drop-in that leaves train steps unchanged.
+* :class:`DelayedScaling` derives the scale from a history of past amaxes
+  (TransformerEngine's rule). It needs per-tensor state; see
+  :mod:`fp8jax.scaling`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from jax import lax
+
+from fp8jax.formats import HYBRID, FormatPair
+
+_AMAX_ALGOS = ("max", "most_recent")
+
+
+def _check_margin(cls_name: str, margin) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or margin < 0:
+        raise ValueError(f"{cls_name}.margin must be a real number >= 0, got {margin!r}.")
+
+
+def _check_common(cls_name: str, recipe) -> None:
+    _check_margin(cls_name, recipe.margin)
+    if not isinstance(recipe.formats, FormatPair):
+        raise TypeError(
+            f"{cls_name}.formats must be a FormatPair such as fp8jax.HYBRID, "
+            f"got {recipe.formats!r}."
+        )
+    for field in ("forward_precision", "dgrad_precision", "wgrad_precision"):
+        value = getattr(recipe, field)
+        if not isinstance(value, lax.Precision):
+            raise TypeError(
+                f"{cls_name}.{field} must be a jax.lax.Precision, got {value!r}. "
+                "DEFAULT enables cuBLASLt fast accumulation; HIGHEST splits it."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CurrentScaling:
+    """Scale each tensor by its own amax, computed just before quantizing.
+
+    ``scale = fp8_max / amax / 2**margin``; an all-zero or non-finite tensor
+    gets scale 1 so that one bad batch cannot poison the result's scale.
+
+    Attributes:
+      margin: extra headroom, in powers of two.
+      formats: forward and gradient formats (default E4M3 / E5M2).
+      forward_precision: accumulation of the forward GEMM. DEFAULT lets
+        cuBLASLt use fast (FP8-rate) accumulation.
+      dgrad_precision: accumulation of the input-gradient GEMM. HIGHEST asks
+        for split accumulation, as TransformerEngine does for gradients.
+      wgrad_precision: accumulation of the weight-gradient GEMM.
+
+    Example:
+      >>> import fp8jax
+      >>> fp8jax.CurrentScaling(margin=1).margin
+      1
+    """
+
+    margin: float = 0
+    formats: FormatPair = HYBRID
+    forward_precision: lax.Precision = lax.Precision.DEFAULT
+    dgrad_precision: lax.Precision = lax.Precision.HIGHEST
+    wgrad_precision: lax.Precision = lax.Precision.HIGHEST
+
+    def __post_init__(self):
+        _check_common("CurrentScaling", self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DelayedScaling:
+    """Scale each tensor from the amaxes it had in previous steps.
+
+    Each step quantizes with the scale stored in the state, records the
+    tensor's amax in slot 0 of a rolling history, and computes the next scale
+    as ``fp8_max / amax / 2**margin`` where ``amax`` is the history's maximum
+    (``"max"``) or its newest entry (``"most_recent"``). If that amax is 0 the
+    previous scale is kept; a non-finite amax is recorded as 0 (no
+    information), so a single NaN step cannot freeze the scale for a whole
+    history length.
+
+    Attributes:
+      margin: extra headroom, in powers of two.
+      amax_history_len: number of steps remembered.
+      amax_compute_algo: ``"max"`` or ``"most_recent"``.
+      formats: forward and gradient formats (default E4M3 / E5M2).
+      forward_precision: accumulation of the forward GEMM.
+      dgrad_precision: accumulation of the input-gradient GEMM.
+      wgrad_precision: accumulation of the weight-gradient GEMM.
+
+    Example:
+      >>> import fp8jax
+      >>> fp8jax.DelayedScaling(amax_history_len=16).amax_compute_algo
+      'max'
+    """
+
+    margin: float = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    formats: FormatPair = HYBRID
+    forward_precision: lax.Precision = lax.Precision.DEFAULT
+    dgrad_precision: lax.Precision = lax.Precision.HIGHEST
+    wgrad_precision: lax.Precision = lax.Precision.HIGHEST
+
+    def __post_init__(self):
+        _check_common("DelayedScaling", self)
+        n = self.amax_history_len
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"DelayedScaling.amax_history_len must be an int >= 1, got {n!r}.")
+        if self.amax_compute_algo not in _AMAX_ALGOS:
+            raise ValueError(
+                f"DelayedScaling.amax_compute_algo must be one of {_AMAX_ALGOS}, "
+                f"got {self.amax_compute_algo!r}."
+            )
+
+
+Recipe = CurrentScaling | DelayedScaling
+
+
+def resolve_recipe(recipe) -> Recipe:
+    """Returns ``recipe``, or the default CurrentScaling for None; rejects others."""
+    if recipe is None:
+        return CurrentScaling()
+    if not isinstance(recipe, CurrentScaling | DelayedScaling):
+        raise TypeError(
+            "recipe must be fp8jax.CurrentScaling(...), fp8jax.DelayedScaling(...) or None, "
+            f"got {recipe!r}."
+        )
+    return recipe

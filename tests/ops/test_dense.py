@@ -1,0 +1,250 @@
+"""fp8jax.dot_general / dense: numerics against f32, jaxpr structure, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.verify.jaxpr_dots import jaxpr_dots
+from numerics import assert_within, current_scale, gemm_error_bound
+
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+
+
+def _inputs(x_shape, dtype, seed=0):
+    kx, kw, kr = jax.random.split(jax.random.key(seed), 3)
+    # Spread magnitudes over a few binades so the subnormal and saturation
+    # paths of the bound both matter.
+    x = jax.random.normal(kx, x_shape, jnp.float32) * jnp.exp2(
+        jax.random.randint(kx, x_shape, -3, 3).astype(jnp.float32)
+    )
+    w = jax.random.normal(kw, (x_shape[-1], 48), jnp.float32) * 0.05
+    r = jax.random.normal(kr, (*x_shape[:-1], 48), jnp.float32)
+    return x.astype(dtype), w.astype(dtype), r.astype(dtype)
+
+
+def _letters(ndim):
+    return "abcdefg"[: ndim - 1]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("x_shape", [(32, 64), (4, 16, 64)])
+def test_dense_forward_and_gradients_within_fp8_bound(dtype, x_shape):
+    x, w, r = _inputs(x_shape, dtype)
+
+    def loss(x, w):
+        return jnp.sum((fp8jax.dense(x, w) * r).astype(jnp.float32))
+
+    y = fp8jax.dense(x, w)
+    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+
+    xs, ws, gs = (np.asarray(v, np.float64) for v in (x, w, r))
+    b = _letters(len(x_shape))
+    sx, sw, sg = current_scale(xs, "e4m3"), current_scale(ws, "e4m3"), current_scale(gs, "e5m2")
+    fwd, dgrad, wgrad = f"{b}k,kn->{b}n", f"{b}n,kn->{b}k", f"{b}k,{b}n->kn"
+    assert_within(
+        y,
+        np.einsum(fwd, xs, ws),
+        gemm_error_bound(xs, ws, "e4m3", "e4m3", sx, sw, fwd, dtype),
+        "forward",
+    )
+    assert_within(
+        dx,
+        np.einsum(dgrad, gs, ws),
+        gemm_error_bound(gs, ws, "e5m2", "e4m3", sg, sw, dgrad, dtype),
+        "dgrad",
+    )
+    assert_within(
+        dw,
+        np.einsum(wgrad, xs, gs),
+        gemm_error_bound(xs, gs, "e4m3", "e5m2", sx, sg, wgrad, dtype),
+        "wgrad",
+    )
+
+
+def test_dense_is_not_merely_bounded_but_close():
+    # The elementwise bound above is worst-case; the typical relative error of
+    # an E4M3 dot over K=64 terms is near u / sqrt(3) ~ 4%: demand under 8%.
+    x, w, _ = _inputs((256, 64), jnp.float32)
+    y = np.asarray(fp8jax.dense(x, w), np.float64)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.08
+
+
+def test_delayed_scaling_uses_state_scales_within_bound():
+    recipe = fp8jax.DelayedScaling(amax_history_len=4)
+    state = fp8jax.init_state(recipe)
+    x, w, r = _inputs((64, 64), jnp.float32, seed=3)
+
+    def loss(x, w, state):
+        return jnp.sum(fp8jax.dense(x, w, recipe=recipe, state=state) * r)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(x, w, state)
+    state = fp8jax.take_new_state(state, grads[2])
+    # Second step: quantizes with the scales learned from step one.
+    y = fp8jax.dense(x, w, recipe=recipe, state=state)
+    xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    assert float(state.x.scale) == pytest.approx(448.0 / np.abs(xs).max(), rel=1e-6)
+    spec = "bk,kn->bn"
+    bound = gemm_error_bound(
+        xs, ws, "e4m3", "e4m3", float(state.x.scale), float(state.kernel.scale), spec, jnp.float32
+    )
+    assert_within(y, np.einsum(spec, xs, ws), bound, "delayed forward")
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.CurrentScaling(), fp8jax.DelayedScaling(amax_history_len=8)], ids=repr
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_jaxpr_has_exactly_three_fp8_dots_per_dense(recipe, dtype):
+    x, w, _ = _inputs((4, 16, 64), dtype)
+    state = fp8jax.init_state(recipe)
+
+    def loss(x, w, state):
+        return jnp.sum(fp8jax.dense(x, w, recipe=recipe, state=state).astype(jnp.float32))
+
+    dots = jaxpr_dots(jax.grad(loss, argnums=(0, 1, 2)), x, w, state)
+    assert [d.operand_formats for d in dots] == [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+    assert [d.out_dtype for d in dots] == [jnp.dtype(dtype).name] * 3
+
+
+def test_precision_follows_recipe():
+    recipe = fp8jax.CurrentScaling(dgrad_precision=jax.lax.Precision.DEFAULT)
+    x, w, _ = _inputs((8, 64), jnp.float32)
+    dots = jaxpr_dots(
+        jax.grad(lambda x, w: fp8jax.dense(x, w, recipe=recipe).sum(), argnums=(0, 1)), x, w
+    )
+    assert [d.precision.count("HIGHEST") for d in dots] == [0, 0, 2]
+
+
+def test_bias_and_its_gradient():
+    x, w, _ = _inputs((8, 64), jnp.float32)
+    bias = jnp.arange(48, dtype=jnp.float32)
+    no_bias = fp8jax.dense(x, w)
+    np.testing.assert_array_equal(fp8jax.dense(x, w, bias), no_bias + bias[None, :])
+    db = jax.grad(lambda b: fp8jax.dense(x, w, b).sum())(bias)
+    np.testing.assert_array_equal(db, jnp.full((48,), 8.0))
+
+
+def test_mixed_dtypes_give_cotangents_in_primal_dtypes():
+    x, w, _ = _inputs((8, 64), jnp.bfloat16)
+    w32 = w.astype(jnp.float32)
+    dx, dw = jax.grad(lambda x, w: fp8jax.dense(x, w).astype(jnp.float32).sum(), argnums=(0, 1))(
+        x, w32
+    )
+    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.float32)
+
+
+def test_batched_dot_general_matches_reference():
+    kx, kw = jax.random.split(jax.random.key(7))
+    x = jax.random.normal(kx, (3, 16, 32))
+    w = jax.random.normal(kw, (32, 3, 8))
+    dims = (((2,), (0,)), ((0,), (1,)))
+    y = fp8jax.dot_general(x, w, dims)
+    ref = jnp.einsum("bsk,kbn->bsn", x, w)
+    assert y.shape == ref.shape
+    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.08
+    dx, dw = jax.grad(lambda x, w: fp8jax.dot_general(x, w, dims).sum(), argnums=(0, 1))(x, w)
+    assert dx.shape == x.shape and dw.shape == w.shape
+
+
+def test_overflowing_input_saturates_instead_of_nan():
+    recipe = fp8jax.DelayedScaling(amax_history_len=2)
+    state = fp8jax.init_state(recipe)  # scale 1: 1e4 is far past E4M3's 448
+    x = jnp.full((4, 16), 1e4, jnp.float32)
+    w = jnp.full((16, 4), 1.0, jnp.float32)
+    y = fp8jax.dense(x, w, recipe=recipe, state=state)
+    np.testing.assert_array_equal(y, jnp.full((4, 4), 448.0 * 16))
+
+
+def test_inf_in_input_does_not_poison_current_scale():
+    x = jnp.ones((4, 16), jnp.float32).at[0, 0].set(jnp.inf)
+    w = jnp.ones((16, 4), jnp.float32)
+    y = fp8jax.dense(x, w)
+    # The Inf saturates to 448 under the fallback scale 1. w's scale_inv,
+    # 1/448, is inexact in f32: allow its rounding (2**-24) and no more.
+    np.testing.assert_allclose(y[1:], jnp.full((3, 4), 16.0), rtol=2.0**-22)
+    np.testing.assert_allclose(y[0], jnp.full((4,), 448.0 + 15.0), rtol=2.0**-22)
+
+
+_X, _W = jnp.ones((4, 16)), jnp.ones((16, 8))
+_DELAYED = fp8jax.DelayedScaling(amax_history_len=4)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda: fp8jax.dense(_X.astype(jnp.int32), _W),
+            TypeError,
+            "x must be a float32, bfloat16 or float16 array, got dtype int32",
+        ),
+        (
+            lambda: fp8jax.dense(_X, _W.astype(jnp.float8_e4m3fn)),
+            TypeError,
+            "kernel must be .* got dtype float8_e4m3fn. fp8jax quantizes high-precision inputs",
+        ),
+        (
+            lambda: fp8jax.dot_general(_X, _W.astype(jnp.uint8), (((1,), (0,)), ((), ()))),
+            TypeError,
+            "rhs must be",
+        ),
+        (
+            lambda: fp8jax.dense(_X, jnp.ones((15, 8))),
+            ValueError,
+            "contracting dims must match in size: lhs axis 1 has 16 but rhs axis 0 has 15",
+        ),
+        (
+            lambda: fp8jax.dense(_X, _W, contracting_dims=((2,), (0,))),
+            ValueError,
+            "lhs contracting dims has axis 2, out of range for an operand of rank 2",
+        ),
+        (
+            lambda: fp8jax.dense(_X, _W, jnp.ones((4,))),
+            ValueError,
+            r"bias must have the kernel's output shape \(8,\), got \(4,\)",
+        ),
+        (
+            lambda: fp8jax.dense(_X, _W, recipe="delayed"),
+            TypeError,
+            "recipe must be fp8jax.CurrentScaling",
+        ),
+        (
+            lambda: fp8jax.dense(_X, _W, recipe=_DELAYED),
+            ValueError,
+            r"DelayedScaling needs state: create it once with fp8jax.init_state\(recipe\)",
+        ),
+        (
+            lambda: fp8jax.dense(_X, _W, state=fp8jax.init_state(_DELAYED)),
+            ValueError,
+            "state must be None with CurrentScaling",
+        ),
+        (
+            lambda: fp8jax.dense(_X, _W, recipe=_DELAYED, state={"x": 1}),
+            TypeError,
+            "state must be a DotScaleState",
+        ),
+        (
+            lambda: fp8jax.dense(
+                _X,
+                _W,
+                recipe=_DELAYED,
+                state=fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=8)),
+            ),
+            ValueError,
+            r"state.x.amax_history has shape \(8,\), but .* needs \(4,\)",
+        ),
+        (
+            lambda: fp8jax.dot_general(
+                _X, _W, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float8_e5m2
+            ),
+            TypeError,
+            "preferred_element_type must be a high-precision float dtype",
+        ),
+    ],
+)
+def test_bad_input_is_explained(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
