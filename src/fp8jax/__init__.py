@@ -6,10 +6,13 @@ The public API is what this module re-exports.
 from fp8jax.formats import ALL_E4M3, E4M3, E5M2, HYBRID, FormatPair, Fp8Format
 from fp8jax.ops.dense import dense, dot_general
 from fp8jax.ops.einsum import einsum
+from fp8jax.ops.fused import layernorm_dense, layernorm_mlp
+from fp8jax.ops.norm import layernorm
 from fp8jax.quantize import Fp8Array, dequantize, quantize
 from fp8jax.recipes import CurrentScaling, DelayedScaling
 from fp8jax.scaling import (
     DotScaleState,
+    MlpScaleState,
     ScaleState,
     combine_states,
     init_state,
@@ -29,6 +32,7 @@ __all__ = [
     "FormatPair",
     "Fp8Array",
     "Fp8Format",
+    "MlpScaleState",
     "ScaleState",
     "combine_states",
     "dense",
@@ -36,6 +40,9 @@ __all__ = [
     "dot_general",
     "einsum",
     "init_state",
+    "layernorm",
+    "layernorm_dense",
+    "layernorm_mlp",
     "quantize",
     "take_new_state",
 ]

@@ -42,9 +42,17 @@ class DotScaleState(NamedTuple):
     grad: ScaleState
 
 
+class MlpScaleState(NamedTuple):
+    """Scale states of ``layernorm_mlp``: one :class:`DotScaleState` per GEMM."""
+
+    fc1: DotScaleState
+    fc2: DotScaleState
+
+
 # Which half of recipe.formats each role of a state group is quantized to.
-# (NamedTuple turns annotated class attributes into fields, so it is set here.)
+# (NamedTuple turns annotated class attributes into fields, so these are set here.)
 DotScaleState.ROLE_FORMATS = {"x": "forward", "kernel": "forward", "grad": "backward"}
+MlpScaleState.SUBGROUPS = (DotScaleState, DotScaleState)
 
 
 def init_scale_state(recipe: DelayedScaling) -> ScaleState:
@@ -61,8 +69,9 @@ def init_state(recipe, group=DotScaleState):
     Args:
       recipe: a :class:`DelayedScaling` or :class:`CurrentScaling` (or None,
         meaning CurrentScaling).
-      group: the op's state NamedTuple; :class:`DotScaleState` for
-        ``dot_general``, ``dense`` and ``einsum``.
+      group: the op's state NamedTuple: :class:`DotScaleState` for
+        ``dot_general``, ``dense``, ``einsum`` and ``layernorm_dense``;
+        :class:`MlpScaleState` for ``layernorm_mlp``.
 
     Returns:
       A ``group`` of fresh :class:`ScaleState` for DelayedScaling, or None for
@@ -79,6 +88,12 @@ def init_state(recipe, group=DotScaleState):
     recipe = resolve_recipe(recipe)
     if isinstance(recipe, CurrentScaling):
         return None
+    if hasattr(group, "SUBGROUPS"):
+        return group(*(init_state(recipe, sub) for sub in group.SUBGROUPS))
+    if not hasattr(group, "ROLE_FORMATS"):
+        raise TypeError(
+            f"group must be a state NamedTuple such as fp8jax.DotScaleState, got {group!r}."
+        )
     return group(*(init_scale_state(recipe) for _ in group._fields))
 
 

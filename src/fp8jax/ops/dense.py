@@ -117,14 +117,19 @@ def check_state(state, recipe, group=DotScaleState) -> None:
         )
     if not isinstance(state, group):
         raise TypeError(
-            f"state must be a {group.__name__} from fp8jax.init_state(recipe), "
+            f"state must be a {group.__name__} from "
+            f"fp8jax.init_state(recipe{'' if group is DotScaleState else ', ' + group.__name__}), "
             f"got {type(state).__name__}."
         )
     expected = (recipe.amax_history_len,)
-    for role, scale_state in zip(state._fields, state, strict=True):
-        if jnp.shape(scale_state.amax_history) != expected:
+    scale_states, _ = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda node: isinstance(node, ScaleState)
+    )
+    for path, scale_state in scale_states:
+        shape = jnp.shape(scale_state.amax_history)
+        if shape != expected:
             raise ValueError(
-                f"state.{role}.amax_history has shape {jnp.shape(scale_state.amax_history)}, "
+                f"state{jax.tree_util.keystr(path)}.amax_history has shape {shape}, "
                 f"but the recipe's amax_history_len needs {expected}."
             )
 

@@ -1,0 +1,138 @@
+"""LayerNorm and RMSNorm, computed in f32, with their backward from saved row statistics.
+
+The forward returns the per-row statistics (mean and reciprocal standard
+deviation) so fused ops can save them for the backward instead of a
+normalized copy of the activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.quantize import check_high_precision
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Static settings of a normalization."""
+
+    norm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    epsilon: float = 1e-6
+
+
+def check_norm_args(x, gamma, beta, config: NormConfig) -> None:
+    """Raises a named TypeError/ValueError for anything the norm cannot take."""
+    check_high_precision("x", x)
+    if config.norm_type not in NORM_TYPES:
+        raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {config.norm_type!r}.")
+    eps = config.epsilon
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise ValueError(f"epsilon must be a number > 0, got {eps!r}.")
+    if x.ndim < 1:
+        raise ValueError("x must have at least one axis (the hidden axis), got a scalar.")
+    hidden = x.shape[-1]
+    check_high_precision("gamma", gamma)
+    if tuple(gamma.shape) != (hidden,):
+        raise ValueError(
+            f"gamma must have shape ({hidden},) to match x's hidden size, got {tuple(gamma.shape)}."
+        )
+    if beta is not None:
+        if config.norm_type == "rmsnorm":
+            raise ValueError("rmsnorm has no beta (it does not re-centre); pass beta=None.")
+        check_high_precision("beta", beta)
+        if tuple(beta.shape) != (hidden,):
+            raise ValueError(
+                f"beta must have shape ({hidden},) to match x's hidden size, "
+                f"got {tuple(beta.shape)}."
+            )
+
+
+def _per_feature(v, ndim: int) -> jax.Array:
+    """``(hidden,)`` as f32 ``(1, ..., 1, hidden)``: explicit, not rank promotion."""
+    return v.astype(jnp.float32).reshape((1,) * (ndim - 1) + v.shape)
+
+
+def _effective_gamma(gamma, config: NormConfig, ndim: int) -> jax.Array:
+    gamma = _per_feature(gamma, ndim)
+    # Zero-centred gamma stores gamma - 1, so weight decay pulls it towards 1.
+    return gamma + jnp.float32(1) if config.zero_centered_gamma else gamma
+
+
+def normalize(x, gamma, beta, config: NormConfig):
+    """Returns ``(y, mean, rstd)``: the f32 normalized output and per-row statistics.
+
+    ``mean`` is None for rmsnorm. ``y = (x - mean) * rstd * gamma + beta``.
+    """
+    x32 = x.astype(jnp.float32)
+    if config.norm_type == "layernorm":
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        centred = x32 - mean
+    else:
+        mean, centred = None, x32
+    rstd = jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + config.epsilon)
+    y = centred * rstd * _effective_gamma(gamma, config, x.ndim)
+    if beta is not None:
+        y = y + _per_feature(beta, x.ndim)
+    return y, mean, rstd
+
+
+def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig):
+    """Gradients ``(dx, dgamma, dbeta)`` of :func:`normalize` from its saved statistics."""
+    dy = dy.astype(jnp.float32)
+    x32 = x.astype(jnp.float32)
+    xhat = (x32 - mean) * rstd if mean is not None else x32 * rstd
+    rows = tuple(range(x.ndim - 1))
+    dgamma = jnp.sum(dy * xhat, axis=rows).astype(gamma.dtype)
+    dbeta = None if beta is None else jnp.sum(dy, axis=rows).astype(beta.dtype)
+    dxhat = dy * _effective_gamma(gamma, config, x.ndim)
+    projection = xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    if mean is not None:
+        dx = rstd * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True) - projection)
+    else:
+        dx = rstd * (dxhat - projection)
+    return dx.astype(x.dtype), dgamma, dbeta
+
+
+def layernorm(
+    x: jax.Array,
+    gamma: jax.Array,
+    beta: jax.Array | None = None,
+    *,
+    norm_type: str = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+) -> jax.Array:
+    """LayerNorm or RMSNorm over the last axis, computed in f32, returned in ``x.dtype``.
+
+    Args:
+      x: activations, ``(..., hidden)``.
+      gamma: scale, ``(hidden,)``.
+      beta: shift, ``(hidden,)``, or None. RMSNorm takes no beta.
+      norm_type: ``"layernorm"`` or ``"rmsnorm"``.
+      zero_centered_gamma: if True the effective scale is ``1 + gamma``.
+      epsilon: added to the variance; must be > 0.
+
+    Returns:
+      The normalized ``x``.
+
+    Raises:
+      ValueError: for an unknown norm_type, epsilon <= 0, or parameter shapes
+        that do not match x's hidden size.
+
+    Example:
+      >>> import jax.numpy as jnp, fp8jax
+      >>> x = jnp.array([[1.0, 2.0, 3.0, 4.0]])
+      >>> y = fp8jax.layernorm(x, jnp.ones(4), jnp.zeros(4))
+      >>> [round(v, 3) for v in y[0].tolist()]
+      [-1.342, -0.447, 0.447, 1.342]
+    """
+    config = NormConfig(norm_type, zero_centered_gamma, epsilon)
+    check_norm_args(x, gamma, beta, config)
+    return normalize(x, gamma, beta, config)[0].astype(x.dtype)

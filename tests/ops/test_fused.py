@@ -1,0 +1,400 @@
+"""layernorm_dense and layernorm_mlp: f32 references with derived budgets, jaxpr, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.verify.jaxpr_dots import jaxpr_dots
+from numerics import (
+    OUTPUT_UNIT_ROUNDOFF,
+    assert_within,
+    current_scale,
+    fake_quant_einsum,
+    gemm_error_bound,
+    relative_error,
+)
+
+NORMS = [("layernorm", False), ("rmsnorm", False), ("layernorm", True), ("rmsnorm", True)]
+EPS = 1e-6
+
+
+def ref_norm(x, gamma, beta, norm_type, zero_centered):
+    """Textbook norm in plain jnp f32, differentiated by JAX itself."""
+    x = x.astype(jnp.float32)
+    g = gamma.astype(jnp.float32) + (1.0 if zero_centered else 0.0)
+    if norm_type == "layernorm":
+        x = x - jnp.mean(x, -1, keepdims=True)
+    y = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * g[None, :]
+    return y + beta.astype(jnp.float32)[None, :] if beta is not None else y
+
+
+def _params(norm_type, hidden, dtype, seed=0):
+    kg, kb, kx = jax.random.split(jax.random.key(seed), 3)
+    gamma = (1.0 + 0.3 * jax.random.normal(kg, (hidden,))).astype(dtype)
+    beta = (
+        (0.2 * jax.random.normal(kb, (hidden,))).astype(dtype) if norm_type == "layernorm" else None
+    )
+    x = (2.0 * jax.random.normal(kx, (48, hidden)) + 0.5).astype(dtype)
+    return x, gamma, beta
+
+
+def _ln_backward_error(bound_dn, x, gamma, norm_type, zero_centered):
+    """Bound on |dx error| when dn is off by at most ``bound_dn`` elementwise.
+
+    The norm's backward is linear in dn:
+    dx = rstd * (g*dn - mean(g*dn) - xhat * mean(g*dn*xhat)) (no mean term for
+    rmsnorm), so |error| <= rstd * (|g|B + mean(|g|B) + |xhat| mean(|g|B|xhat|)).
+    """
+    x = np.asarray(x, np.float64)
+    g = np.abs(np.asarray(gamma, np.float64) + (1.0 if zero_centered else 0.0))
+    centred = x - x.mean(-1, keepdims=True) if norm_type == "layernorm" else x
+    rstd = 1 / np.sqrt((centred**2).mean(-1, keepdims=True) + EPS)
+    xhat = np.abs(centred * rstd)
+    gb = g * bound_dn
+    terms = gb + xhat * (gb * xhat).mean(-1, keepdims=True)
+    if norm_type == "layernorm":
+        terms = terms + gb.mean(-1, keepdims=True)
+    return rstd * terms
+
+
+@pytest.mark.parametrize(("norm_type", "zero_centered"), NORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layernorm_dense_matches_f32_within_fp8_bound(norm_type, zero_centered, dtype):
+    hidden, feat = 64, 40
+    x, gamma, beta = _params(norm_type, hidden, dtype)
+    kernel = (0.1 * jax.random.normal(jax.random.key(9), (hidden, feat))).astype(dtype)
+    g = jax.random.normal(jax.random.key(10), (48, feat)).astype(dtype)
+    kw = dict(norm_type=norm_type, zero_centered_gamma=zero_centered, epsilon=EPS)
+
+    def loss(x, gamma, beta, kernel):
+        y = fp8jax.layernorm_dense(x, gamma, beta, kernel, **kw)
+        return jnp.sum((y * g).astype(jnp.float32))
+
+    y = fp8jax.layernorm_dense(x, gamma, beta, kernel, **kw)
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3) if beta is not None else (0, 1, 3))(
+        x, gamma, beta, kernel
+    )
+    dx, dgamma, dkernel = grads[0], grads[1], grads[-1]
+
+    # References: exact normalized input n (f32 jnp, autodiff for the norm),
+    # exact GEMMs in f64.
+    n, norm_vjp = jax.vjp(lambda x, gm: ref_norm(x, gm, beta, norm_type, zero_centered), x, gamma)
+    ns, ks, gs = (np.asarray(v, np.float64) for v in (n, kernel, g))
+    dn_exact = gs @ ks.T
+    ref_dx, ref_dgamma = norm_vjp(jnp.asarray(dn_exact, jnp.float32))
+    u_out = OUTPUT_UNIT_ROUNDOFF[jnp.dtype(dtype)]
+    # The f32 norm arithmetic (a handful of roundings, 2**-24 each) is allowed
+    # 2**-18 of the magnitudes it feeds.
+    f32_slack = 2.0**-18
+
+    sn, sk, sg = current_scale(ns, "e4m3"), current_scale(ks, "e4m3"), current_scale(gs, "e5m2")
+    y_bound = gemm_error_bound(ns, ks, "e4m3", "e4m3", sn, sk, "th,hf->tf", dtype)
+    y_bound += f32_slack * np.abs(ns) @ np.abs(ks)
+    assert_within(y, ns @ ks, y_bound, "forward")
+
+    dn_bound = gemm_error_bound(gs, ks, "e5m2", "e4m3", sg, sk, "tf,hf->th", dtype)
+    dx_bound = _ln_backward_error(dn_bound, x, gamma, norm_type, zero_centered)
+    dx_bound += u_out * np.abs(np.asarray(ref_dx, np.float64)) * 2 + f32_slack * (
+        _ln_backward_error(np.abs(dn_exact), x, gamma, norm_type, zero_centered)
+    )
+    assert_within(dx, ref_dx, dx_bound, "dx")
+
+    xhat = np.abs(np.asarray(ref_norm(x, jnp.ones_like(gamma), None, norm_type, False)))
+    dgamma_bound = (
+        (dn_bound * xhat).sum(0) * (1 + f32_slack)
+        + u_out * np.abs(np.asarray(ref_dgamma, np.float64))
+        + f32_slack * (np.abs(dn_exact) * xhat).sum(0)
+    )
+    assert_within(dgamma, ref_dgamma, dgamma_bound, "dgamma")
+
+    dk_bound = gemm_error_bound(ns, gs, "e4m3", "e5m2", sn, sg, "th,tf->hf", dtype)
+    dk_bound += f32_slack * np.abs(ns).T @ np.abs(gs)
+    assert_within(dkernel, ns.T @ gs, dk_bound, "dkernel")
+
+
+def test_layernorm_dense_returns_normalized_and_its_gradient_flows():
+    x, gamma, beta = _params("layernorm", 32, jnp.float32)
+    kernel = 0.1 * jax.random.normal(jax.random.key(3), (32, 3, 8))
+    y, normalized = fp8jax.layernorm_dense(x, gamma, beta, kernel, return_normalized=True)
+    assert y.shape == (48, 3, 8)
+    np.testing.assert_allclose(
+        normalized, ref_norm(x, gamma, beta, "layernorm", False), rtol=1e-5, atol=1e-5
+    )
+
+    # Only the normalized output is used: the gradient is the plain norm's.
+    def through_normalized(x):
+        return jnp.sum(fp8jax.layernorm_dense(x, gamma, beta, kernel, return_normalized=True)[1])
+
+    want = jax.grad(lambda x: jnp.sum(ref_norm(x, gamma, beta, "layernorm", False)))(x)
+    np.testing.assert_allclose(jax.grad(through_normalized)(x), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.deviceless
+def test_layernorm_dense_forward_writes_no_high_precision_normalized_copy():
+    # In the H100 program, every top-level instruction's result goes to HBM.
+    # Besides x itself, none may be a bf16/f32 tensor of x's shape: the
+    # normalized activations must leave the norm's fusion only as f8.
+    from fp8jax.verify import compile_for
+
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    gamma = beta = jax.ShapeDtypeStruct((512,), jnp.bfloat16)
+    kernel = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+    hlo = compile_for(
+        lambda x, g, b, k: fp8jax.layernorm_dense(x, g, b, k),
+        x,
+        gamma,
+        beta,
+        kernel,
+        target="h100",
+    )
+    entry = hlo[hlo.index("\nENTRY") :]
+    results = [line.split(" = ", 1)[1] for line in entry.splitlines() if " = " in line]
+    high_precision_copies = [
+        r[:100]
+        for r in results
+        if r.startswith(("bf16[256,512]", "f32[256,512]")) and "parameter(" not in r
+    ]
+    assert high_precision_copies == []
+    assert any(r.startswith("f8e4m3fn[256,512]") for r in results)
+
+
+ACTIVATIONS = [
+    ("gelu", "linear"),
+    ("silu", "linear"),
+    ("relu", "linear"),
+    ("gelu_tanh", "linear"),
+    ("gelu",),
+    ("relu",),
+    ("silu",),
+    ("linear",),
+]
+# Largest |derivative| of each activation (gelu: 1.129 at x ~ 2.4; silu:
+# 1.0998 at x ~ 2.4); they carry the first GEMM's error into the second.
+LIPSCHITZ = {"gelu": 1.13, "gelu_tanh": 1.13, "silu": 1.1, "relu": 1.0, "linear": 1.0}
+NP_ACT = {
+    "gelu": lambda v: jax.nn.gelu(v, approximate=False),
+    "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "linear": lambda v: v,
+}
+
+
+def _mlp_inputs(n_act, hidden=32, ffn=64, dtype=jnp.float32):
+    x, gamma, beta = _params("layernorm", hidden, dtype, seed=4)
+    k1 = (jax.random.normal(jax.random.key(5), (hidden, n_act, ffn)) / hidden**0.5).astype(dtype)
+    k2 = (jax.random.normal(jax.random.key(6), (ffn, hidden)) / ffn**0.5).astype(dtype)
+    return x, gamma, beta, k1, k2
+
+
+def _ref_mlp(x, gamma, beta, k1, k2, activations, einsum=jnp.einsum):
+    n = ref_norm(x, gamma, beta, "layernorm", False)
+    pre = einsum("th,haf->taf", n, k1.astype(jnp.float32))
+    h = NP_ACT[activations[0]](pre[:, 0])
+    for i, name in enumerate(activations[1:], start=1):
+        h = h * NP_ACT[name](pre[:, i])
+    return einsum("tf,fo->to", h, k2.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS, ids="-".join)
+def test_layernorm_mlp_forward_within_propagated_fp8_bound(activations):
+    x, gamma, beta, k1, k2 = _mlp_inputs(len(activations))
+    y = fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=activations)
+    n = np.asarray(ref_norm(x, gamma, beta, "layernorm", False), np.float64)
+    k1s, k2s = np.asarray(k1, np.float64), np.asarray(k2, np.float64)
+    pre = np.einsum("th,haf->taf", n, k1s)
+    pre_bound = gemm_error_bound(
+        n,
+        k1s,
+        "e4m3",
+        "e4m3",
+        current_scale(n, "e4m3"),
+        current_scale(k1s, "e4m3"),
+        "th,haf->taf",
+        jnp.float32,
+    ) + 2.0**-18 * np.einsum("th,haf->taf", np.abs(n), np.abs(k1s))
+    acts = [
+        np.asarray(NP_ACT[a](jnp.asarray(pre[:, i], jnp.float32)), np.float64)
+        for i, a in enumerate(activations)
+    ]
+    errs = [LIPSCHITZ[a] * pre_bound[:, i] for i, a in enumerate(activations)]
+    h, h_bound = acts[0], errs[0]
+    if len(activations) == 2:
+        # |ab - a'b'| <= |a||db| + |b||da| + |da||db|
+        h, h_bound = (
+            h * acts[1],
+            (np.abs(acts[0]) * errs[1] + np.abs(acts[1]) * errs[0] + errs[0] * errs[1]),
+        )
+    h_bound = h_bound + 2.0**-20 * np.abs(h)  # f32 activation arithmetic
+    h_scale = 448.0 / (np.abs(h).max() + h_bound.max())
+    y_bound = gemm_error_bound(
+        h,
+        k2s,
+        "e4m3",
+        "e4m3",
+        h_scale,
+        current_scale(k2s, "e4m3"),
+        "tf,fo->to",
+        jnp.float32,
+        a_error=h_bound,
+    )
+    assert_within(y, h @ k2s, y_bound, "mlp forward")
+
+
+@pytest.mark.parametrize(
+    "activations", [("gelu", "linear"), ("silu", "linear"), ("relu",)], ids="-".join
+)
+def test_layernorm_mlp_gradients_match_fake_quant_and_f32(activations):
+    x, gamma, beta, k1, k2 = _mlp_inputs(len(activations))
+    r = jax.random.normal(jax.random.key(8), (48, 32))
+
+    def loss(x, gamma, beta, k1, k2):
+        return jnp.sum(fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=activations) * r)
+
+    def emulated(x, gamma, beta, k1, k2):
+        return jnp.sum(_ref_mlp(x, gamma, beta, k1, k2, activations, fake_quant_einsum) * r)
+
+    def exact(x, gamma, beta, k1, k2):
+        return jnp.sum(
+            _ref_mlp(
+                x,
+                gamma,
+                beta,
+                k1,
+                k2,
+                activations,
+                lambda s, a, b: jnp.einsum(s, a, b, precision="highest"),
+            )
+            * r
+        )
+
+    args = (x, gamma, beta, k1, k2)
+    got = jax.grad(loss, argnums=range(5))(*args)
+    fake = jax.grad(emulated, argnums=range(5))(*args)
+    ref = jax.grad(exact, argnums=range(5))(*args)
+    for name, g, f, e in zip(["dx", "dgamma", "dbeta", "dk1", "dk2"], got, fake, ref, strict=True):
+        # Same arithmetic as the emulation: only accumulation order and rare
+        # one-ulp FP8 flips (1/16 or 1/8 on a few elements) differ.
+        assert relative_error(g, f) < 2e-2, name
+        # Against exact f32: the gradient passes through at most three FP8
+        # GEMMs with an E5M2 operand. Independent rounding errors give each a
+        # relative error near sqrt(u5**2 + u4**2) / sqrt(3) = 0.08; allow the
+        # three to add up.
+        assert relative_error(g, e) < 3 * 0.081, name
+
+
+def test_llama_shape_swiglu_traces_six_fp8_gemms():
+    # hidden 4096, ffn 11008, SwiGLU: traced abstractly, nothing is allocated.
+    x = jax.ShapeDtypeStruct((2, 128, 4096), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    k1 = jax.ShapeDtypeStruct((4096, 2, 11008), jnp.float32)
+    k2 = jax.ShapeDtypeStruct((11008, 4096), jnp.float32)
+
+    def loss(x, gamma, k1, k2):
+        y = fp8jax.layernorm_mlp(
+            x, gamma, None, k1, k2, activations=("silu", "linear"), norm_type="rmsnorm"
+        )
+        return jnp.sum(y.astype(jnp.float32))
+
+    dots = jaxpr_dots(jax.grad(loss, argnums=(0, 1, 2, 3)), x, gamma, k1, k2)
+    assert len(dots) == 6 and all(d.is_fp8 for d in dots)
+    assert sorted(d.operand_formats for d in dots).count(("float8_e5m2", "float8_e5m2")) == 0
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.CurrentScaling(), fp8jax.DelayedScaling(amax_history_len=4)], ids=repr
+)
+def test_jaxpr_dot_counts(recipe):
+    x, gamma, beta, k1, k2 = _mlp_inputs(2)
+    mlp_state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+    dense_state = fp8jax.init_state(recipe)
+
+    def mlp_loss(x, k1, k2, state):
+        return jnp.sum(fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, recipe=recipe, state=state))
+
+    def ln_dense_loss(x, k1, state):
+        return jnp.sum(fp8jax.layernorm_dense(x, gamma, beta, k1, recipe=recipe, state=state))
+
+    mlp = jaxpr_dots(jax.grad(mlp_loss, argnums=(0, 1, 2, 3)), x, k1, k2, mlp_state)
+    ln_dense = jaxpr_dots(jax.grad(ln_dense_loss, argnums=(0, 1, 2)), x, k1, dense_state)
+    assert len(mlp) == 6 and all(d.is_fp8 for d in mlp)
+    assert [d.operand_formats for d in ln_dense] == [
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e5m2", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e5m2"),
+    ]
+
+
+def test_delayed_state_of_mlp_updates_every_tensor():
+    recipe = fp8jax.DelayedScaling(amax_history_len=4)
+    state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+    x, gamma, beta, k1, k2 = _mlp_inputs(2)
+    grads = jax.grad(
+        lambda s: jnp.sum(fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, recipe=recipe, state=s))
+    )(state)
+    new = fp8jax.take_new_state(state, grads)
+    for leaf in jax.tree.leaves(new, is_leaf=lambda n: isinstance(n, fp8jax.ScaleState)):
+        assert float(leaf.amax_history[0]) > 0 and float(leaf.scale) != 1.0
+
+
+_X = jnp.ones((4, 32))
+_G = jnp.ones((32,))
+_K1 = jnp.ones((32, 2, 64))
+_K2 = jnp.ones((64, 32))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, _K2, activations=("gelu", "swish")),
+            ValueError,
+            r"activations must be one or two names from \['gelu', 'gelu_tanh', 'linear', "
+            r"'relu', 'silu'\].*got \('gelu', 'swish'\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, _K2, activations=("gelu",)),
+            ValueError,
+            r"kernel_1 must have shape \(hidden=32, len\(activations\)=1, ffn\), "
+            r"got \(32, 2, 64\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(jnp.ones((4, 16)), jnp.ones(16), None, _K1, _K2),
+            ValueError,
+            r"kernel_1 must have shape \(hidden=16",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, jnp.ones((63, 32))),
+            ValueError,
+            r"kernel_2 must have shape \(ffn=64, hidden_out\), got \(63, 32\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, _K2, epsilon=0.0),
+            ValueError,
+            "epsilon must be a number > 0, got 0.0",
+        ),
+        (
+            lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((16, 8))),
+            ValueError,
+            r"kernel must have shape \(hidden=32, \*features\), got \(16, 8\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(
+                _X,
+                _G,
+                None,
+                _K1,
+                _K2,
+                recipe=fp8jax.DelayedScaling(amax_history_len=2),
+                state=fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=2)),
+            ),
+            TypeError,
+            r"state must be a MlpScaleState from fp8jax.init_state\(recipe, MlpScaleState\)",
+        ),
+    ],
+)
+def test_bad_input_is_explained(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
