@@ -40,7 +40,13 @@ class Fp8Array:
 
 def amax(x: jax.Array) -> jax.Array:
     """Largest magnitude of ``x`` as an f32 scalar (NaN if ``x`` holds a NaN)."""
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    magnitude = jnp.abs(x)
+    if x.ndim >= 2:
+        # Row maxima first: a row reduction fuses into XLA's GPU normalization
+        # fusions (LayerNorm), a full reduction does not and made XLA write
+        # |x| to HBM in f32 before reducing it.
+        magnitude = jax.lax.optimization_barrier(jnp.max(magnitude, axis=-1))
+    return jnp.max(magnitude).astype(jnp.float32)
 
 
 def check_high_precision(name: str, x) -> None:

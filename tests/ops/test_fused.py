@@ -151,10 +151,12 @@ def test_layernorm_dense_forward_writes_no_high_precision_normalized_copy():
     )
     entry = hlo[hlo.index("\nENTRY") :]
     results = [line.split(" = ", 1)[1] for line in entry.splitlines() if " = " in line]
+    # Parameters, tuple plumbing and bitcasts alias buffers; they write nothing.
+    aliases = ("parameter(", "get-tuple-element(", "bitcast(", "tuple(", "opt-barrier(")
     high_precision_copies = [
         r[:100]
         for r in results
-        if r.startswith(("bf16[256,512]", "f32[256,512]")) and "parameter(" not in r
+        if r.startswith(("bf16[256,512]", "f32[256,512]")) and not any(a in r for a in aliases)
     ]
     assert high_precision_copies == []
     assert any(r.startswith("f8e4m3fn[256,512]") for r in results)

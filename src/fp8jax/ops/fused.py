@@ -1,14 +1,11 @@
-"""LayerNorm + FP8 dense in one custom_vjp, and the FP8 MLP block built on it.
+"""LayerNorm + FP8 dense, and the FP8 MLP block, each one custom_vjp.
 
-``layernorm_dense`` normalizes in f32 and quantizes straight to E4M3 in the
-same XLA fusion, so no BF16 copy of the normalized activations reaches HBM.
-It saves only the FP8 normalized activations, the FP8 kernel, the input and
-the per-row statistics; the norm's backward is computed from those.
-
-``layernorm_mlp`` is ``layernorm_dense`` -> activation -> FP8 ``dense``. The
-activation sits in a ``jax.checkpoint`` so that its only residual is the
-first GEMM's output; its result is quantized for the second GEMM in the
-fusion that computes it.
+Both quantize the tensors they compute (the normalized input, the
+activation, the activation's gradient) in the fusion that computes them, so
+none of those reaches HBM in high precision: the amax pass recomputes them
+from their inputs (see :func:`~fp8jax.ops.dense.quantize_computed`). They
+save only FP8 GEMM operands, the input, the per-row statistics and, for the
+MLP, the first GEMM's output, which the activation's backward needs.
 """
 
 from __future__ import annotations
@@ -20,7 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.ops import dimensions
-from fp8jax.ops.dense import DotConfig, check_state, dense, quantize_operand, scaled_dot
+from fp8jax.ops.dense import (
+    check_state,
+    quantize_computed,
+    quantize_operand,
+    scaled_dot,
+)
 from fp8jax.ops.norm import NormConfig, check_norm_args, normalize, normalize_backward
 from fp8jax.quantize import check_high_precision
 from fp8jax.recipes import resolve_recipe
@@ -36,61 +38,101 @@ ACTIVATIONS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerNormDenseConfig:
-    """Static settings of one layernorm_dense; the custom_vjp's only static argument."""
+class FusedConfig:
+    """Static settings of a fused op; its custom_vjp's only static argument."""
 
     norm: NormConfig
-    dot: DotConfig
-    return_normalized: bool
+    recipe: object
+    x_dtype: jnp.dtype  # also the dtype of every activation the op outputs
+    kernel_dtypes: tuple[jnp.dtype, ...]  # cotangents come back in these
+    activations: tuple[str, ...] = ()
+    return_normalized: bool = False
+
+
+def _normalized(x, gamma, beta, config: FusedConfig):
+    return normalize(x, gamma, beta, config.norm)[0]
+
+
+def _gated(pre, activations):
+    pre32 = pre.astype(jnp.float32)
+    h = ACTIVATIONS[activations[0]](pre32[..., 0, :])
+    for i, name in enumerate(activations[1:], start=1):
+        h = h * ACTIVATIONS[name](pre32[..., i, :])
+    return h
+
+
+def _contract_last(lhs_ndim: int):
+    return (((lhs_ndim - 1,), (0,)), ((), ()))
+
+
+def _backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe):
+    """dgrad and wgrad of ``dot_general(lhs, rhs, dims)``, both FP8."""
+    dg = dimensions.dgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
+    wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
+    d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
+                       dg.permutation)  # fmt: skip
+    d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
+                       wg.permutation)  # fmt: skip
+    return d_lhs, d_rhs
+
+
+def _new_dot_state(state: DotScaleState, amaxes, recipe) -> DotScaleState:
+    fwd, bwd = recipe.formats.forward.max, recipe.formats.backward.max
+    x_amax, kernel_amax, grad_amax = amaxes
+    return DotScaleState(
+        x=update_scale_state(state.x, x_amax, fwd, recipe),
+        kernel=update_scale_state(state.kernel, kernel_amax, fwd, recipe),
+        grad=update_scale_state(state.grad, grad_amax, bwd, recipe),
+    )
+
+
+def _rows_sum(v, like):
+    return None if like is None else jnp.sum(v.astype(jnp.float32), axis=tuple(
+        range(v.ndim - like.ndim))).astype(like.dtype)  # fmt: skip
+
+
+# --- layernorm_dense ---------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ln_dense(x, gamma, beta, kernel, state, config: LayerNormDenseConfig):
+def _ln_dense(x, gamma, beta, kernel, state, config: FusedConfig):
     return _ln_dense_fwd(x, gamma, beta, kernel, state, config)[0]
 
 
-def _ln_dense_fwd(x, gamma, beta, kernel, state, config: LayerNormDenseConfig):
-    recipe, dot = config.dot.recipe, config.dot
-    normed, mean, rstd = normalize(x, gamma, beta, config.norm)
-    # Quantized from the f32 normalization in the same fusion: no BF16 copy.
-    normed_q, normed_amax = quantize_operand(
-        normed, recipe.formats.forward, state and state.x, recipe
-    )
+def _quantize_normalized(x, gamma, beta, state, config: FusedConfig):
+    return quantize_computed(
+        functools.partial(_normalized, config=config), (x, gamma, beta),
+        config.recipe.formats.forward, state, config.recipe, jnp.float32,
+    )  # fmt: skip
+
+
+def _ln_dense_fwd(x, gamma, beta, kernel, state, config: FusedConfig):
+    recipe = config.recipe
+    _, mean, rstd = normalize(x, gamma, beta, config.norm)
+    normed_q, normed_amax = _quantize_normalized(x, gamma, beta, state and state.x, config)
     kernel_q, kernel_amax = quantize_operand(
         kernel, recipe.formats.forward, state and state.kernel, recipe
     )
-    y = scaled_dot(
-        normed_q, kernel_q, dot.dimension_numbers, dot.out_dtype, recipe.forward_precision
-    )
-    out = (y, normed.astype(x.dtype)) if config.return_normalized else y
-    amaxes = (normed_amax, kernel_amax) if state is not None else None
-    return out, (x, gamma, beta, mean, rstd, normed_q, kernel_q, state, amaxes)
+    y = scaled_dot(normed_q, kernel_q, _contract_last(x.ndim), config.x_dtype,
+                   recipe.forward_precision)  # fmt: skip
+    if config.return_normalized:
+        y = (y, _normalized(x, gamma, beta, config).astype(x.dtype))
+    residuals = (x, gamma, beta, mean, rstd, normed_q, kernel_q, state)
+    return y, (residuals, (normed_amax, kernel_amax))
 
 
-def _ln_dense_bwd(config: LayerNormDenseConfig, residuals, cotangent):
-    x, gamma, beta, mean, rstd, normed_q, kernel_q, state, amaxes = residuals
-    dot, recipe = config.dot, config.dot.recipe
+def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
+    (x, gamma, beta, mean, rstd, normed_q, kernel_q, state), amaxes = saved
+    recipe = config.recipe
     g, g_normed = cotangent if config.return_normalized else (cotangent, None)
     g_q, g_amax = quantize_operand(g, recipe.formats.backward, state and state.grad, recipe)
-    dg = dimensions.dgrad(dot.dimension_numbers, x.ndim, kernel_q.data.ndim)
-    wg = dimensions.wgrad(dot.dimension_numbers, x.ndim, kernel_q.data.ndim)
-    d_normed = scaled_dot(
-        g_q, kernel_q, dg.dimension_numbers, dot.lhs_dtype, recipe.dgrad_precision, dg.permutation
-    )
-    d_kernel = scaled_dot(
-        normed_q, g_q, wg.dimension_numbers, dot.rhs_dtype, recipe.wgrad_precision, wg.permutation
+    d_normed, d_kernel = _backward_dots(
+        _contract_last(x.ndim), normed_q, kernel_q, g_q, x.dtype, config.kernel_dtypes[0], recipe
     )
     if g_normed is not None:
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
     dx, dgamma, dbeta = normalize_backward(d_normed, x, mean, rstd, gamma, beta, config.norm)
-    if state is None:
-        return dx, dgamma, dbeta, d_kernel, None
-    fwd_max, bwd_max = recipe.formats.forward.max, recipe.formats.backward.max
-    new_state = DotScaleState(
-        x=update_scale_state(state.x, amaxes[0], fwd_max, recipe),
-        kernel=update_scale_state(state.kernel, amaxes[1], fwd_max, recipe),
-        grad=update_scale_state(state.grad, g_amax, bwd_max, recipe),
-    )
+    new_state = None if state is None else _new_dot_state(state, (*amaxes, g_amax), recipe)
     return dx, dgamma, dbeta, d_kernel, new_state
 
 
@@ -155,19 +197,82 @@ def layernorm_dense(
     check_high_precision("kernel", kernel)
     if kernel.ndim < 2 or kernel.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"kernel must have shape (hidden={x.shape[-1]}, *features), got {tuple(kernel.shape)}."
+            f"kernel must have shape (hidden={x.shape[-1]}, *features), "
+            f"got {tuple(kernel.shape)}."
         )
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
-    dot = DotConfig(dims, recipe, jnp.dtype(x.dtype), jnp.dtype(x.dtype), jnp.dtype(kernel.dtype))
-    out = _ln_dense(
-        x, gamma, beta, kernel, state, LayerNormDenseConfig(norm, dot, return_normalized)
-    )
+    config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
+                         return_normalized=return_normalized)  # fmt: skip
+    out = _ln_dense(x, gamma, beta, kernel, state, config)
     if return_normalized:
         y, normalized = out
         return _add_bias(y, bias, kernel.ndim - 1), normalized
     return _add_bias(out, bias, kernel.ndim - 1)
+
+
+# --- layernorm_mlp -----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _mlp(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
+    return _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config)[0]
+
+
+def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
+    recipe, fwd = config.recipe, config.recipe.formats.forward
+    fc1, fc2 = (None, None) if state is None else state
+    _, mean, rstd = normalize(x, gamma, beta, config.norm)
+    normed_q, normed_amax = _quantize_normalized(x, gamma, beta, fc1 and fc1.x, config)
+    k1_q, k1_amax = quantize_operand(k1, fwd, fc1 and fc1.kernel, recipe)
+    pre = scaled_dot(normed_q, k1_q, _contract_last(x.ndim), config.x_dtype,
+                     recipe.forward_precision)  # fmt: skip
+    pre = _add_bias(pre, b1, 2)
+    # The activation is quantized where it is computed; it never reaches HBM
+    # in high precision.
+    h_q, h_amax = quantize_computed(
+        functools.partial(_gated, activations=config.activations), (pre,), fwd,
+        fc2 and fc2.x, recipe, config.x_dtype,
+    )  # fmt: skip
+    k2_q, k2_amax = quantize_operand(k2, fwd, fc2 and fc2.kernel, recipe)
+    y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
+                   recipe.forward_precision)  # fmt: skip
+    y = _add_bias(y, b2, 1)
+    residuals = (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state)
+    return y, (residuals, (normed_amax, k1_amax, h_amax, k2_amax))
+
+
+def _activation_grad(dh, pre, activations):
+    _, vjp = jax.vjp(functools.partial(_gated, activations=activations), pre.astype(jnp.float32))
+    return vjp(dh.astype(jnp.float32))[0]
+
+
+def _mlp_bwd(config: FusedConfig, saved, g):
+    (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state), amaxes = saved
+    normed_amax, k1_amax, h_amax, k2_amax = amaxes
+    recipe, bwd = config.recipe, config.recipe.formats.backward
+    fc1, fc2 = (None, None) if state is None else state
+    g_q, g_amax = quantize_operand(g, bwd, fc2 and fc2.grad, recipe)
+    dh, dk2 = _backward_dots(_contract_last(h_q.data.ndim), h_q, k2_q, g_q, config.x_dtype,
+                             config.kernel_dtypes[1], recipe)  # fmt: skip
+    activation_grad = functools.partial(_activation_grad, activations=config.activations)
+    dpre_q, dpre_amax = quantize_computed(activation_grad, (dh, pre), bwd, fc1 and fc1.grad,
+                                          recipe, config.x_dtype)  # fmt: skip
+    dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
+                                  config.kernel_dtypes[0], recipe)  # fmt: skip
+    dx, dgamma, dbeta = normalize_backward(dnormed, x, mean, rstd, gamma, beta, config.norm)
+    db1 = None if b1 is None else _rows_sum(activation_grad(dh, pre), b1)
+    db2 = None if b2 is None else _rows_sum(g, b2)
+    new_state = None
+    if state is not None:
+        new_state = MlpScaleState(
+            fc1=_new_dot_state(fc1, (normed_amax, k1_amax, dpre_amax), recipe),
+            fc2=_new_dot_state(fc2, (h_amax, k2_amax, g_amax), recipe),
+        )
+    return dx, dgamma, dbeta, dk1, db1, dk2, db2, new_state
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def _check_activations(activations) -> tuple[str, ...]:
@@ -182,15 +287,12 @@ def _check_activations(activations) -> tuple[str, ...]:
     return activations
 
 
-@functools.partial(jax.checkpoint, static_argnums=(1,))
-def _gated_activation(pre: jax.Array, activations: tuple[str, ...]) -> jax.Array:
-    # Under checkpoint the backward recomputes the activation from `pre`, the
-    # GEMM output already in HBM, instead of saving erf/sigmoid intermediates.
-    pre32 = pre.astype(jnp.float32)
-    h = ACTIVATIONS[activations[0]](pre32[..., 0, :])
-    for i, name in enumerate(activations[1:], start=1):
-        h = h * ACTIVATIONS[name](pre32[..., i, :])
-    return h.astype(pre.dtype)
+def _check_bias(name: str, bias, shape: tuple[int, ...]) -> None:
+    if bias is None:
+        return
+    check_high_precision(name, bias)
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(bias.shape)}.")
 
 
 def layernorm_mlp(
@@ -249,9 +351,11 @@ def layernorm_mlp(
       ((2, 8, 64), dtype(bfloat16))
     """
     activations = _check_activations(activations)
+    norm = NormConfig(norm_type, zero_centered_gamma, epsilon)
+    check_norm_args(x, gamma, beta, norm)
     check_high_precision("kernel_1", kernel_1)
     check_high_precision("kernel_2", kernel_2)
-    hidden = x.shape[-1] if getattr(x, "ndim", 0) else None
+    hidden = x.shape[-1]
     if kernel_1.ndim != 3 or kernel_1.shape[:2] != (hidden, len(activations)):
         raise ValueError(
             f"kernel_1 must have shape (hidden={hidden}, len(activations)={len(activations)}, "
@@ -262,12 +366,12 @@ def layernorm_mlp(
         raise ValueError(
             f"kernel_2 must have shape (ffn={ffn}, hidden_out), got {tuple(kernel_2.shape)}."
         )
+    _check_bias("bias_1", bias_1, (len(activations), ffn))
+    _check_bias("bias_2", bias_2, (kernel_2.shape[1],))
     recipe = resolve_recipe(recipe)
     check_state(state, recipe, MlpScaleState)
-    pre = layernorm_dense(
-        x, gamma, beta, kernel_1, bias_1,
-        norm_type=norm_type, zero_centered_gamma=zero_centered_gamma, epsilon=epsilon,
-        recipe=recipe, state=None if state is None else state.fc1,
+    config = FusedConfig(
+        norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel_1.dtype), jnp.dtype(kernel_2.dtype)),
+        activations=activations,
     )  # fmt: skip
-    h = _gated_activation(pre, activations)
-    return dense(h, kernel_2, bias_2, recipe=recipe, state=None if state is None else state.fc2)
+    return _mlp(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state, config)
