@@ -1,0 +1,296 @@
+"""Compile a JAX function for an H100/H200 and return the optimized HLO text.
+
+Deviceless targets (``"h100"``, ``"h200"``) compile in a child process that
+starts with ``JAX_PLATFORMS=cpu`` and the requested ``XLA_FLAGS``: XLA reads
+its flags once per process, the caller keeps its own CPU or GPU backend, and a
+compiler crash (XLA aborts on some internal errors) cannot take the caller
+down with it.
+
+The function reaches the child as a ``jax.export.Exported``: traced and lowered
+here for the ``cuda`` platform, pickled, and compiled there for the topology.
+That carries lambdas, closures, ``functools.partial`` and custom_vjp alike, and
+keeps the caller's source lines in the HLO metadata. Shardings travel as
+``PartitionSpec``s over an ``AbstractMesh``, so the caller needs no devices:
+arguments sharded over 8 fake CPU devices compile for 8 H100s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from fp8jax.verify import toolchain
+from fp8jax.verify._arguments import abstract_args, flatten_call, out_specs
+from fp8jax.verify.meshes import MeshAxes, named_shardings, resolve_mesh
+
+TARGETS = ("h100", "h200", "live")
+
+
+class CompileError(RuntimeError):
+    """A compile failed; the message carries the compiler's own error."""
+
+
+def compile_for(
+    fn: Callable[..., Any] | str,
+    *args: Any,
+    target: str = "h100",
+    devices: int = 1,
+    hosts: int = 1,
+    mesh: Any = None,
+    xla_flags: str | None = None,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+) -> str:
+    """Compiles ``fn(*args)`` for a GPU target and returns the optimized HLO text.
+
+    Args:
+      fn: the function to compile (any callable: lambdas and closures work), or
+        a ``"MODULE:FUNCTION"`` string naming a factory that takes the Mesh
+        (None without one) and returns ``(fn, args)``; the factory then runs
+        in the compiling process, against the target's own devices.
+      *args: arrays or ``jax.ShapeDtypeStruct``s, in any pytree; shardings they
+        carry (``NamedSharding`` on any mesh) are re-created on the target mesh
+        by axis name. Leaves without ``shape`` and ``dtype`` are static.
+      target: ``"h100"`` or ``"h200"`` (deviceless, in a child process), a
+        path to a ``GpuTargetConfigProto`` ``.txtpb`` file, or ``"live"`` to
+        compile in this process on its GPU.
+      devices: number of GPUs in total.
+      hosts: number of hosts the GPUs are spread over (deviceless only).
+      mesh: axis sizes as a dict ``{"fsdp": 8}``, pairs ``(("dp", 2), ...)``,
+        a flat ``("dp", 2, "fsdp", 4)``, a string ``"dp=2,fsdp=4"`` or a
+        ``Mesh``/``AbstractMesh``. Defaults to the mesh of the arguments.
+      xla_flags: ``XLA_FLAGS`` for the compile, e.g.
+        ``"--xla_gpu_enable_triton_gemm=false"``; with ``"live"`` they are
+        passed as per-compile XLA options.
+      in_shardings: ``PartitionSpec``s or ``NamedSharding``s, a pytree prefix
+        of ``args`` as for ``jax.jit``; they override the arguments' own.
+      out_shardings: the same for the outputs.
+
+    Returns:
+      The text of the optimized HLO module.
+
+    Raises:
+      TypeError, ValueError: for arguments that cannot describe a compile.
+      ImportError: if the deviceless toolchain (``fp8jax[verify]``) is missing
+        or its CUDA plugin does not match jaxlib.
+      CompileError: if tracing or compiling fails; it quotes the cause.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from fp8jax.verify import compile_for
+      >>> x = jax.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn)
+      >>> mm = lambda a, b: jax.lax.dot(a, b.T, preferred_element_type=jnp.bfloat16)
+      >>> hlo = compile_for(mm, x, x, target="h100")
+      >>> "f8e4m3fn" in hlo and "__triton" in hlo
+      True
+    """
+    if isinstance(fn, str) and args:
+        raise TypeError(
+            f"fn={fn!r} names a factory that returns (fn, args), so pass no args with it; "
+            f"got {len(args)}."
+        )
+    call = _Call(fn, args, in_shardings, out_shardings)
+    return _compile([call], target, devices, hosts, mesh, xla_flags)[0]
+
+
+def compile_many(
+    calls: Sequence[tuple[Callable[..., Any] | str, Sequence[Any]]],
+    *,
+    target: str = "h100",
+    devices: int = 1,
+    hosts: int = 1,
+    mesh: Any = None,
+    xla_flags: str | None = None,
+) -> list[str]:
+    """Like ``compile_for`` for several ``(fn, args)`` pairs, in one child process.
+
+    Starting the child costs a few seconds; compiling a small program costs
+    about one. Batch the compiles that share a target, mesh and flags.
+
+    Args:
+      calls: ``(fn, args)`` pairs; ``args`` is a tuple of positional arguments.
+      target, devices, hosts, mesh, xla_flags: as for ``compile_for``.
+
+    Returns:
+      One HLO text per call, in order.
+
+    Raises:
+      As ``compile_for``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from fp8jax.verify import compile_many
+      >>> x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+      >>> texts = compile_many([(jnp.dot, (x, x)), (jnp.add, (x, x))], target="h200")
+      >>> len(texts)
+      2
+    """
+    jobs = []
+    for i, call in enumerate(calls):
+        if not (isinstance(call, tuple | list) and len(call) == 2):
+            raise TypeError(f"calls[{i}] must be a (fn, args) pair, got {call!r}.")
+        fn, args = call
+        jobs.append(_Call(fn, tuple(args), None, None))
+    return _compile(jobs, target, devices, hosts, mesh, xla_flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    fn: Callable[..., Any] | str
+    args: tuple[Any, ...]
+    in_shardings: Any
+    out_shardings: Any
+
+
+def _compile(calls, target, devices, hosts, mesh, xla_flags) -> list[str]:
+    config = _target_config(target)
+    _check_counts(devices, hosts)
+    if xla_flags is not None and not isinstance(xla_flags, str):
+        raise TypeError(f"xla_flags must be a str like '--xla_foo=true', got {xla_flags!r}.")
+    for call in calls:
+        if not (callable(call.fn) or (isinstance(call.fn, str) and ":" in call.fn)):
+            raise TypeError(f"fn must be a callable or 'MODULE:FUNCTION', got {call.fn!r}.")
+    axes = resolve_mesh(mesh, [c for call in calls for c in (call.args, call.in_shardings)])
+    if axes is not None and axes.size != devices:
+        raise ValueError(
+            f"mesh {axes} spans {axes.size} devices but devices={devices}; "
+            f"pass devices={axes.size} or a mesh of {devices} devices."
+        )
+    if axes is None and devices > 1:
+        raise ValueError(
+            f"devices={devices} needs a mesh to shard over: pass mesh= (e.g. "
+            f"mesh={{'fsdp': {devices}}}) or arguments with NamedShardings."
+        )
+    if target == "live":
+        from fp8jax.verify import _worker
+
+        return [_worker.compile_live(call, axes, devices, xla_flags) for call in calls]
+    toolchain.check_deviceless()
+    jobs = [_job(call, axes) for call in calls]
+    payload = {
+        "target_config": config,
+        "topology": f"1x{hosts}x{devices // hosts}",
+        "mesh": axes,
+        "sys_path": sys.path,
+        "jobs": jobs,
+    }
+    return _run_child(payload, xla_flags)
+
+
+def _target_config(target: str) -> str | None:
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a str, one of {TARGETS} or a .txtpb path; got {target!r}.")
+    if target == "live":
+        return None
+    if target in TARGETS:
+        return toolchain.target_config(target)
+    if target.endswith(".txtpb") and os.path.isfile(target):
+        with open(target) as f:
+            return toolchain.validate_target_config(f.read(), target)
+    raise ValueError(
+        f"target must be one of {TARGETS} or the path of a GpuTargetConfigProto .txtpb file; "
+        f"got {target!r}."
+    )
+
+
+def _check_counts(devices: int, hosts: int) -> None:
+    for name, value in (("devices", devices), ("hosts", hosts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if devices % hosts:
+        raise ValueError(
+            f"devices={devices} is not divisible by hosts={hosts}; every host has "
+            "the same number of GPUs (the topology is 1 x hosts x devices/hosts)."
+        )
+
+
+def _job(call: _Call, axes: MeshAxes | None) -> dict[str, Any]:
+    """What the child needs for one call: an entry point, or a pickled Exported."""
+    if isinstance(call.fn, str):
+        return {"entry": call.fn}
+    flat_fn, arrays, specs = flatten_call(call.fn, call.args, call.in_shardings, axes)
+    abstract_mesh = axes.build() if axes else None
+    sharding_for = (lambda s: NamedSharding(abstract_mesh, s)) if axes else (lambda s: None)
+    sds = abstract_args(arrays, specs, sharding_for)
+    outs = out_specs(flat_fn, sds, call.out_shardings) if axes else None
+    jit_kw = {}
+    if axes:
+        jit_kw["in_shardings"] = tuple(sharding_for(s) for s in specs)
+    if outs is not None:
+        jit_kw["out_shardings"] = tuple(None if s is None else sharding_for(s) for s in outs)
+    # Both sides run the same jax, so export's cross-version stability rules
+    # for custom calls do not apply: "ALL" waives them.
+    waive = [jax.export.DisabledSafetyCheck.custom_call("ALL")]
+    try:
+        with _context_mesh(call, abstract_mesh):
+            exported = jax.export.export(
+                jax.jit(flat_fn, **jit_kw), platforms=("cuda",), disabled_checks=waive
+            )(*sds)
+    except Exception as e:
+        raise CompileError(
+            f"tracing {flat_fn.__name__} for the cuda platform failed: {type(e).__name__}: {e}"
+        ) from e
+    # The VJP closure is the one part of an Exported that does not pickle, and
+    # compiling never needs it.
+    exported = dataclasses.replace(exported, _get_vjp=None)
+    return {"exported": pickle.dumps(exported), "in_specs": specs, "out_specs": outs}
+
+
+def _context_mesh(call: _Call, abstract_mesh):
+    """The abstract mesh as context, for bare ``PartitionSpec`` constraints in ``fn``.
+
+    Left out where the caller set a context mesh, or sharded the arguments on a
+    concrete Mesh: ``fn`` may use that Mesh (shard_map does), and JAX refuses a
+    context mesh that differs from it.
+    """
+    concrete = any(isinstance(s.mesh, jax.sharding.Mesh) for s in named_shardings(call.args))
+    if abstract_mesh is None or concrete or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(abstract_mesh)
+
+
+def _run_child(payload: dict[str, Any], xla_flags: str | None) -> list[str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    with tempfile.TemporaryDirectory(prefix="fp8jax-verify-") as tmp:
+        request, response = os.path.join(tmp, "request.pkl"), os.path.join(tmp, "response.pkl")
+        with open(request, "wb") as f:
+            pickle.dump(payload, f)
+        cmd = [sys.executable, "-m", "fp8jax.verify._worker", request, response]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode != 0 or not os.path.exists(response):
+            raise CompileError(_child_failure(proc))
+        with open(response, "rb") as f:
+            results = pickle.load(f)
+    texts = []
+    for i, result in enumerate(results):
+        if "error" in result:
+            where = f"call {i} " if len(results) > 1 else ""
+            raise CompileError(f"deviceless compile of {where}failed:\n{result['error']}")
+        texts.append(result["hlo"])
+    return texts
+
+
+def _child_failure(proc: subprocess.CompletedProcess) -> str:
+    tail = "\n".join(proc.stderr.strip().splitlines()[-30:])
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        hint = ""
+        if name == "SIGFPE":
+            hint = (
+                " XLA divides by gpu_device_info fields such as core_count; a target "
+                "config that lacks them crashes it like this."
+            )
+        return f"the deviceless compiler process died with {name}.{hint}\n{tail}"
+    return f"the deviceless compiler process exited with status {proc.returncode}:\n{tail}"

@@ -1,0 +1,250 @@
+"""compile_for / compile_many: deviceless H100/H200 compiles, meshes, argument errors.
+
+The compiles are batched (one child process per fixture parameter), so the
+tests assert on structure: GEMM backends, operand dtypes, collective dtypes.
+"""
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import pytest
+import verify_programs as programs
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp8jax.verify import CompileError, compile_for, compile_many, gemm_report
+from fp8jax.verify.meshes import resolve_mesh
+
+TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
+E4, E5 = "f8e4m3fn", "f8e5m2"
+# Default flags give Triton GEMM fusions; Triton off gives cuBLASLt calls.
+CONFIGS = {
+    "triton": {"target": "h100", "xla_flags": None, "fp8_backend": "triton-fp8"},
+    "cublas": {"target": "h200", "xla_flags": TRITON_OFF, "fp8_backend": "cublaslt-fp8"},
+}
+DENSE_LINE = next(
+    i
+    for i, line in enumerate(inspect.getsource(programs).splitlines(), 1)
+    if "fp8jax.dense(x, kernel)" in line
+)
+
+
+def _dense_with_params(params, x, *, scale):
+    """A dict-of-params program behind functools.partial, with a None leaf."""
+    assert params["bias"] is None
+    return programs.fp8_train_step(x, params["kernel"] * jnp.float32(scale))
+
+
+def _single_device_calls():
+    x, kernel = programs.args()
+    factor = jnp.float32(0.5)
+    params = {"kernel": kernel, "bias": None}
+    return {
+        "dense": (programs.fp8_train_step, (x, kernel)),
+        "closure": (lambda x, k: programs.fp8_train_step(x, k * factor), (x, kernel)),
+        "partial": (functools.partial(_dense_with_params, scale=2), (params, x)),
+        "qdq": (programs.qdq_matmul, (x, kernel)),
+        "bf16": (programs.bf16_matmul, programs.args(kernel_dtype=jnp.bfloat16)),
+        "dequantized": (programs.dequantized_kernel_matmul, programs.dequantized_args()),
+    }
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def single(request):
+    """(config, {program name: Report}) for one device, compiled in one child process."""
+    config = CONFIGS[request.param]
+    calls = _single_device_calls()
+    texts = compile_many(
+        list(calls.values()), target=config["target"], xla_flags=config["xla_flags"]
+    )
+    return config, {name: gemm_report(text) for name, text in zip(calls, texts, strict=True)}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def fsdp(request):
+    """(config, Report) of the dense step on 8 GPUs, batch and kernel FSDP-sharded."""
+    config = CONFIGS[request.param]
+    # Arguments live on the 8 fake CPU devices; compile_for moves their
+    # shardings to the GPU topology by axis name.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    hlo = compile_for(
+        programs.fp8_train_step,
+        *programs.args(mesh),
+        target=config["target"],
+        devices=8,
+        hosts=1 if request.param == "triton" else 2,
+        xla_flags=config["xla_flags"],
+        out_shardings=(P(), (programs.FSDP, programs.FSDP)),
+    )
+    return config, gemm_report(hlo)
+
+
+def _pairs(report):
+    return sorted((g.lhs_dtype, g.rhs_dtype) for g in report.gemms)
+
+
+def _assert_fp8_forward_and_backward(report, backend):
+    assert len(report.gemms) == 3
+    assert {g.backend for g in report.gemms} == {backend}
+    pairs = [tuple(sorted(p)) for p in _pairs(report)]
+    # Forward E4M3 x E4M3; dgrad and wgrad each E5M2 x E4M3 (in either operand
+    # order, which is XLA's choice); never E5M2 x E5M2.
+    assert sorted(pairs) == [(E4, E4), (E4, E5), (E4, E5)]
+
+
+@pytest.mark.deviceless
+def test_fp8_dense_gives_three_fp8_gemms(single):
+    config, reports = single
+    _assert_fp8_forward_and_backward(reports["dense"], config["fp8_backend"])
+    assert not reports["dense"].collectives
+
+
+@pytest.mark.deviceless
+def test_closures_partials_and_pytree_args_compile(single):
+    config, reports = single
+    _assert_fp8_forward_and_backward(reports["closure"], config["fp8_backend"])
+    _assert_fp8_forward_and_backward(reports["partial"], config["fp8_backend"])
+
+
+@pytest.mark.deviceless
+def test_gemm_sources_are_the_program_line(single):
+    _, reports = single
+    sources = {g.source.rsplit("/", 1)[-1] for g in reports["dense"].gemms}
+    assert sources == {f"verify_programs.py:{DENSE_LINE}"}
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("name", ["qdq", "bf16"])
+def test_qdq_and_bf16_dots_are_not_fp8(single, name):
+    _, reports = single
+    report = reports[name]
+    assert len(report.gemms) == 1
+    assert not report.fp8_gemms
+    assert report.gemms[0].lhs_dtype == report.gemms[0].rhs_dtype == "bf16"
+
+
+@pytest.mark.deviceless
+def test_dequantized_fp8_kernel_is_an_upcast(single):
+    _, reports = single
+    (gemm,) = reports["dequantized"].gemms
+    assert not gemm.is_fp8
+    assert gemm.upcast_from_fp8
+
+
+@pytest.mark.deviceless
+def test_fsdp_dense_gathers_the_kernel_in_fp8(fsdp):
+    config, report = fsdp
+    _assert_fp8_forward_and_backward(report, config["fp8_backend"])
+    assert report.num_partitions == 8
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    assert gathers and {c.dtype for c in gathers} == {E4}  # half the bytes of BF16
+    assert any(c.kind == "reduce-scatter" for c in report.collectives)  # the FSDP wgrad
+
+
+@pytest.mark.deviceless
+def test_child_process_errors_become_compile_errors():
+    with pytest.raises(CompileError, match="has no attribute 'no_such_factory'"):
+        compile_for("verify_programs:no_such_factory")
+
+
+@pytest.mark.deviceless
+def test_tracing_errors_become_compile_errors():
+    x = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
+    with pytest.raises(CompileError, match="tracing <lambda> for the cuda platform failed"):
+        compile_for(lambda a: a @ a, x)
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"dp": 2, "fsdp": 4},
+        (("dp", 2), ("fsdp", 4)),
+        ("dp", 2, "fsdp", 4),
+        "dp=2,fsdp=4",
+        jax.sharding.AbstractMesh((2, 4), ("dp", "fsdp")),
+    ],
+)
+def test_mesh_forms(mesh):
+    axes = resolve_mesh(mesh)
+    assert (axes.names, axes.sizes, axes.size) == (("dp", "fsdp"), (2, 4), 8)
+
+
+def test_mesh_is_read_from_argument_shardings():
+    mesh = jax.make_mesh((2, 4), ("dp", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("dp", "fsdp")))
+    axes = resolve_mesh(None, [(x,)])
+    assert (axes.names, axes.sizes, axes.types) == (("dp", "fsdp"), (2, 4), ("auto", "auto"))
+
+
+X = jax.ShapeDtypeStruct((16, 16), jnp.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"target": "a100"}, ValueError, r"target must be one of \('h100', 'h200', 'live'\)"),
+        ({"target": 100}, TypeError, "target must be a str"),
+        ({"devices": 6, "hosts": 4}, ValueError, "devices=6 is not divisible by hosts=4"),
+        ({"devices": 0}, ValueError, "devices must be a positive int, got 0"),
+        ({"devices": 4, "mesh": {"fsdp": 8}}, ValueError, "spans 8 devices but devices=4"),
+        ({"devices": 8}, ValueError, "devices=8 needs a mesh"),
+        ({"mesh": 3}, TypeError, "mesh must be a dict"),
+        ({"mesh": "dp:2"}, ValueError, "mesh string must look like 'dp=2,fsdp=4'"),
+        ({"mesh": {"fsdp": 0}}, ValueError, "positive size"),
+        ({"xla_flags": ["--a"]}, TypeError, "xla_flags must be a str"),
+        ({"in_shardings": (P(), P(), P())}, ValueError, "in_shardings must be a pytree prefix"),
+        ({"in_shardings": "fsdp"}, TypeError, "in_shardings leaves must be PartitionSpec"),
+        ({"target": "live"}, RuntimeError, "jax.default_backend\\(\\) is 'cpu'.*target='h100'"),
+    ],
+)
+def test_argument_errors(kwargs, error, match):
+    kwargs = {"devices": 1, **kwargs}
+    if "in_shardings" in kwargs:
+        kwargs["mesh"] = {"fsdp": 1}
+    with pytest.raises(error, match=match):
+        compile_for(jnp.dot, X, X, **kwargs)
+
+
+def test_argument_mesh_must_match_mesh_argument():
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((16, 16), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    with pytest.raises(ValueError, match="does not match the mesh the arguments are sharded over"):
+        compile_for(jnp.dot, x, x, devices=8, mesh={"dp": 8})
+
+
+def test_factory_and_callable_errors():
+    with pytest.raises(TypeError, match="pass no args with it"):
+        compile_for("verify_programs:fp8_entry", X)
+    with pytest.raises(TypeError, match="fn must be a callable or 'MODULE:FUNCTION'"):
+        compile_for(42, X)
+    with pytest.raises(TypeError, match=r"calls\[0\] must be a \(fn, args\) pair"):
+        compile_many([jnp.dot])
+
+
+def test_incomplete_target_config_is_refused(tmp_path):
+    path = tmp_path / "b200.txtpb"
+    path.write_text('platform_name: "CUDA"\ngpu_device_info { threads_per_warp: 32 }\n')
+    with pytest.raises(ValueError, match="lacks core_count, cuda_compute_capability"):
+        compile_for(jnp.dot, X, X, target=str(path))
+
+
+@pytest.mark.deviceless
+def test_shard_map_over_the_callers_mesh():
+    # fn closes over the caller's 8-CPU-device Mesh; the compile still targets 8 GPUs.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float8_e4m3fn, sharding=NamedSharding(mesh, P("fsdp")))
+
+    def gram(x):
+        def local(block):
+            return jax.lax.dot_general(
+                block, block, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        partial = jax.shard_map(local, mesh=mesh, in_specs=P("fsdp"), out_specs=P("fsdp"))
+        return jnp.sum(partial(x).reshape(8, 128, 128), axis=0)
+
+    report = gemm_report(compile_for(gram, x, devices=8))
+    assert [g.backend for g in report.gemms] == ["triton-fp8"]
+    assert report.num_partitions == 8

@@ -1,0 +1,70 @@
+"""``fp8jax verify MODULE:FUNCTION``: exit status, table and JSON output."""
+
+import argparse
+import json
+
+import pytest
+
+from fp8jax import cli as fp8jax_cli
+from fp8jax.verify import cli
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="fp8jax")
+    cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    return cli.run(parser.parse_args(["verify", *argv]))
+
+
+@pytest.mark.deviceless
+def test_fp8_program_on_eight_gpus_passes_with_json(capsys):
+    status = _run("verify_programs:fp8_entry", "--mesh", "fsdp=8", "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert result["ok"] and result["problems"] == []
+    assert (result["devices"], result["mesh"]) == (8, "fsdp=8")
+    report = result["report"]
+    assert (report["fp8_gemms"], report["non_fp8_gemms"]) == (3, 0)
+    gathered = {c["dtype"] for c in report["collectives"] if c["kind"] == "all-gather"}
+    # The kernel is gathered in E4M3 and, for the dgrad, the gradient in E5M2.
+    assert gathered == {"f8e4m3fn", "f8e5m2"}
+
+
+@pytest.mark.deviceless
+def test_bf16_program_fails_naming_the_line(capsys):
+    flags = "--xla-flags=--xla_gpu_enable_triton_gemm=false"  # '=': the value starts with '-'
+    status = _run("verify_programs:bf16_entry", "--target", "h200", flags)
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "FAIL:" in out and "cublaslt GEMM bf16" in out
+    assert "verify_programs.py:" in out
+
+
+@pytest.mark.deviceless
+def test_allow_and_at_least_let_a_bf16_program_pass(capsys):
+    status = _run("verify_programs:bf16_entry", "--allow", "bf16_matmul", "--at-least", "0")
+    assert status == 0
+    assert "OK: 0 FP8 GEMMs, 1 high-precision GEMMs allowed." in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mesh", "fsdp=4", "--devices", "8"], "--mesh fsdp=4 has 4 devices but --devices is 8"),
+        (["--target", "a100"], "target must be one of"),
+        (["--devices", "6", "--hosts", "4", "--mesh", "fsdp=6"], "not divisible by hosts=4"),
+        (["--mesh", "fsdp"], "mesh string must look like"),
+    ],
+)
+def test_argument_errors_exit_2(capsys, argv, message):
+    assert _run("verify_programs:fp8_entry", *argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_errors_are_json_too_with_json(capsys):
+    assert _run("verify_programs:fp8_entry", "--target", "a100", "--json") == 2
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+def test_wired_into_the_fp8jax_command(capsys):
+    assert fp8jax_cli.main(["verify", "verify_programs:fp8_entry", "--target", "a100"]) == 2
+    assert "target must be one of" in capsys.readouterr().err
