@@ -99,3 +99,17 @@ def test_combine_states_equals_one_big_batch():
 def test_combine_states_rejects_current_scaling():
     with pytest.raises(TypeError, match="DelayedScaling recipe"):
         fp8jax.combine_states(None, None, recipe=fp8jax.CurrentScaling())
+
+
+def test_stacked_state_updates_each_layer_on_its_own():
+    # nn.scan stacks states on a leading layer axis; one layer's amax must not
+    # reach another layer's scale.
+    recipe = fp8jax.DelayedScaling(amax_history_len=3)
+    one = init_scale_state(recipe)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), one)
+    amaxes = jnp.array([2.0, 8.0])
+    got = update_scale_state(stacked, amaxes, 448.0, recipe)
+    for layer in range(2):
+        want = update_scale_state(one, amaxes[layer], 448.0, recipe)
+        np.testing.assert_array_equal(got.amax_history[layer], want.amax_history)
+        np.testing.assert_array_equal(got.scale[layer], want.scale)

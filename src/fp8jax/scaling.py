@@ -10,6 +10,10 @@ The ops return updated state through the *cotangent* of their ``state``
 argument ("meta as gradient"): ``jax.grad`` with respect to the state gives
 the new state. :func:`take_new_state` swaps it in, and :func:`combine_states`
 merges the states of several micro-batches by max.
+
+Every rule here treats leading axes as independent tensors: a state stacked
+by ``nn.scan``/``jax.lax.scan`` over layers (history ``(layers, L)``, scale
+``(layers,)``) is updated, swapped and merged layer by layer.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ class ScaleState(NamedTuple):
     """Delayed-scaling state of one tensor.
 
     Attributes:
-      amax_history: f32[amax_history_len]; slot 0 holds the newest amax.
-      scale: f32[] scalar; quantization computes ``x * scale``.
+      amax_history: f32[..., amax_history_len]; slot 0 holds the newest amax.
+      scale: f32[...]; quantization computes ``x * scale``. Leading axes,
+        if any, stack independent tensors (scanned layers).
     """
 
     amax_history: jax.Array
@@ -109,8 +114,8 @@ def scale_from_amax(amax: jax.Array, fp8_max: float, margin: float, fallback) ->
 
 def _amax_of_history(history: jax.Array, recipe: DelayedScaling) -> jax.Array:
     if recipe.amax_compute_algo == "max":
-        return jnp.max(history)
-    return history[0]
+        return jnp.max(history, axis=-1)
+    return history[..., 0]
 
 
 def update_scale_state(
@@ -140,7 +145,7 @@ def update_scale_state(
     # A NaN/Inf amax carries no usable range information; storing it would make
     # max(history) non-finite for amax_history_len steps.
     amax = jnp.where(jnp.isfinite(amax), amax, jnp.float32(0))
-    history = jnp.roll(state.amax_history, 1).at[0].set(amax)
+    history = jnp.roll(state.amax_history, 1, axis=-1).at[..., 0].set(amax)
     scale = scale_from_amax(_amax_of_history(history, recipe), fp8_max, recipe.margin, state.scale)
     return ScaleState(history, scale)
 
@@ -223,7 +228,7 @@ def take_new_state(old_state, state_grads):
     def pick(old: ScaleState, new: ScaleState) -> ScaleState:
         consumed = new.scale > 0
         return ScaleState(
-            jnp.where(consumed, new.amax_history, old.amax_history),
+            jnp.where(consumed[..., None], new.amax_history, old.amax_history),
             jnp.where(consumed, new.scale, old.scale),
         )
 
