@@ -1,0 +1,37 @@
+"""The attention core both APIs share: split the fused QKV, rotate, attend (not quantized)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.flax.rotary import apply_rotary
+
+
+def attention_core(q, k, v, mask, causal: bool, implementation: str | None) -> jax.Array:
+    """``jax.nn.dot_product_attention`` in the inputs' dtype; not quantized."""
+    # JAX's XLA attention promotes bf16 logits against f32 internally, which a
+    # process running strict dtype promotion rejects; that promotion is JAX's.
+    with jax.numpy_dtype_promotion("standard"):
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=causal, implementation=implementation
+        )
+
+
+def attend(
+    qkv, *, num_heads: int, rope_base: float | None, positions, mask, causal, implementation
+):
+    """Splits the fused QKV ``(b, s, kv_heads, group + 2, d)``, applies RoPE, attends.
+
+    Query head ``h`` is group member ``h % group`` of key/value head
+    ``h // group``, the grouping ``jax.nn.dot_product_attention`` uses for GQA.
+    """
+    batch, seq, _, group_plus_2, d = qkv.shape
+    group = group_plus_2 - 2
+    q = qkv[:, :, :, :group].reshape(batch, seq, num_heads, d)
+    k, v = qkv[:, :, :, group], qkv[:, :, :, group + 1]
+    if rope_base is not None:
+        positions = jnp.arange(seq) if positions is None else positions
+        q = apply_rotary(q, positions, base=rope_base)
+        k = apply_rotary(k, positions, base=rope_base)
+    return attention_core(q, k, v, mask, causal, implementation)

@@ -1,0 +1,109 @@
+"""Save and restore params, optimizer state and FP8 state with orbax.
+
+FP8 scale state is ordinary f32 arrays in the train state's pytree, so
+orbax's standard pytree handler saves it with everything else and a restored
+run continues bit for bit. These helpers only pick the orbax calls: one
+``CheckpointManager`` per call, a step-numbered directory per save, and a
+restore shaped like a template you pass in.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+
+def _manager(directory, max_to_keep: int | None = None) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+
+
+def save(directory, step: int, tree: Any, *, max_to_keep: int | None = None) -> None:
+    """Writes ``tree`` as checkpoint ``step`` under ``directory`` and waits for it.
+
+    Args:
+      directory: the run's checkpoint directory (created if missing).
+      step: the step number; one subdirectory per step.
+      tree: any pytree of arrays, e.g. a :class:`fp8jax.flax.TrainState`.
+      max_to_keep: keep only this many newest checkpoints (None keeps all).
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> from fp8jax.flax import checkpoint
+      >>> d = tempfile.mkdtemp()
+      >>> checkpoint.save(d, 3, {"w": jnp.arange(4.0)})
+      >>> checkpoint.restore(d, {"w": jnp.zeros(4)})["w"].tolist()
+      [0.0, 1.0, 2.0, 3.0]
+    """
+    with _manager(directory, max_to_keep) as manager:
+        manager.save(step, args=ocp.args.StandardSave(tree))
+        manager.wait_until_finished()
+
+
+def latest_step(directory) -> int | None:
+    """The newest step saved under ``directory``, or None."""
+    with _manager(directory) as manager:
+        return manager.latest_step()
+
+
+def restore(directory, like: Any, step: int | None = None) -> Any:
+    """Reads checkpoint ``step`` (default: the newest) shaped like ``like``.
+
+    Args:
+      directory: the run's checkpoint directory.
+      like: a pytree with the structure, shapes and dtypes to restore, such
+        as a freshly created train state (its values are not used) or
+        ``jax.eval_shape`` of one.
+      step: which step; None for the newest.
+
+    Returns:
+      The restored pytree.
+
+    Raises:
+      FileNotFoundError: if ``directory`` holds no checkpoint (or not ``step``).
+    """
+    with _manager(directory) as manager:
+        steps = manager.all_steps()
+        step = manager.latest_step() if step is None else step
+        if step is None or step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} under {directory!r}; saved steps: {sorted(steps)}."
+            )
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+
+def save_nnx(directory, step: int, *nodes: Any, max_to_keep: int | None = None) -> None:
+    """Saves the state of NNX objects (a model, its ``nnx.Optimizer``) as one checkpoint.
+
+    Everything in them is saved: params, :class:`~fp8jax.flax.nnx.Fp8State`,
+    optimizer state and step, RNG state.
+    """
+    save(directory, step, nnx.to_pure_dict(nnx.state(nodes)), max_to_keep=max_to_keep)
+
+
+def restore_nnx(directory, *nodes: Any, step: int | None = None) -> None:
+    """Restores :func:`save_nnx`'s checkpoint into the same kind of NNX objects, in place.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax
+      >>> from flax import nnx
+      >>> from fp8jax.flax import checkpoint, nnx as fnnx
+      >>> d = tempfile.mkdtemp()
+      >>> model = fnnx.DenseGeneral(8, 4, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+      >>> checkpoint.save_nnx(d, 0, model, optimizer)
+      >>> fresh = fnnx.DenseGeneral(8, 4, rngs=nnx.Rngs(1))
+      >>> fresh_opt = nnx.Optimizer(fresh, optax.adam(1e-3), wrt=nnx.Param)
+      >>> checkpoint.restore_nnx(d, fresh, fresh_opt)
+      >>> bool((fresh.kernel[...] == model.kernel[...]).all())
+      True
+    """
+    state = nnx.state(nodes)
+    restored = restore(directory, nnx.to_pure_dict(state), step)
+    nnx.replace_by_pure_dict(state, restored)
+    nnx.update(nodes, state)

@@ -1,0 +1,134 @@
+"""NNX TransformerLayer: MultiHeadAttention + LayerNormMLP with residuals."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from fp8jax.flax import _common
+from fp8jax.flax.nnx.attention import MultiHeadAttention
+from fp8jax.flax.nnx.dense import default_kernel_init
+from fp8jax.flax.nnx.mlp import LayerNormMLP
+from fp8jax.flax.nnx.norm import LayerNorm
+
+
+class TransformerLayer(nnx.Module):
+    """One transformer block; the NNX twin of :class:`fp8jax.flax.linen.TransformerLayer`.
+
+    Args:
+      num_heads: query heads.
+      in_features: the hidden size.
+      intermediate_dim: the MLP's inner width.
+      num_kv_heads, head_dim, causal, use_rope, rope_base,
+      attention_implementation: as in MultiHeadAttention.
+      activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU.
+      norm_type: ``"layernorm"`` or ``"rmsnorm"``, for every norm.
+      norm_position: ``"pre"`` or ``"post"`` (see the Linen module).
+      residual_from_norm: pre-norm only; residuals from the norm's output.
+      zero_centered_gamma, epsilon: norm settings.
+      use_bias: biases on every GEMM.
+      dropout_rate: dropout on the attention and MLP outputs.
+      deterministic: disable dropout by default; may be overridden per call.
+      dtype, param_dtype, kernel_init, bias_init, recipe: as in DenseGeneral.
+      rngs: ``nnx.Rngs`` for the initializers and dropout.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from fp8jax.flax import nnx as fnnx
+      >>> layer = fnnx.TransformerLayer(4, 32, 64, causal=True, rngs=nnx.Rngs(0))
+      >>> layer(jnp.ones((2, 8, 32))).shape
+      (2, 8, 32)
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        in_features: int,
+        intermediate_dim: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        activations: Sequence[str] = ("gelu", "linear"),
+        norm_type: str = "layernorm",
+        norm_position: str = "pre",
+        residual_from_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        epsilon: float = 1e-6,
+        causal: bool = False,
+        use_rope: bool = False,
+        rope_base: float = 10000.0,
+        use_bias: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: bool = False,
+        attention_implementation: str | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init=default_kernel_init,
+        bias_init=jax.nn.initializers.zeros,
+        recipe=None,
+        rngs: nnx.Rngs,
+    ):
+        owner = type(self).__name__
+        self.pre = _common.norm_position(owner, norm_position) == "pre"
+        _common.residual_from_norm(owner, residual_from_norm, norm_position)
+        rate = _common.dropout_rate(owner, dropout_rate)
+        norm = {
+            "norm_type": norm_type,
+            "zero_centered_gamma": zero_centered_gamma,
+            "epsilon": epsilon,
+            "dtype": dtype,
+            "param_dtype": param_dtype,
+            "rngs": rngs,
+        }
+        dense = {
+            "use_bias": use_bias,
+            "kernel_init": kernel_init,
+            "bias_init": bias_init,
+            "recipe": recipe,
+        }
+        self.attention = MultiHeadAttention(
+            num_heads,
+            in_features,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            causal=causal,
+            use_rope=use_rope,
+            rope_base=rope_base,
+            input_layernorm=self.pre,
+            return_layernorm_output=residual_from_norm,
+            dropout_rate=rate,
+            deterministic=deterministic,
+            attention_implementation=attention_implementation,
+            **norm,
+            **dense,
+        )
+        self.mlp = LayerNormMLP(
+            in_features,
+            intermediate_dim,
+            activations=activations,
+            return_layernorm_output=residual_from_norm or not self.pre,
+            **norm,
+            **dense,
+        )
+        self.dropout = nnx.Dropout(rate, deterministic=deterministic, rngs=rngs) if rate else None
+        self.output_norm = None if self.pre else LayerNorm(in_features, **norm)
+        self.residual_from_norm, self.dtype = residual_from_norm, dtype
+
+    def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
+        """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
+        _common.rank(type(self).__name__, x, expected=3)
+        x = x.astype(self.dtype or x.dtype)
+        from_norm = self.residual_from_norm
+        a = self.attention(x, mask, positions, deterministic)
+        a, residual = a if from_norm else (a, x)
+        m = self.mlp(residual + a)
+        m, residual = m if from_norm or not self.pre else (m, residual + a)
+        if self.dropout is not None:
+            m = self.dropout(m, deterministic=deterministic)
+        if self.pre:
+            return residual + m
+        return self.output_norm(residual + m)

@@ -1,0 +1,58 @@
+"""Rotary position embeddings (RoPE), in plain ``jnp``.
+
+The "rotate half" layout (GPT-NeoX, Llama): feature ``i`` of the first half of
+a head is paired with feature ``i`` of the second half, and the pair is
+rotated by ``position * base**(-2i / head_dim)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Array:
+    """Rotates query or key heads by their positions.
+
+    Args:
+      x: ``(batch, seq, heads, head_dim)``; ``head_dim`` must be even.
+      positions: integer positions, ``(seq,)`` or ``(batch, seq)``.
+      base: the wavelength base (10000 in the RoPE paper).
+
+    Returns:
+      ``x`` rotated, in ``x.dtype``; the angles are computed in f32.
+
+    Raises:
+      ValueError: for an odd head_dim or positions that do not fit x.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from fp8jax.flax.rotary import apply_rotary
+      >>> x = jnp.ones((1, 3, 2, 4))
+      >>> y = apply_rotary(x, jnp.arange(3))
+      >>> bool(jnp.allclose(y[:, 0], x[:, 0]))  # position 0 is not rotated
+      True
+    """
+    batch, seq, _, dim = x.shape
+    if dim % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim, got {dim}.")
+    positions = jnp.asarray(positions)
+    if positions.shape not in ((seq,), (batch, seq)):
+        raise ValueError(
+            f"positions must have shape ({seq},) or ({batch}, {seq}) to match x of shape "
+            f"{tuple(x.shape)}, got {tuple(positions.shape)}."
+        )
+    half = dim // 2
+    inv_freq = jnp.power(
+        jnp.float32(base), -jnp.arange(half, dtype=jnp.float32) / jnp.float32(half)
+    )
+    pos = jnp.broadcast_to(positions, (batch, seq)).astype(jnp.float32)
+    angle = pos.reshape(batch, seq, 1, 1) * inv_freq.reshape(1, 1, 1, half)
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    # The (1, ...) angle broadcasts over heads explicitly; rank promotion stays off.
+    sin = jnp.broadcast_to(sin, x1.shape)
+    cos = jnp.broadcast_to(cos, x1.shape)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)

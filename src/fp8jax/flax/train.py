@@ -1,0 +1,213 @@
+"""Train steps that update params with optax and FP8 scale state by swapping it in.
+
+The FP8 ops return their updated scale state as the gradient of their
+``state`` argument. A train step therefore differentiates the loss with
+respect to params *and* FP8 state, hands only the param gradients to optax,
+and swaps the state "gradients" in with :func:`fp8jax.take_new_state`.
+
+Scanned layers (``nn.scan``, ``nnx.scan``, ``jax.lax.scan``) stack each state
+leaf along a leading layer axis, and the gradient of a scanned state is the
+stack of each layer's new state. :func:`fp8jax.take_new_state` and
+:func:`fp8jax.combine_states` treat those leading axes as independent
+tensors, so one layer's amax never leaks into another's scale.
+
+Gradient accumulation splits the batch into micro-batches, all of which start
+from the same state; their new states are merged by max
+(:func:`fp8jax.combine_states`), never summed as gradients are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fp8jax.flax._common import positive_int
+from fp8jax.recipes import DelayedScaling
+from fp8jax.scaling import ScaleState, combine_states, take_new_state
+
+FP8_COLLECTION = "fp8_state"
+"""The Linen variable collection that holds delayed-scaling state."""
+
+
+def _is_scale_state(node) -> bool:
+    return isinstance(node, ScaleState)
+
+
+def _combine_identity(state):
+    # History 0 and scale +inf: combining with it returns the other state
+    # exactly (the fallback scale is min(inf, s) = s), and an unused state's
+    # zero cotangent stays a zero scale, which take_new_state ignores.
+    return jax.tree.map(
+        lambda s: ScaleState(jnp.zeros_like(s.amax_history), jnp.full_like(s.scale, jnp.inf)),
+        state,
+        is_leaf=_is_scale_state,
+    )
+
+
+def _micro_batches(batch, n: int):
+    def split(a):
+        if jnp.ndim(a) == 0 or a.shape[0] % n:
+            raise ValueError(
+                f"accumulation_steps={n} must divide the batch's leading axis, got a leaf of "
+                f"shape {jnp.shape(a)}."
+            )
+        return a.reshape(n, a.shape[0] // n, *a.shape[1:])
+
+    return jax.tree.map(split, batch)
+
+
+def _has_state(fp8_state) -> bool:
+    return bool(jax.tree.leaves(fp8_state))
+
+
+def grads_and_fp8_state(
+    loss_fn: Callable,
+    params,
+    fp8_state,
+    carry,
+    batch,
+    *,
+    accumulation_steps: int = 1,
+    recipe: DelayedScaling | None = None,
+):
+    """Loss, mean param gradients and the next FP8 state, over micro-batches.
+
+    Args:
+      loss_fn: ``loss_fn(params, fp8_state, carry, batch) -> (loss, carry)``;
+        ``carry`` is threaded through micro-batches undifferentiated (NNX uses
+        it for RNG counts).
+      params: differentiated; their gradients are averaged.
+      fp8_state: differentiated; its "gradients" are new states, merged by max.
+      carry: any pytree.
+      batch: a pytree whose leaves share a leading batch axis.
+      accumulation_steps: number of micro-batches the batch is split into.
+      recipe: the DelayedScaling of the state; needed to merge micro-batches.
+
+    Returns:
+      ``(loss, param_grads, new_fp8_state, carry)``.
+    """
+    n = positive_int("train step", "accumulation_steps", accumulation_steps)
+    value_and_grad = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    if n == 1:
+        (loss, carry), (grads, state_grads) = value_and_grad(params, fp8_state, carry, batch)
+        return loss, grads, take_new_state(fp8_state, state_grads), carry
+    if _has_state(fp8_state) and not isinstance(recipe, DelayedScaling):
+        raise ValueError(
+            f"accumulation_steps={n} with FP8 scale state needs recipe=<the DelayedScaling the "
+            f"model uses> to merge micro-batch states by max; got recipe={recipe!r}."
+        )
+
+    def micro_step(acc, micro):
+        grad_sum, merged, loss_sum, carry = acc
+        (loss, carry), (grads, state_grads) = value_and_grad(params, fp8_state, carry, micro)
+        grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+        if _has_state(fp8_state):
+            merged = combine_states(merged, state_grads, recipe=recipe)
+        return (grad_sum, merged, loss_sum + loss.astype(jnp.float32), carry), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    init = (zeros, _combine_identity(fp8_state), jnp.zeros((), jnp.float32), carry)
+    (grad_sum, merged, loss_sum, carry), _ = jax.lax.scan(
+        micro_step, init, _micro_batches(batch, n)
+    )
+    grads = jax.tree.map(lambda g: g / jnp.asarray(n, g.dtype), grad_sum)
+    return loss_sum / jnp.float32(n), grads, take_new_state(fp8_state, merged), carry
+
+
+class TrainState(NamedTuple):
+    """Everything a Linen train step updates (a pytree; checkpoint it whole).
+
+    Attributes:
+      step: int32 scalar, the number of steps taken.
+      params: the ``"params"`` collection.
+      opt_state: the optax state of ``params``.
+      fp8_state: the ``"fp8_state"`` collection; ``{}`` under CurrentScaling.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    fp8_state: Any
+
+    @classmethod
+    def create(cls, variables, optimizer: optax.GradientTransformation) -> TrainState:
+        """Splits ``model.init(...)``'s variables and initializes the optimizer on params.
+
+        Raises:
+          ValueError: if ``variables`` has collections other than params and fp8_state.
+        """
+        extra = sorted(set(variables) - {"params", FP8_COLLECTION})
+        if extra:
+            raise ValueError(
+                f"variables has collections {extra} besides 'params' and {FP8_COLLECTION!r}; "
+                "TrainState carries only those two."
+            )
+        params = variables["params"]
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            fp8_state=dict(variables.get(FP8_COLLECTION, {})),
+        )
+
+
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    accumulation_steps: int = 1,
+    recipe: DelayedScaling | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array]]:
+    """Builds a Linen train step: optax on params, FP8 state swapped in.
+
+    Args:
+      loss_fn: ``loss_fn(variables, batch) -> scalar loss``, where ``variables``
+        is ready for ``model.apply`` (``{"params": ..., "fp8_state": ...}``).
+        For dropout, put a key in ``batch`` and pass ``rngs={"dropout": key}``.
+      optimizer: an optax GradientTransformation; it never sees FP8 state.
+      accumulation_steps: split each batch into this many micro-batches along
+        its leading axis, average the gradients and merge FP8 states by max.
+      recipe: the model's DelayedScaling; required when accumulating with state.
+
+    Returns:
+      ``train_step(state, batch) -> (state, loss)``, a pure function to jit.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, fp8jax
+      >>> from fp8jax.flax import linen as fnn, TrainState, make_train_step
+      >>> recipe = fp8jax.DelayedScaling(amax_history_len=4)
+      >>> model = fnn.DenseGeneral(features=8, recipe=recipe)
+      >>> x, y = jnp.ones((16, 32)), jnp.zeros((16, 8))
+      >>> state = TrainState.create(model.init(jax.random.key(0), x), optax.sgd(0.1))
+      >>> loss_fn = lambda v, b: jnp.mean((model.apply(v, b[0]) - b[1]) ** 2)
+      >>> step = jax.jit(make_train_step(loss_fn, optax.sgd(0.1)))
+      >>> state, loss = step(state, (x, y))
+      >>> float(state.fp8_state["scales"].x.scale)
+      448.0
+    """
+
+    def split_loss(params, fp8_state, carry, batch):
+        variables = {"params": params}
+        if fp8_state:
+            variables[FP8_COLLECTION] = fp8_state
+        return loss_fn(variables, batch), carry
+
+    def train_step(state: TrainState, batch):
+        loss, grads, fp8_state, _ = grads_and_fp8_state(
+            split_loss,
+            state.params,
+            state.fp8_state,
+            None,
+            batch,
+            accumulation_steps=accumulation_steps,
+            recipe=recipe,
+        )
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state, fp8_state), loss
+
+    return train_step

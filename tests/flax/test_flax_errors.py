@@ -1,0 +1,194 @@
+"""Misuse fails at construction or init with a message naming the argument (Linen and NNX)."""
+
+import re
+
+import flax_reference as ref
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import fp8jax
+from fp8jax.flax import Fp8DotGeneral, TrainState, checkpoint, make_train_step
+from fp8jax.flax import linen as fnn
+from fp8jax.flax import nnx as fnnx
+from fp8jax.flax.rotary import apply_rotary
+
+DELAYED = fp8jax.DelayedScaling(amax_history_len=4)
+X = jnp.ones((2, 8, 32))
+
+
+def linen_init(module, x=X):
+    return module.init(jax.random.key(0), x)
+
+
+def nnx_make(cls, *args, **kwargs):
+    # eval_shape: build the module without running its initializers.
+    return nnx.eval_shape(lambda: cls(*args, **kwargs, rngs=nnx.Rngs(0)))
+
+
+# (id, Linen thunk, NNX thunk, message); each thunk must raise ValueError.
+CASES = [
+    (
+        "num_heads must divide the width",
+        lambda: linen_init(fnn.MultiHeadAttention(3)),
+        lambda: nnx_make(fnnx.MultiHeadAttention, 3, 32),
+        "MultiHeadAttention: num_heads=3 must divide the hidden size 32",
+    ),
+    (
+        "num_kv_heads must divide num_heads",
+        lambda: fnn.MultiHeadAttention(4, num_kv_heads=3),
+        lambda: nnx_make(fnnx.MultiHeadAttention, 4, 32, num_kv_heads=3),
+        "MultiHeadAttention: num_kv_heads=3 must divide num_heads=4",
+    ),
+    (
+        "num_heads positive",
+        lambda: fnn.TransformerLayer(0, 64),
+        lambda: nnx_make(fnnx.TransformerLayer, 0, 32, 64),
+        "num_heads must be an int >= 1, got 0",
+    ),
+    (
+        "unknown activation",
+        lambda: fnn.LayerNormMLP(64, activations=("swish", "linear")),
+        lambda: nnx_make(fnnx.LayerNormMLP, 32, 64, activations=("swish", "linear")),
+        "LayerNormMLP: activations must be one or two names from",
+    ),
+    (
+        "unknown activation in a layer",
+        lambda: fnn.TransformerLayer(4, 64, activations="gelu_fast"),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, activations="gelu_fast"),
+        "activations must be one or two names from",
+    ),
+    (
+        "intermediate_dim",
+        lambda: fnn.LayerNormMLP(0),
+        lambda: nnx_make(fnnx.LayerNormMLP, 32, 0),
+        "LayerNormMLP: intermediate_dim must be an int >= 1, got 0",
+    ),
+    (
+        "unknown norm_type",
+        lambda: fnn.LayerNorm(norm_type="batchnorm"),
+        lambda: nnx_make(fnnx.LayerNorm, 32, norm_type="batchnorm"),
+        "LayerNorm: norm_type must be one of ('layernorm', 'rmsnorm'), got 'batchnorm'",
+    ),
+    (
+        "dropout_rate",
+        lambda: fnn.TransformerLayer(4, 64, dropout_rate=1.0),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, dropout_rate=1.0),
+        "TransformerLayer: dropout_rate must be in [0, 1), got 1.0",
+    ),
+    (
+        "norm_position",
+        lambda: fnn.TransformerLayer(4, 64, norm_position="sandwich"),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, norm_position="sandwich"),
+        "TransformerLayer: norm_position must be one of ('pre', 'post'), got 'sandwich'",
+    ),
+    (
+        "residual_from_norm needs pre-norm",
+        lambda: fnn.TransformerLayer(4, 64, norm_position="post", residual_from_norm=True),
+        lambda: nnx_make(
+            fnnx.TransformerLayer, 4, 32, 64, norm_position="post", residual_from_norm=True
+        ),
+        "residual_from_norm=True needs norm_position='pre'",
+    ),
+    (
+        "layernorm output needs a norm",
+        lambda: fnn.MultiHeadAttention(4, input_layernorm=False, return_layernorm_output=True),
+        lambda: nnx_make(
+            fnnx.MultiHeadAttention, 4, 32, input_layernorm=False, return_layernorm_output=True
+        ),
+        "return_layernorm_output=True needs input_layernorm=True",
+    ),
+    (
+        "custom dot_general cannot keep delayed state",
+        lambda: fnn.DenseGeneral(8, dot_general=jax.lax.dot_general, recipe=DELAYED),
+        lambda: nnx_make(fnnx.DenseGeneral, 32, 8, dot_general=jax.lax.dot_general, recipe=DELAYED),
+        "DenseGeneral: dot_general= replaces the FP8 op, so it cannot use recipe=DelayedScaling",
+    ),
+    (
+        "kernel_axes length",
+        lambda: linen_init(fnn.DenseGeneral(8, kernel_axes=("embed",))),
+        lambda: nnx_make(fnnx.DenseGeneral, 32, 8, kernel_axes=("embed",)),
+        "DenseGeneral: kernel_axes names 1 axes, but the parameter has 2",
+    ),
+    (
+        "features",
+        lambda: fnn.DenseGeneral(-4),
+        lambda: nnx_make(fnnx.DenseGeneral, 32, -4),
+        "features must be an int >= 1, got -4",
+    ),
+]
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize(("case", "linen", "nnx_", "message"), CASES, ids=[c[0] for c in CASES])
+def test_bad_configuration_is_named(api, case, linen, nnx_, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        (linen if api == "linen" else nnx_)()
+
+
+def test_wrong_input_rank():
+    message = "MultiHeadAttention: x must have rank 3, got shape (8, 32) (rank 2)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        linen_init(fnn.MultiHeadAttention(4), jnp.ones((8, 32)))
+    attn = fnnx.MultiHeadAttention(4, 32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        attn(jnp.ones((8, 32)))
+    with pytest.raises(ValueError, match=re.escape("TransformerLayer: x must have rank 3")):
+        linen_init(fnn.TransformerLayer(4, 64), jnp.ones((2, 4, 8, 32)))
+    with pytest.raises(ValueError, match=re.escape("DenseGeneral: axis=(1, 2) is out of range")):
+        linen_init(fnn.DenseGeneral(8, axis=(1, 2)), jnp.ones((4, 32)))
+
+
+def test_nnx_input_width_must_match_in_features():
+    layer = fnnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0))
+    message = "LayerNormMLP: x has size (48,) on axes (-1,) (shape (2, 48)), but the module was "
+    with pytest.raises(ValueError, match=re.escape(message + "built with in_features=32")):
+        layer(jnp.ones((2, 48)))
+    with pytest.raises(ValueError, match=re.escape("gives 1 sizes; give one size per axis")):
+        nnx_make(fnnx.DenseGeneral, 32, 8, axis=(-2, -1))
+
+
+def test_delayed_scaling_apply_without_state_names_the_collection():
+    layer = fnn.DenseGeneral(8, recipe=DELAYED)
+    params = {"params": ref.init(layer, X)["params"]}
+    with pytest.raises(Exception, match="fp8_state"):
+        layer.apply(params, X)
+
+
+def test_dot_general_drop_in_refuses_delayed_scaling():
+    with pytest.raises(
+        TypeError, match=re.escape("Fp8DotGeneral.recipe must be fp8jax.CurrentScaling")
+    ):
+        Fp8DotGeneral(recipe=DELAYED)
+
+
+def test_train_step_errors():
+    layer = fnn.DenseGeneral(8, recipe=DELAYED)
+    variables = ref.init(layer, X)
+    tx = optax.sgd(0.1)
+    state = TrainState.create(variables, tx)
+    loss_fn = lambda v, b: jnp.mean(layer.apply(v, b))  # noqa: E731
+    step = make_train_step(loss_fn, tx, accumulation_steps=2)
+    with pytest.raises(ValueError, match=re.escape("needs recipe=<the DelayedScaling")):
+        step(state, X)
+    step = make_train_step(loss_fn, tx, accumulation_steps=3, recipe=DELAYED)
+    with pytest.raises(ValueError, match=re.escape("accumulation_steps=3 must divide the batch")):
+        step(state, X)
+    with pytest.raises(ValueError, match=re.escape("accumulation_steps must be an int >= 1")):
+        make_train_step(loss_fn, tx, accumulation_steps=0)(state, X)
+    with pytest.raises(ValueError, match=re.escape("collections ['batch_stats']")):
+        TrainState.create({**variables, "batch_stats": {}}, tx)
+
+
+def test_restore_without_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint for step None"):
+        checkpoint.restore(tmp_path / "empty", {"w": jnp.zeros(2)})
+
+
+def test_rotary_errors():
+    with pytest.raises(ValueError, match="even head_dim, got 5"):
+        apply_rotary(jnp.ones((1, 4, 2, 5)), jnp.arange(4))
+    with pytest.raises(ValueError, match=re.escape("positions must have shape (4,) or (1, 4)")):
+        apply_rotary(jnp.ones((1, 4, 2, 8)), jnp.arange(5))
