@@ -1,0 +1,88 @@
+"""Single GEMMs: BF16 vs FP8 on pre-quantized operands vs fp8jax.dense (issue 8).
+
+Reports TFLOP/s and the fraction of the H200's dense peaks (FP8 1979, BF16
+989 TFLOP/s). "fp8_prequantized" is the GEMM alone; "fp8jax_dense_*" include
+quantizing both operands every call, as training does.
+
+    PYTHONPATH=src python bench/gemm.py [--shapes 8192x8192x8192 16384x4096x16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+from harness import compiled_facts, dump, environment, time_ms
+from jax import lax
+
+import fp8jax
+
+BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
+PEAK_TFLOPS = {"fp8": 1979.0, "bf16": 989.0}
+
+
+def variants(m, k, n):
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (m, k)).astype(BF16)
+    w = (jax.random.normal(kw, (k, n)) * 0.02).astype(BF16)
+    dims = (((1,), (0,)), ((), ()))
+    delayed = fp8jax.DelayedScaling(amax_history_len=16)
+    state = fp8jax.init_state(delayed)
+    return {
+        "bf16": ("bf16", jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=BF16)), (x, w)),
+        "fp8_prequantized": (
+            "fp8",
+            jax.jit(lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=BF16)),
+            (x.astype(E4M3), w.astype(E4M3)),
+        ),
+        "fp8jax_dense_current": ("fp8", jax.jit(fp8jax.dense), (x, w)),
+        "fp8jax_dense_delayed": (
+            "fp8",
+            jax.jit(lambda x, w, s: fp8jax.dense(x, w, recipe=delayed, state=s)),
+            (x, w, state),
+        ),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["8192x8192x8192", "16384x4096x16384"])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    env = environment()
+    print(env)
+    results = {"environment": env, "shapes": {}}
+    for shape in args.shapes:
+        m, k, n = (int(v) for v in shape.split("x"))
+        flops = 2 * m * k * n
+        rows = []
+        print(f"\nGEMM {m}x{k}x{n}")
+        print(f"{'variant':<24} {'vs bf16':>8} {'ms':>8} {'TFLOP/s':>8} {'of peak':>8}  backends")
+        base = None
+        for name, (kind, fn, fn_args) in variants(m, k, n).items():
+            facts = compiled_facts(fn, *fn_args)
+            timing = time_ms(fn, *fn_args, iters=args.iters)
+            tflops = flops / timing["median_ms"] / 1e9
+            base = base or timing["median_ms"]
+            rows.append(
+                {
+                    "name": name,
+                    **timing,
+                    **facts,
+                    "tflops": tflops,
+                    "fraction_of_peak": tflops / PEAK_TFLOPS[kind],
+                }
+            )
+            print(
+                f"{name:<24} {base / timing['median_ms']:>7.3f}x {timing['median_ms']:>8.3f} "
+                f"{tflops:>8.0f} {tflops / PEAK_TFLOPS[kind]:>7.1%}  {facts['backends']}"
+            )
+        results["shapes"][shape] = rows
+    if args.out:
+        dump(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

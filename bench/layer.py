@@ -1,0 +1,128 @@
+"""One transformer layer forward+backward: fp8jax vs BF16 vs Flax's FP8 ops (issue 8).
+
+TransformerEngine's published configuration, as in ../shared/anchors/
+flax_layer_anchor.py: hidden 4096, ffn 16384 (gelu), 32 heads, seq 2048,
+batch 8, causal cuDNN attention, bf16 activations and kernels, gradients with
+respect to the input and every parameter. The Flax variants are the anchor's
+layer; fp8jax runs its own TransformerLayer with the same shapes.
+
+    PYTHONPATH=src python bench/layer.py [--variants ...] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen import fp8_ops
+from harness import compiled_facts, dump, environment, print_table, time_ms
+
+import fp8jax
+from fp8jax.flax import linen as fnn
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+class AnchorLayer(nn.Module):
+    """The anchor's Flax layer; ``dot_general_cls`` picks the matmul."""
+
+    heads: int
+    ffn: int
+    attention: str
+    dot_general_cls: type | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        kw = {} if self.dot_general_cls is None else {"dot_general_cls": self.dot_general_cls}
+        hidden = x.shape[-1]
+        y = nn.LayerNorm(dtype=BF16)(x)
+        qkv = nn.DenseGeneral((3, self.heads, hidden // self.heads), dtype=BF16, **kw)(y)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        x = x + nn.DenseGeneral(hidden, axis=(-2, -1), dtype=BF16, **kw)(a)
+        y = nn.LayerNorm(dtype=BF16)(x)
+        y = nn.gelu(nn.Dense(self.ffn, dtype=BF16, **kw)(y))
+        return x + nn.Dense(hidden, dtype=BF16, **kw)(y)
+
+
+def to_bf16(tree):
+    return jax.tree.map(lambda p: p.astype(BF16) if p.dtype == F32 and p.ndim > 1 else p, tree)
+
+
+def anchor_variant(x, heads, ffn, attention, dot_general_cls):
+    model = AnchorLayer(heads, ffn, attention, dot_general_cls)
+    variables = to_bf16(jax.jit(model.init)(jax.random.key(0), x))
+
+    def loss(variables, x):
+        return model.apply(variables, x).astype(F32).mean()
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x)
+
+
+def fp8jax_variant(x, heads, ffn, attention, recipe):
+    layer = fnn.TransformerLayer(
+        num_heads=heads, intermediate_dim=ffn, activations=("gelu",), causal=True,
+        attention_implementation=attention, dtype=BF16, recipe=recipe,
+    )  # fmt: skip
+    variables = to_bf16(jax.jit(layer.init)(jax.random.key(0), x))
+    params = variables["params"]
+    state = variables.get("fp8_state")
+
+    def loss(params, x, state):
+        collections = (
+            {"params": params} if state is None else {"params": params, "fp8_state": state}
+        )
+        return layer.apply(collections, x).astype(F32).mean()
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (params, x, state)
+
+
+VARIANTS = {
+    "bf16": functools.partial(anchor_variant, dot_general_cls=None),
+    "flax_fp8_direct": functools.partial(
+        anchor_variant, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp
+    ),
+    "flax_fp8_qdq": functools.partial(anchor_variant, dot_general_cls=fp8_ops.Fp8DotGeneralOp),
+    "fp8jax_current": functools.partial(fp8jax_variant, recipe=fp8jax.CurrentScaling()),
+    "fp8jax_delayed": functools.partial(
+        fp8jax_variant, recipe=fp8jax.DelayedScaling(amax_history_len=1024)
+    ),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--ffn", type=int, default=16384)
+    parser.add_argument("--attention", default="cudnn", help="cudnn on the GPU, xla elsewhere")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    env = environment()
+    print(env)
+    x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.hidden)).astype(BF16)
+    rows = []
+    for name in args.variants:
+        fn, fn_args = VARIANTS[name](x, args.heads, args.ffn, args.attention)
+        facts = compiled_facts(fn, *fn_args)
+        timing = time_ms(fn, *fn_args, iters=args.iters)
+        rows.append({"name": name, **timing, **facts})
+        print(
+            f"  {name}: {timing['median_ms']:.3f} ms, {facts['fp8_gemms']}/{facts['gemms']} "
+            f"FP8 GEMMs {facts['backends']}, attention calls {facts['attention']}",
+            flush=True,
+        )
+    print_table("TransformerLayer fwd+bwd", rows, "bf16")
+    if args.out:
+        dump(args.out, {"environment": env, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
