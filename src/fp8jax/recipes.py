@@ -27,8 +27,17 @@ def _check_margin(cls_name: str, margin) -> None:
         raise ValueError(f"{cls_name}.margin must be a real number >= 0, got {margin!r}.")
 
 
+def _check_reduction_axes(cls_name: str, axes) -> None:
+    if not isinstance(axes, tuple) or not all(isinstance(a, str) for a in axes):
+        raise TypeError(
+            f"{cls_name}.amax_reduction_axes must be a tuple of mesh axis names such as "
+            f"('dp', 'fsdp'), got {axes!r}."
+        )
+
+
 def _check_common(cls_name: str, recipe) -> None:
     _check_margin(cls_name, recipe.margin)
+    _check_reduction_axes(cls_name, recipe.amax_reduction_axes)
     if not isinstance(recipe.formats, FormatPair):
         raise TypeError(
             f"{cls_name}.formats must be a FormatPair such as fp8jax.HYBRID, "
@@ -58,6 +67,12 @@ class CurrentScaling:
       dgrad_precision: accumulation of the input-gradient GEMM. HIGHEST asks
         for split accumulation, as TransformerEngine does for gradients.
       wgrad_precision: accumulation of the weight-gradient GEMM.
+      amax_reduction_axes: mesh axes every amax is max-reduced over
+        (``lax.pmax``), for ops called inside ``shard_map``: name the axes the
+        tensors are sharded over (all of the shard_map's axes is always
+        right) so that each device picks the scale of the whole tensor.
+        Leave it ``()`` under ``jit``, where the amax of a sharded array is
+        already global.
 
     Example:
       >>> import fp8jax
@@ -70,6 +85,7 @@ class CurrentScaling:
     forward_precision: lax.Precision = lax.Precision.DEFAULT
     dgrad_precision: lax.Precision = lax.Precision.HIGHEST
     wgrad_precision: lax.Precision = lax.Precision.HIGHEST
+    amax_reduction_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_common("CurrentScaling", self)
@@ -95,6 +111,9 @@ class DelayedScaling:
       forward_precision: accumulation of the forward GEMM.
       dgrad_precision: accumulation of the input-gradient GEMM.
       wgrad_precision: accumulation of the weight-gradient GEMM.
+      amax_reduction_axes: as in :class:`CurrentScaling`. Inside
+        ``shard_map`` DelayedScaling needs it: the state is one value for
+        every device, so every device must see the same amaxes.
 
     Example:
       >>> import fp8jax
@@ -109,6 +128,7 @@ class DelayedScaling:
     forward_precision: lax.Precision = lax.Precision.DEFAULT
     dgrad_precision: lax.Precision = lax.Precision.HIGHEST
     wgrad_precision: lax.Precision = lax.Precision.HIGHEST
+    amax_reduction_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_common("DelayedScaling", self)

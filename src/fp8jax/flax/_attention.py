@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from fp8jax.flax._common import BATCH, HEADS, LENGTH
 from fp8jax.flax.rotary import apply_rotary
+from fp8jax.sharding import constrain
 
 
 def attention_core(q, k, v, mask, causal: bool, implementation: str | None) -> jax.Array:
@@ -25,6 +27,11 @@ def attend(
 
     Query head ``h`` is group member ``h % group`` of key/value head
     ``h // group``, the grouping ``jax.nn.dot_product_attention`` uses for GQA.
+
+    Under a mesh with logical axis rules (``fp8jax.sharding.use_mesh``),
+    heads are split over the tensor-parallel axis, and queries and the output
+    keep the sequence split of the residual stream while keys and values are
+    gathered whole: every query sees every key.
     """
     batch, seq, _, group_plus_2, d = qkv.shape
     group = group_plus_2 - 2
@@ -34,4 +41,7 @@ def attend(
         positions = jnp.arange(seq) if positions is None else positions
         q = apply_rotary(q, positions, base=rope_base)
         k = apply_rotary(k, positions, base=rope_base)
-    return attention_core(q, k, v, mask, causal, implementation)
+    q = constrain(q, (BATCH, LENGTH, HEADS, None))
+    k, v = (constrain(t, (BATCH, None, HEADS, None)) for t in (k, v))
+    o = attention_core(q, k, v, mask, causal, implementation)
+    return constrain(o, (BATCH, LENGTH, HEADS, None))

@@ -25,6 +25,10 @@ ACT = "act"  # the branches of a gated activation (2 for GeGLU / SwiGLU)
 HEADS = "heads"  # attention heads; for the fused QKV kernel, the key/value heads
 QKV = "qkv"  # inside a key/value group: its query heads, then the key, then the value
 KV = "kv"  # the per-head width
+# Logical axis names of activations, for sharding constraints inside the layers.
+BATCH = "batch"  # the batch axis
+LENGTH = "length"  # the sequence axis where tokens are independent (norms, MLP, residuals)
+RESIDUAL = (BATCH, LENGTH, None)  # the residual stream (batch, seq, hidden)
 
 NORM_POSITIONS = ("pre", "post")
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax.formats import Fp8Format, is_fp8
-from fp8jax.ops import dimensions
+from fp8jax.ops import _partitioning, dimensions
 from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, resolve_recipe
 from fp8jax.scaling import DotScaleState, ScaleState, scale_from_amax, update_scale_state
@@ -37,13 +37,15 @@ class DotConfig:
     out_dtype: np.dtype
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
+    # What each input's cotangent must match: shard_map axes, Explicit sharding.
+    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def quantize_operand(
     x: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe
 ) -> tuple[Fp8Array, jax.Array]:
     """Quantizes with the stored scale (delayed) or ``x``'s own amax (current)."""
-    x_amax = amax(x)
+    x_amax = _partitioning.reduce_amax(amax(x), recipe)
     if state is None:
         scale = scale_from_amax(x_amax, fmt.max, recipe.margin, fallback=1.0)
     else:
@@ -67,9 +69,19 @@ def quantize_computed(
     return quantize_operand(compute(*inputs).astype(dtype), fmt, state, recipe)
 
 
-def scaled_dot(a: Fp8Array, b: Fp8Array, dims, out_dtype, precision, permutation=None) -> jax.Array:
-    """``dot_general(a.data, b.data) * a.scale_inv * b.scale_inv`` in ``out_dtype``."""
-    y = lax.dot_general(a.data, b.data, dims, precision=precision, preferred_element_type=out_dtype)
+def scaled_dot(
+    a: Fp8Array, b: Fp8Array, dims, out_dtype, precision, permutation=None, like=None
+) -> jax.Array:
+    """``dot_general(a.data, b.data) * a.scale_inv * b.scale_inv`` in ``out_dtype``.
+
+    ``like``: for a gradient, its primal, whose sharding it takes over
+    Explicit mesh axes (see :mod:`fp8jax.ops._partitioning`).
+    """
+    out_sharding = _partitioning.dot_out_sharding(a.data, b.data, dims, like, permutation)
+    y = lax.dot_general(
+        a.data, b.data, dims, precision=precision, preferred_element_type=out_dtype,
+        out_sharding=out_sharding,
+    )  # fmt: skip
     y = y * (a.scale_inv * b.scale_inv).astype(out_dtype)
     return y if permutation is None else jnp.transpose(y, permutation)
 
@@ -97,21 +109,19 @@ def _fp8_dot_bwd(config: DotConfig, residuals, g):
     lhs_ndim, rhs_ndim = lhs_q.data.ndim, rhs_q.data.ndim
     dg = dimensions.dgrad(config.dimension_numbers, lhs_ndim, rhs_ndim)
     wg = dimensions.wgrad(config.dimension_numbers, lhs_ndim, rhs_ndim)
-    d_lhs = scaled_dot(
-        g_q, rhs_q, dg.dimension_numbers, config.lhs_dtype, recipe.dgrad_precision, dg.permutation
-    )
-    d_rhs = scaled_dot(
-        lhs_q, g_q, wg.dimension_numbers, config.rhs_dtype, recipe.wgrad_precision, wg.permutation
-    )
-    if state is None:
-        return d_lhs, d_rhs, None
-    fwd_max, bwd_max = recipe.formats.forward.max, recipe.formats.backward.max
-    new_state = DotScaleState(
-        x=update_scale_state(state.x, amaxes[0], fwd_max, recipe),
-        kernel=update_scale_state(state.kernel, amaxes[1], fwd_max, recipe),
-        grad=update_scale_state(state.grad, g_amax, bwd_max, recipe),
-    )
-    return d_lhs, d_rhs, new_state
+    d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, config.lhs_dtype,
+                       recipe.dgrad_precision, dg.permutation, like=lhs_q.data)  # fmt: skip
+    d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, config.rhs_dtype,
+                       recipe.wgrad_precision, wg.permutation, like=rhs_q.data)  # fmt: skip
+    new_state = None
+    if state is not None:
+        fwd_max, bwd_max = recipe.formats.forward.max, recipe.formats.backward.max
+        new_state = DotScaleState(
+            x=update_scale_state(state.x, amaxes[0], fwd_max, recipe),
+            kernel=update_scale_state(state.kernel, amaxes[1], fwd_max, recipe),
+            grad=update_scale_state(state.grad, g_amax, bwd_max, recipe),
+        )
+    return _partitioning.match_cotangents((d_lhs, d_rhs), new_state, config.inputs)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
@@ -212,6 +222,7 @@ def dot_general(
         out_dtype=_out_dtype(preferred_element_type, lhs.dtype),
         lhs_dtype=jnp.dtype(lhs.dtype),
         rhs_dtype=jnp.dtype(rhs.dtype),
+        inputs=_partitioning.input_types(lhs, rhs, state),
     )
     return _fp8_dot(lhs, rhs, state, config)
 
@@ -257,4 +268,4 @@ def dense(
         raise ValueError(
             f"bias must have the kernel's output shape {kernel_free}, got {tuple(bias.shape)}."
         )
-    return y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+    return y + _partitioning.broadcastable(bias.astype(y.dtype), y.ndim)

@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import dimensions
+from fp8jax.ops import _partitioning, dimensions
 from fp8jax.ops.dense import (
     check_state,
     quantize_computed,
@@ -47,6 +47,8 @@ class FusedConfig:
     kernel_dtypes: tuple[jnp.dtype, ...]  # cotangents come back in these
     activations: tuple[str, ...] = ()
     return_normalized: bool = False
+    # What each input's cotangent must match: shard_map axes, Explicit sharding.
+    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def _normalized(x, gamma, beta, config: FusedConfig):
@@ -70,9 +72,9 @@ def _backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe):
     dg = dimensions.dgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
     wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
     d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
-                       dg.permutation)  # fmt: skip
+                       dg.permutation, like=lhs_q.data)  # fmt: skip
     d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
-                       wg.permutation)  # fmt: skip
+                       wg.permutation, like=rhs_q.data)  # fmt: skip
     return d_lhs, d_rhs
 
 
@@ -133,7 +135,8 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
     dx, dgamma, dbeta = normalize_backward(d_normed, x, mean, rstd, gamma, beta, config.norm)
     new_state = None if state is None else _new_dot_state(state, (*amaxes, g_amax), recipe)
-    return dx, dgamma, dbeta, d_kernel, new_state
+    return _partitioning.match_cotangents((dx, dgamma, dbeta, d_kernel), new_state,
+                                          config.inputs)  # fmt: skip
 
 
 _ln_dense.defvjp(_ln_dense_fwd, _ln_dense_bwd)
@@ -148,7 +151,7 @@ def _add_bias(y, bias, n_out_axes: int):
         raise ValueError(
             f"bias must have the kernel's output shape {expected}, got {tuple(bias.shape)}."
         )
-    return y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+    return y + _partitioning.broadcastable(bias.astype(y.dtype), y.ndim)
 
 
 def layernorm_dense(
@@ -197,13 +200,13 @@ def layernorm_dense(
     check_high_precision("kernel", kernel)
     if kernel.ndim < 2 or kernel.shape[0] != x.shape[-1]:
         raise ValueError(
-            f"kernel must have shape (hidden={x.shape[-1]}, *features), "
-            f"got {tuple(kernel.shape)}."
+            f"kernel must have shape (hidden={x.shape[-1]}, *features), got {tuple(kernel.shape)}."
         )
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
+    inputs = _partitioning.input_types(x, gamma, beta, kernel, state)
     config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
-                         return_normalized=return_normalized)  # fmt: skip
+                         return_normalized=return_normalized, inputs=inputs)  # fmt: skip
     out = _ln_dense(x, gamma, beta, kernel, state, config)
     if return_normalized:
         y, normalized = out
@@ -269,7 +272,8 @@ def _mlp_bwd(config: FusedConfig, saved, g):
             fc1=_new_dot_state(fc1, (normed_amax, k1_amax, dpre_amax), recipe),
             fc2=_new_dot_state(fc2, (h_amax, k2_amax, g_amax), recipe),
         )
-    return dx, dgamma, dbeta, dk1, db1, dk2, db2, new_state
+    cotangents = (dx, dgamma, dbeta, dk1, db1, dk2, db2)
+    return _partitioning.match_cotangents(cotangents, new_state, config.inputs)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -373,5 +377,6 @@ def layernorm_mlp(
     config = FusedConfig(
         norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel_1.dtype), jnp.dtype(kernel_2.dtype)),
         activations=activations,
+        inputs=_partitioning.input_types(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state),
     )  # fmt: skip
     return _mlp(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state, config)

@@ -13,6 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from fp8jax.ops import _partitioning
 from fp8jax.quantize import check_high_precision
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -56,7 +57,7 @@ def check_norm_args(x, gamma, beta, config: NormConfig) -> None:
 
 def _per_feature(v, ndim: int) -> jax.Array:
     """``(hidden,)`` as f32 ``(1, ..., 1, hidden)``: explicit, not rank promotion."""
-    return v.astype(jnp.float32).reshape((1,) * (ndim - 1) + v.shape)
+    return _partitioning.broadcastable(v.astype(jnp.float32), ndim)
 
 
 def _effective_gamma(gamma, config: NormConfig, ndim: int) -> jax.Array:

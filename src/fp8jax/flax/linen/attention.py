@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.flax import _attention, _common
-from fp8jax.flax._common import EMBED, HEADS, KV, QKV
+from fp8jax.flax._common import EMBED, HEADS, KV, QKV, RESIDUAL
 from fp8jax.flax.linen.dense import DenseGeneral, LayerNormDenseGeneral, default_kernel_init
+from fp8jax.sharding import constrain
 
 
 class MultiHeadAttention(nn.Module):
@@ -142,6 +143,8 @@ class MultiHeadAttention(nn.Module):
             name="out",
             **common,
         )(o)
+        # Row-parallel: under sequence parallelism this is a reduce-scatter.
+        y = constrain(y, RESIDUAL)
         if self.dropout_rate > 0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
             y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)

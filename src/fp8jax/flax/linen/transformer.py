@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.flax import _common
+from fp8jax.flax._common import RESIDUAL
 from fp8jax.flax.linen.attention import MultiHeadAttention
 from fp8jax.flax.linen.dense import default_kernel_init
 from fp8jax.flax.linen.mlp import LayerNormMLP
 from fp8jax.flax.linen.norm import LayerNorm
+from fp8jax.sharding import constrain
 
 
 class TransformerLayer(nn.Module):
@@ -94,7 +96,8 @@ class TransformerLayer(nn.Module):
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
         """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
         _common.rank(type(self).__name__, x, expected=3)
-        x = x.astype(self.dtype or x.dtype)
+        # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
+        x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         pre, from_norm = self.norm_position == "pre", self.residual_from_norm
         norm = {
             "norm_type": self.norm_type,
@@ -134,11 +137,11 @@ class TransformerLayer(nn.Module):
             **norm,
             **dense,
         )
-        m = mlp(residual + a)
-        m, residual = m if from_norm or not pre else (m, residual + a)
+        h = constrain(residual + a, RESIDUAL)
+        m = mlp(h)
+        m, residual = m if from_norm or not pre else (m, h)
         if self.dropout_rate > 0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
             m = nn.Dropout(self.dropout_rate)(m, deterministic=deterministic)
-        if pre:
-            return residual + m
-        return LayerNorm(name="output_norm", **norm)(residual + m)
+        y = constrain(residual + m, RESIDUAL)
+        return y if pre else LayerNorm(name="output_norm", **norm)(y)

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8jax.flax import _attention, _common
-from fp8jax.flax._common import EMBED, HEADS, KV, QKV
+from fp8jax.flax._common import EMBED, HEADS, KV, QKV, RESIDUAL
 from fp8jax.flax.nnx.dense import DenseGeneral, LayerNormDenseGeneral, default_kernel_init
+from fp8jax.sharding import constrain
 
 
 class MultiHeadAttention(nnx.Module):
@@ -129,7 +130,8 @@ class MultiHeadAttention(nnx.Module):
             causal=self.causal,
             implementation=self.attention_implementation,
         )
-        y = self.out(o)
+        # Row-parallel: under sequence parallelism this is a reduce-scatter.
+        y = constrain(self.out(o), RESIDUAL)
         if self.dropout is not None:
             y = self.dropout(y, deterministic=deterministic)
         return y if normed is None else (y, normed)

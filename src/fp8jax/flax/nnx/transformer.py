@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from fp8jax.flax import _common
+from fp8jax.flax._common import RESIDUAL
 from fp8jax.flax.nnx.attention import MultiHeadAttention
 from fp8jax.flax.nnx.dense import default_kernel_init
 from fp8jax.flax.nnx.mlp import LayerNormMLP
 from fp8jax.flax.nnx.norm import LayerNorm
+from fp8jax.sharding import constrain
 
 
 class TransformerLayer(nnx.Module):
@@ -121,14 +123,15 @@ class TransformerLayer(nnx.Module):
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
         """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
         _common.rank(type(self).__name__, x, expected=3)
-        x = x.astype(self.dtype or x.dtype)
+        # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
+        x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         from_norm = self.residual_from_norm
         a = self.attention(x, mask, positions, deterministic)
         a, residual = a if from_norm else (a, x)
-        m = self.mlp(residual + a)
-        m, residual = m if from_norm or not self.pre else (m, residual + a)
+        h = constrain(residual + a, RESIDUAL)
+        m = self.mlp(h)
+        m, residual = m if from_norm or not self.pre else (m, h)
         if self.dropout is not None:
             m = self.dropout(m, deterministic=deterministic)
-        if self.pre:
-            return residual + m
-        return self.output_norm(residual + m)
+        y = constrain(residual + m, RESIDUAL)
+        return y if self.pre else self.output_norm(y)
