@@ -1,0 +1,165 @@
+"""A small decoder-only language model built from fp8jax's Linen modules.
+
+Token embedding -> ``layers`` x :class:`fp8jax.flax.linen.TransformerLayer`
+(causal, RoPE, RMSNorm, SwiGLU, no biases; scanned with ``nn.scan``) -> final
+RMSNorm -> LM head. In ``precision="fp8"`` every block GEMM (QKV, attention
+output, both MLP GEMMs; 4 forward, 8 backward) is FP8; the embedding, the
+attention core and the LM head stay BF16, as in TransformerEngine recipes.
+``precision="bf16"`` swaps each block for
+:class:`~fp8jax.models.bf16_layer.Bf16TransformerLayer`, which has the same
+parameters and runs the same GEMMs in BF16: same key, same initial weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fp8jax.flax import FP8_COLLECTION
+from fp8jax.flax import linen as fnn
+from fp8jax.flax._common import EMBED
+from fp8jax.models.bf16_layer import Bf16TransformerLayer
+
+PRECISIONS = ("fp8", "bf16")
+VOCAB = "vocab"  # logical axis name of the embedding's and LM head's vocabulary axis
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GptConfig:
+    """Model shape. Every GEMM dimension is a multiple of 16, as Hopper FP8 GEMMs need.
+
+    Attributes:
+      hidden: model width.
+      layers: transformer blocks.
+      heads: attention heads (head_dim = hidden // heads).
+      ffn: SwiGLU inner width (about 8/3 of hidden).
+      kv_heads: key/value heads (GQA); None means heads.
+      vocab_size: 256 for bytes.
+    """
+
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    kv_heads: int | None = None
+    vocab_size: int = 256
+
+    def __post_init__(self):
+        for field in ("hidden", "layers", "heads", "ffn", "vocab_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GptConfig.{field} must be an int >= 1, got {value!r}.")
+        if self.hidden % self.heads or (self.hidden // self.heads) % 2:
+            raise ValueError(
+                f"GptConfig.heads={self.heads} must divide hidden={self.hidden} into an even "
+                "head_dim (RoPE rotates pairs of features)."
+            )
+
+    def num_params(self) -> int:
+        """Parameters, embedding and LM head included."""
+        h, f, v = self.hidden, self.ffn, self.vocab_size
+        d, kv = h // self.heads, self.kv_heads or self.heads
+        qkv = h * (self.heads + 2 * kv) * d
+        block = qkv + self.heads * d * h + 3 * h * f + 2 * h
+        return self.layers * block + 2 * v * h + h
+
+
+class _Block(nn.Module):
+    """One layer, in the (carry, x) -> (carry, y) form nn.scan wants."""
+
+    precision: str
+    kwargs: dict
+
+    @nn.compact
+    def __call__(self, h, _):
+        layer = fnn.TransformerLayer if self.precision == "fp8" else Bf16TransformerLayer
+        # An explicit name: both layer classes must create their params under
+        # the same scope, so the same key gives the same initial weights.
+        return layer(**self.kwargs, name="layer")(h), None
+
+
+class Gpt(nn.Module):
+    """Decoder-only LM over bytes: ``tokens (batch, seq) int -> logits (batch, seq, vocab)``.
+
+    Attributes:
+      config: the model shape.
+      precision: ``"fp8"`` (block GEMMs in FP8) or ``"bf16"``.
+      recipe: the FP8 recipe (CurrentScaling, DelayedScaling); None: CurrentScaling.
+      attention_implementation: passed to ``jax.nn.dot_product_attention``
+        (None is XLA; ``"cudnn"`` on a GPU).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from fp8jax.models.gpt import Gpt, GptConfig
+      >>> model = Gpt(config=GptConfig(hidden=32, layers=2, heads=2, ffn=64))
+      >>> tokens = jnp.zeros((2, 16), jnp.int32)
+      >>> variables = jax.jit(model.init)(jax.random.key(0), tokens)
+      >>> model.apply(variables, tokens).shape
+      (2, 16, 256)
+    """
+
+    config: GptConfig
+    precision: str = "fp8"
+    recipe: Any = None
+    attention_implementation: str | None = None
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Gpt.precision must be one of {PRECISIONS}, got {self.precision!r}.")
+        if self.precision == "bf16" and self.recipe is not None:
+            raise ValueError("Gpt: precision='bf16' runs no FP8 GEMM; pass recipe=None with it.")
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        init = nn.initializers.normal(stddev=0.02)
+        embed = nn.Embed(
+            c.vocab_size,
+            c.hidden,
+            dtype=jnp.bfloat16,
+            embedding_init=nn.with_logical_partitioning(init, (VOCAB, EMBED)),
+            name="embed",
+        )
+        h = embed(tokens)
+        kwargs = {
+            "num_heads": c.heads,
+            "intermediate_dim": c.ffn,
+            "num_kv_heads": c.kv_heads,
+            "activations": ("silu", "linear"),
+            "norm_type": "rmsnorm",
+            "causal": True,
+            "use_rope": True,
+            "use_bias": False,
+            "attention_implementation": self.attention_implementation,
+        }
+        if self.precision == "fp8":
+            kwargs |= {"recipe": self.recipe, "dtype": jnp.bfloat16}
+        stack = nn.scan(
+            _Block,
+            variable_axes={"params": 0, FP8_COLLECTION: 0},
+            split_rngs={"params": True},
+            length=c.layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        h, _ = stack(self.precision, kwargs, name="blocks")(h, None)
+        h = fnn.LayerNorm(norm_type="rmsnorm", dtype=jnp.bfloat16, name="final_norm")(h)
+        return nn.Dense(
+            c.vocab_size,
+            use_bias=False,
+            dtype=jnp.bfloat16,
+            kernel_init=nn.with_logical_partitioning(init, (EMBED, VOCAB)),
+            name="lm_head",
+        )(h)
+
+
+def next_token_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits`` (any float dtype) against int ``targets``, in f32."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets
+    ).mean()

@@ -1,0 +1,239 @@
+"""What a training run is: the named presets, the options, the optimizer and the recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import optax
+
+import fp8jax
+from fp8jax.models.gpt import PRECISIONS, GptConfig
+from fp8jax.training.errors import ConfigError
+
+RECIPES = ("current", "delayed")
+DELAYED_HISTORY = 16  # amax history of --recipe delayed; short, so the scales follow training
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A named configuration: the model and its training hyperparameters.
+
+    Attributes:
+      model: the GPT's shape.
+      seq_len: bytes per sequence.
+      batch_size: sequences per step (global, over every device).
+      learning_rate: peak AdamW learning rate (linear warmup, cosine to 10%).
+      warmup_steps: linear warmup length (capped at a tenth of the run).
+      steps: default number of steps.
+      log_every: steps per metrics line.
+      eval_every: steps per validation loss (a multiple of log_every).
+      eval_batches: validation batches per evaluation.
+      checkpoint_every: steps per checkpoint.
+    """
+
+    model: GptConfig
+    seq_len: int
+    batch_size: int
+    learning_rate: float
+    warmup_steps: int
+    steps: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+
+
+PRESETS = {
+    # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
+    "tiny": Preset(
+        model=GptConfig(hidden=128, layers=2, heads=4, ffn=384),
+        seq_len=128, batch_size=16, learning_rate=3e-3, warmup_steps=30, steps=300,
+        log_every=10, eval_every=50, eval_batches=16, checkpoint_every=100,
+    ),
+    # GPU presets: head_dim 64, every GEMM dimension a multiple of 128.
+    "small": Preset(
+        model=GptConfig(hidden=768, layers=12, heads=12, ffn=2048),
+        seq_len=1024, batch_size=32, learning_rate=1e-3, warmup_steps=200, steps=2000,
+        log_every=20, eval_every=200, eval_batches=16, checkpoint_every=500,
+    ),
+    "medium": Preset(
+        model=GptConfig(hidden=1024, layers=24, heads=16, ffn=2816),
+        seq_len=1024, batch_size=32, learning_rate=6e-4, warmup_steps=200, steps=4000,
+        log_every=20, eval_every=200, eval_batches=16, checkpoint_every=500,
+    ),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainOptions:
+    """Everything ``fp8jax train`` takes. ``None`` means the preset's value.
+
+    Attributes:
+      out: the run directory (config.json, metrics.jsonl, checkpoints/, summary.json).
+      config: a preset name from :data:`PRESETS`.
+      precision: ``"fp8"`` or ``"bf16"``.
+      recipe: ``"current"`` or ``"delayed"`` (FP8 only; default current).
+      steps, batch_size, seq_len, learning_rate, log_every, eval_every,
+      eval_batches, checkpoint_every: override the preset.
+      seed: initialization and batch order.
+      data: a text file or folder; None is the Python standard library's source.
+      mesh: ``"dp=2,fsdp=4"``-style device mesh; None is one device.
+      resume: continue the run in ``out`` from its newest checkpoint.
+      keep_checkpoints: checkpoints kept on disk (the newest ones).
+      attention: the attention core: ``"xla"``, ``"cudnn"``, or ``"auto"`` (cuDNN on a
+        GPU, XLA elsewhere).
+      verify_target: also compile the train step for this GPU (``"h100"``,
+        ``"h200"``) and count its FP8 GEMMs; needs ``fp8jax[verify]``.
+      inject_nan_at: testing only: poison the parameters before this step so
+        its loss is NaN, to exercise the divergence stop.
+    """
+
+    out: str
+    config: str = "tiny"
+    precision: str = "fp8"
+    recipe: str | None = None
+    steps: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    learning_rate: float | None = None
+    log_every: int | None = None
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    checkpoint_every: int | None = None
+    seed: int = 0
+    data: str | None = None
+    mesh: str | None = None
+    resume: bool = False
+    keep_checkpoints: int = 3
+    attention: str = "auto"
+    verify_target: str | None = None
+    inject_nan_at: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """The resolved run: a preset with the options applied, checked."""
+
+    name: str
+    model: GptConfig
+    precision: str
+    recipe: str | None
+    seq_len: int
+    batch_size: int
+    learning_rate: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    steps: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+
+    # A resumed run must agree on everything else; these may change between sessions.
+    # (The warmup is a tenth of the run at most, so it follows --steps.)
+    MAY_CHANGE = (
+        "steps",
+        "warmup_steps",
+        "log_every",
+        "eval_every",
+        "eval_batches",
+        "checkpoint_every",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["model"] = dataclasses.asdict(self.model)
+        return d
+
+    def fp8_recipe(self):
+        """The fp8jax recipe object, or None for BF16."""
+        if self.precision == "bf16":
+            return None
+        if self.recipe == "delayed":
+            return fp8jax.DelayedScaling(amax_history_len=DELAYED_HISTORY)
+        return fp8jax.CurrentScaling()
+
+    def schedule(self) -> optax.Schedule:
+        """Linear warmup to the peak learning rate, then cosine decay to 10% at ``steps``."""
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            decay_steps=max(self.steps, self.warmup_steps + 1),
+            end_value=self.learning_rate / 10,
+        )
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """AdamW (b2 0.95) on :meth:`schedule`, after global-norm gradient clipping."""
+        return optax.chain(
+            optax.clip_by_global_norm(self.grad_clip),
+            optax.adamw(self.schedule(), b2=0.95, weight_decay=self.weight_decay),
+        )
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}.")
+    return int(value)
+
+
+def resolve(options: TrainOptions) -> RunConfig:
+    """The :class:`RunConfig` of ``options``.
+
+    Raises:
+      ConfigError: for an unknown preset, precision or recipe, or bad numbers.
+    """
+    if options.config not in PRESETS:
+        raise ConfigError(f"--config must be one of {sorted(PRESETS)}, got {options.config!r}.")
+    if options.precision not in PRECISIONS:
+        raise ConfigError(f"--precision must be one of {PRECISIONS}, got {options.precision!r}.")
+    recipe = options.recipe
+    if options.precision == "bf16":
+        if recipe is not None:
+            raise ConfigError(
+                f"--recipe {recipe} applies to FP8 GEMMs; --precision bf16 runs none. "
+                "Drop --recipe or use --precision fp8."
+            )
+    elif recipe is None:
+        recipe = "current"
+    elif recipe not in RECIPES:
+        raise ConfigError(f"--recipe must be one of {RECIPES}, got {recipe!r}.")
+    preset = PRESETS[options.config]
+
+    def pick(name):
+        value = getattr(options, name)
+        return _positive(name, getattr(preset, name) if value is None else value)
+
+    steps, log_every, eval_every = pick("steps"), pick("log_every"), pick("eval_every")
+    if eval_every % log_every:
+        raise ConfigError(
+            f"--eval-every ({eval_every}) must be a multiple of --log-every ({log_every}): "
+            "validation losses are written on metrics lines."
+        )
+    learning_rate = preset.learning_rate if options.learning_rate is None else options.learning_rate
+    if not isinstance(learning_rate, numbers.Real) or not learning_rate > 0:
+        raise ConfigError(f"--lr must be a number > 0, got {learning_rate!r}.")
+    if isinstance(options.seed, bool) or not isinstance(options.seed, numbers.Integral):
+        raise ConfigError(f"--seed must be an int, got {options.seed!r}.")
+    return RunConfig(
+        name=options.config,
+        model=preset.model,
+        precision=options.precision,
+        recipe=recipe if options.precision == "fp8" else None,
+        seq_len=pick("seq_len"),
+        batch_size=pick("batch_size"),
+        learning_rate=float(learning_rate),
+        warmup_steps=min(preset.warmup_steps, max(steps // 10, 1)),
+        weight_decay=0.1,
+        grad_clip=1.0,
+        seed=int(options.seed),
+        steps=steps,
+        log_every=log_every,
+        eval_every=eval_every,
+        eval_batches=pick("eval_batches"),
+        checkpoint_every=pick("checkpoint_every"),
+    )

@@ -1,0 +1,341 @@
+"""``fp8jax train``: the training loop, with its stops (divergence, Ctrl-C) and its summary.
+
+Losses stay on the device between metrics lines; they are fetched (and
+checked for NaN/Inf) at every log step and before every checkpoint, so the
+host never waits for the device in between and a checkpoint never holds a
+diverged state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from fp8jax import data
+from fp8jax.flax import FP8_COLLECTION, TrainState, make_train_step
+from fp8jax.models.gpt import Gpt, next_token_loss
+from fp8jax.recipes import DelayedScaling
+from fp8jax.training import gemm_count, summary
+from fp8jax.training import mesh as mesh_lib
+from fp8jax.training.config import RunConfig, TrainOptions, resolve
+from fp8jax.training.errors import ConfigError, DivergedError, RunDirError
+from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl_c
+from fp8jax.training.run_dir import RunDir
+
+VERIFY_TARGETS = ("h100", "h200")
+ATTENTION = ("auto", "xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """How a run ended: ``status`` is ``"completed"`` or ``"interrupted"``."""
+
+    status: str
+    step: int
+    out: pathlib.Path
+    summary: dict
+
+
+class _Program:
+    """The model, the jitted train and eval steps, and the initial state of a run."""
+
+    def __init__(self, config: RunConfig, mesh, attention: str):
+        recipe = config.fp8_recipe()
+        self.config, self.mesh = config, mesh
+        if attention == "auto":
+            attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        self.model = Gpt(
+            config=config.model,
+            precision=config.precision,
+            recipe=recipe,
+            attention_implementation=attention,
+        )
+        tx = config.optimizer()
+        tokens = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
+        shardings = None
+        if mesh is not None:
+            boxed = jax.eval_shape(self.model.init, jax.random.key(0), tokens)["params"]
+            shardings = mesh_lib.param_shardings(boxed, mesh)
+
+        def create(key):
+            variables = nn.meta.unbox(self.model.init(key, tokens))
+            if shardings is None:
+                return TrainState.create(variables, tx)
+            constrain = jax.lax.with_sharding_constraint
+            params = constrain(variables["params"], shardings)
+            state = TrainState.create(variables | {"params": params}, tx)
+            # AdamW's moments are sharded like the params they follow (FSDP proper).
+            opt_state = optax.tree_map_params(tx, constrain, state.opt_state, shardings)
+            return state._replace(opt_state=opt_state)
+
+        self.initial_state = jax.jit(create)(jax.random.key(config.seed))
+        delayed = recipe if isinstance(recipe, DelayedScaling) else None
+        self.raw_step = make_train_step(self.loss, tx, recipe=delayed)
+        out_shardings, self.batch_sharding = None, None
+        if mesh is not None:
+            state_shardings = jax.tree.map(lambda a: a.sharding, self.initial_state)
+            out_shardings = (state_shardings, mesh_lib.replicated(mesh))
+            self.batch_sharding = mesh_lib.batch_sharding(mesh)
+        self.step = jax.jit(self.raw_step, out_shardings=out_shardings, donate_argnums=0)
+        self.eval = jax.jit(self._eval_loss)
+        self.all_finite = jax.jit(
+            lambda tree: jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
+        )
+
+    def loss(self, variables, batch):
+        return next_token_loss(self.model.apply(variables, batch[:, :-1]), batch[:, 1:])
+
+    def _eval_loss(self, state, batch):
+        variables = {"params": state.params}
+        if state.fp8_state:
+            variables[FP8_COLLECTION] = state.fp8_state
+        return self.loss(variables, batch)
+
+    def put(self, batch: np.ndarray):
+        if self.batch_sharding is None:
+            return jnp.asarray(batch)
+        return jax.device_put(batch, self.batch_sharding)
+
+
+def _check_options(options: TrainOptions) -> None:
+    if options.verify_target not in (None, *VERIFY_TARGETS):
+        raise ConfigError(
+            f"--verify-target must be one of {VERIFY_TARGETS}, got {options.verify_target!r}."
+        )
+    if options.attention not in ATTENTION:
+        raise ConfigError(f"--attention must be one of {ATTENTION}, got {options.attention!r}.")
+    keep = options.keep_checkpoints
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ConfigError(f"--keep-checkpoints must be an int >= 1, got {keep!r}.")
+
+
+def train(
+    options: TrainOptions,
+    *,
+    progress: bool | None = None,
+    on_step: Callable[[int], None] | None = None,
+    say: Callable[[str], None] | None = None,
+) -> TrainResult:
+    """Trains the GPT of ``options`` and writes its run directory.
+
+    Args:
+      options: the run; see :class:`~fp8jax.training.TrainOptions`.
+      progress: show the tqdm bar (None: only on a terminal).
+      on_step: called with each step number once the step is dispatched
+        (tests raise KeyboardInterrupt from it).
+      say: where messages go (default ``tqdm.write``, which keeps the bar intact).
+
+    Returns:
+      A :class:`TrainResult`. Ctrl-C (or a KeyboardInterrupt) saves a
+      checkpoint and returns with status ``"interrupted"``.
+
+    Raises:
+      ConfigError, fp8jax.data.DataError, RunDirError, CheckpointError: before
+        anything is written, for bad options, data or run directories.
+      DivergedError: the loss became NaN/Inf; the last good checkpoint is kept.
+    """
+    _check_options(options)
+    config = resolve(options)
+    axes = mesh_lib.parse_mesh(options.mesh)
+    mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
+    corpus = data.load_corpus(options.data)
+    data.check_size(corpus, config.seq_len)
+    run = RunDir(options.out)
+    fingerprint = {"data": {"source": corpus.source, "fingerprint": corpus.fingerprint}}
+    record = config.to_dict() | fingerprint
+    start = 0
+    if options.resume:
+        start = run.check_resume(record, RunConfig.MAY_CHANGE)
+        if start >= config.steps:
+            raise RunDirError(
+                f"--resume: the run in {run.path} is already at step {start}; pass --steps "
+                f"larger than {start} to train it further."
+            )
+    else:
+        run.start(record)
+    say = say or tqdm.write
+    if options.resume and run.saved_config.get("steps") != config.steps:
+        say(
+            f"note: --steps changed from {run.saved_config.get('steps')} to {config.steps}; the "
+            "learning-rate schedule now decays over the new length."
+        )
+    # Optax's AdamW mixes its int32 step count with f32: standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        program = _Program(config, mesh, options.attention)
+        state = program.initial_state
+        if options.resume:
+            state = run.restore(start, state)
+            # Only now, with the checkpoint accepted, is anything in the run rewritten.
+            run.resumed(record, start)
+        loop = _Loop(program, run, corpus, options, say)
+        return loop.run(state, start, progress, on_step)
+
+
+class _Loop:
+    """One session of training steps, from ``start`` to ``config.steps``."""
+
+    def __init__(self, program: _Program, run: RunDir, corpus, options: TrainOptions, say):
+        self.program, self.run_dir, self.corpus, self.options = program, run, corpus, options
+        self.config, self.say = program.config, say
+        c = self.config
+        self.window = Window(c.batch_size * c.seq_len)
+        self.val = data.validation_batches(
+            corpus.validation, batches=c.eval_batches, batch_size=c.batch_size, seq_len=c.seq_len
+        )
+        self.pending: list[tuple[int, jax.Array]] = []
+        self.last_train = self.last_val = self.compile_s = None
+        self.counts: dict = {}
+        self.diverged_at: int | None = None
+
+    def batch(self, step: int):
+        """The batch that step ``step`` (1-based) trains on."""
+        c = self.config
+        tokens = data.train_batch(
+            self.corpus.train, step - 1, batch_size=c.batch_size, seq_len=c.seq_len, seed=c.seed
+        )
+        return self.program.put(tokens)
+
+    def check_pending(self) -> None:
+        """Fetches the losses since the last check; raises DivergedError on NaN/Inf."""
+        values = jax.device_get([loss for _, loss in self.pending])
+        for (step, _), value in zip(self.pending, values, strict=True):
+            if not math.isfinite(float(value)):
+                raise self.diverged(f"the loss is {float(value)}", step)
+        timed = sum(1 for step, _ in self.pending if step > self.start + 1)
+        self.window.add([float(v) for v in values], timed)
+        self.pending.clear()
+
+    def diverged(self, what: str, step: int) -> DivergedError:
+        self.diverged_at = step
+        message = summary.diverged_message(
+            what, step, self.last_saved, self.run_dir.path, self.config.checkpoint_every
+        )
+        return DivergedError(message)
+
+    def save(self, state, step: int) -> None:
+        """Checkpoints ``state`` at ``step``, unless it is saved already or not finite."""
+        if self.last_saved == step:
+            return
+        if not bool(self.program.all_finite(state.params)):
+            raise self.diverged("the parameters are not finite", step)
+        with self.window.excluding():
+            self.run_dir.save(step, state, keep=self.options.keep_checkpoints)
+        self.last_saved = step
+
+    def log(self, state, step: int, bar) -> None:
+        c = self.config
+        metrics = {"step": step, **self.window.close()}
+        self.last_train = metrics["loss"]
+        if step % c.eval_every == 0 or step == c.steps:
+            with self.window.excluding():
+                losses = [float(self.program.eval(state, self.program.put(b))) for b in self.val]
+            metrics["val_loss"] = self.last_val = float(np.mean(losses))
+        metrics["lr"] = float(c.schedule()(step - 1))
+        self.run_dir.append_metrics(metrics)
+        bar.set_postfix(postfix(metrics), refresh=False)
+        if bar.disable or "val_loss" in metrics:
+            self.say(summary.metrics_line(metrics))
+
+    def run(self, state, start: int, progress, on_step) -> TrainResult:
+        c, program = self.config, self.program
+        self.start, self.last_saved = start, (start or None)
+        self.counts["jaxpr"] = gemm_count.jaxpr_counts(program.raw_step, state, self.batch(1))
+        self.say(
+            summary.header(
+                c,
+                self.corpus,
+                program.mesh,
+                self.counts["jaxpr"],
+                program.model.attention_implementation,
+            )
+        )
+        if self.options.verify_target:
+            self.counts["deviceless"] = gemm_count.deviceless_counts(
+                program.raw_step, state, self.batch(1),
+                target=self.options.verify_target, mesh=program.mesh,
+            )  # fmt: skip
+            self.say("  " + summary.deviceless_text(self.counts["deviceless"]))
+        bar = progress_bar(
+            total=c.steps, initial=start, desc=f"{c.name} {c.precision}", enabled=progress
+        )
+        status, step, t0 = "completed", start, time.perf_counter()
+        try:
+            try:
+                with stop_on_ctrl_c(self.say) as stop_requested:
+                    for step in range(start + 1, c.steps + 1):
+                        batch = self.batch(step)
+                        if self.options.inject_nan_at == step:  # testing aid, see TrainOptions
+                            state = state._replace(params=_poisoned(state.params))
+                        state, loss = program.step(state, batch)
+                        self.pending.append((step, loss))
+                        if step == start + 1:  # the first step's time is mostly compile
+                            loss.block_until_ready()
+                            self.compile_s = time.perf_counter() - t0
+                            self.window.start_timing()
+                        bar.update(1)
+                        if on_step is not None:
+                            on_step(step)
+                        last = step == c.steps
+                        if step % c.log_every == 0 or step % c.checkpoint_every == 0 or last:
+                            self.check_pending()
+                        if step % c.log_every == 0 or last:
+                            self.log(state, step, bar)
+                        if step % c.checkpoint_every == 0 or last:
+                            self.save(state, step)
+                        if stop_requested():
+                            raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                status, step = "interrupted", self.interrupted(state)
+        except DivergedError as e:
+            bar.close()
+            record = {"error": str(e), "diverged_at": self.diverged_at}
+            self.run_dir.write_summary(self.summary("diverged", step) | record)
+            raise
+        bar.close()
+        result = self.summary(status, step)
+        self.run_dir.write_summary(result)
+        self.say(summary.text(result, self.run_dir.path))
+        return TrainResult(status=status, step=step, out=self.run_dir.path, summary=result)
+
+    def interrupted(self, state) -> int:
+        """Saves ``state`` after Ctrl-C; returns the step it holds."""
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(state)):
+            # Interrupted between donating the old state and receiving the new one.
+            self.say(f"Interrupted inside a step; checkpoint {self.last_saved} is kept.")
+            return self.last_saved or 0
+        self.check_pending()
+        step = int(state.step)
+        if step:
+            self.save(state, step)
+        return step
+
+    def summary(self, status: str, step: int) -> dict:
+        return summary.build(
+            self.config,
+            status=status,
+            step=step,
+            train_loss=self.last_train,
+            val_loss=self.last_val,
+            tokens_per_s=self.window.tokens_per_s(),
+            compile_s=self.compile_s,
+            train_s=self.window.train_seconds,
+            counts=self.counts,
+            checkpoint=self.last_saved,
+            mesh=self.program.mesh,
+            attention=self.program.model.attention_implementation,
+        )
+
+
+def _poisoned(params):
+    # --inject-nan-at: NaN parameters make this step's loss NaN, through the real train step.
+    return jax.tree.map(lambda p: p * jnp.asarray(jnp.nan, p.dtype), params)

@@ -1,0 +1,117 @@
+"""fp8jax.models: the GPT in FP8 and BF16 has the same parameters; only its GEMMs differ."""
+
+import doctest
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fp8jax
+from fp8jax.flax import TrainState, make_train_step
+from fp8jax.models import Gpt, GptConfig, bf16_layer, gpt, next_token_loss
+from fp8jax.verify.jaxpr_dots import jaxpr_dots
+
+CONFIG = GptConfig(hidden=32, layers=2, heads=2, ffn=64)
+TOKENS = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+
+
+@functools.cache
+def _init(precision, recipe=None):
+    model = Gpt(config=CONFIG, precision=precision, recipe=recipe)
+    return model, jax.jit(model.init)(jax.random.key(0), TOKENS[:, :-1])
+
+
+@pytest.mark.parametrize("recipe", [None, fp8jax.DelayedScaling(amax_history_len=4)])
+def test_fp8_and_bf16_models_start_from_the_same_parameters(recipe):
+    _, fp8 = _init("fp8", recipe)
+    _, bf16 = _init("bf16")
+    assert jax.tree.structure(fp8["params"]) == jax.tree.structure(bf16["params"])
+    for a, b in zip(jax.tree.leaves(fp8["params"]), jax.tree.leaves(bf16["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The same logical axis names, so both shard the same way.
+    assert nn.get_partition_spec(fp8["params"]) == nn.get_partition_spec(bf16["params"])
+    n = sum(x.size for x in jax.tree.leaves(nn.meta.unbox(fp8["params"])))
+    assert n == CONFIG.num_params()
+    assert ("fp8_state" in fp8) == (recipe is not None)
+
+
+def test_layers_are_scanned_with_a_leading_layer_axis():
+    _, variables = _init("fp8", fp8jax.DelayedScaling(amax_history_len=4))
+    kernel = variables["params"]["blocks"]["layer"]["mlp"]["kernel_1"]
+    assert kernel.value.shape == (CONFIG.layers, 32, 2, 64)
+    assert kernel.names[0] == "layers"
+    scales = variables["fp8_state"]["blocks"]["layer"]["mlp"]["scales"]
+    assert scales.fc1.x.amax_history.shape == (CONFIG.layers, 4)
+
+
+def _step_dots(precision, recipe=None):
+    model, variables = _init(precision, recipe)
+    tx = optax.sgd(0.1)
+    state = TrainState.create(nn.meta.unbox(variables), tx)
+
+    def loss_fn(v, batch):
+        return next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+
+    with jax.numpy_dtype_promotion("standard"):
+        return jaxpr_dots(make_train_step(loss_fn, tx), state, TOKENS)
+
+
+@pytest.mark.parametrize("recipe", [None, fp8jax.DelayedScaling(amax_history_len=4)])
+def test_fp8_train_step_runs_every_block_gemm_in_fp8(recipe):
+    dots = _step_dots("fp8", recipe)
+    fp8 = [d for d in dots if d.is_fp8]
+    # Per layer (the scan body counts once): QKV, out, fc1, fc2, forward and 2 backward each.
+    assert len(fp8) == 12
+    formats = {d.operand_formats for d in fp8}
+    assert formats == {
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e5m2", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e5m2"),
+    }
+    # The rest, by design not FP8: the attention core (2 forward, 4 backward) and the LM head
+    # (1 + 2, flax's Dense in linear.py).
+    rest = [d.source.rsplit("/", 1)[-1].split(":")[0] for d in dots if not d.is_fp8]
+    assert sorted(rest) == ["_attention.py"] * 6 + ["linear.py"] * 3
+
+
+def test_bf16_train_step_has_the_same_gemms_in_bf16():
+    dots = _step_dots("bf16")
+    assert len(dots) == 21
+    assert not any(d.is_fp8 for d in dots)
+    blocks = [d for d in dots if "bf16_layer.py" in d.source]
+    assert len(blocks) == 12
+    assert {d.operand_formats for d in blocks} == {("bfloat16", "bfloat16")}
+
+
+def test_fp8_and_bf16_logits_agree_to_fp8_precision():
+    model8, variables = _init("fp8")
+    model16, _ = _init("bf16")
+    x = TOKENS[:, :-1]
+    with jax.numpy_dtype_promotion("standard"):
+        y8 = jax.jit(model8.apply)(variables, x).astype(jnp.float32)
+        y16 = jax.jit(model16.apply)(variables, x).astype(jnp.float32)
+    assert y8.shape == (2, 16, 256)
+    err = float(jnp.linalg.norm(y8 - y16) / jnp.linalg.norm(y16))
+    # Eight E4M3 roundings along the two layers, each with relative RMS error ~2**-4 / sqrt(3).
+    assert 0 < err < 2 * np.sqrt(8) * 2.0**-4 / np.sqrt(3)
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="GptConfig.heads=3 must divide hidden=32"):
+        GptConfig(hidden=32, layers=1, heads=3, ffn=64)
+    with pytest.raises(ValueError, match="GptConfig.layers must be an int >= 1"):
+        GptConfig(hidden=32, layers=0, heads=2, ffn=64)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Gpt(config=CONFIG, precision="fp16")
+    with pytest.raises(ValueError, match="recipe=None"):
+        Gpt(config=CONFIG, precision="bf16", recipe=fp8jax.CurrentScaling())
+
+
+@pytest.mark.parametrize("module", [gpt, bf16_layer])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

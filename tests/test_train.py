@@ -1,0 +1,159 @@
+"""fp8jax.training: a short tiny run learns and writes its run directory; resume, stops, mesh.
+
+The runs use the tiny preset with a smaller batch and sequence (8 x 64 bytes)
+to stay fast on two CPU cores; the default corpus (the stdlib's source) is
+read as in a real run.
+"""
+
+import json
+import pathlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from fp8jax import training
+from fp8jax.training import TrainOptions, gemm_count, read_metrics, summary, train
+
+FAST = {
+    "batch_size": 8,
+    "seq_len": 64,
+    "steps": 20,
+    "log_every": 5,
+    "eval_every": 10,
+    "eval_batches": 2,
+    "checkpoint_every": 10,
+}
+
+
+def options(out, **overrides) -> TrainOptions:
+    return TrainOptions(out=str(out), **(FAST | overrides))
+
+
+def checkpoint_arrays(run: pathlib.Path, step: int) -> dict:
+    """Checkpoint ``step`` as numpy arrays, read without a template."""
+    restored = ocp.StandardCheckpointer().restore(
+        (run / "checkpoints" / str(step) / "default").absolute()
+    )
+    return {
+        jax.tree_util.keystr(p): np.asarray(v)
+        for p, v in jax.tree_util.tree_leaves_with_path(restored)
+    }
+
+
+@pytest.fixture(scope="module")
+def delayed_run(tmp_path_factory):
+    """An uninterrupted 20-step FP8 run with delayed scaling (FP8 state in its checkpoints)."""
+    out = tmp_path_factory.mktemp("runs") / "tiny-fp8-delayed"
+    messages = []
+    result = train(options(out, recipe="delayed"), progress=False, say=messages.append)
+    return out, result, messages
+
+
+def test_a_short_tiny_run_lowers_the_loss_and_writes_its_run_directory(delayed_run):
+    out, result, messages = delayed_run
+    assert result.status == "completed" and result.step == 20
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [5, 10, 15, 20]  # one line per log step
+    assert [m["step"] for m in metrics if "val_loss" in m] == [10, 20]
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0  # from ~5 nats/byte
+    assert metrics[-1]["val_loss"] < 4.0
+    assert all(m["tokens_per_s"] > 0 and m["step_time_s"] > 0 for m in metrics)
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [10, 20]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final_val_loss"] == metrics[-1]["val_loss"]
+    # 4 block GEMMs x (forward + 2 backward) in FP8; attention core and LM head in BF16.
+    assert summary["fp8_gemms"]["jaxpr"]["fp8"] == 12
+    assert summary["fp8_gemms"]["jaxpr"]["total"] == 21
+    config = json.loads((out / "config.json").read_text())
+    assert (config["precision"], config["recipe"], config["name"]) == ("fp8", "delayed", "tiny")
+    assert config["data"]["fingerprint"]
+    text = "\n".join(messages)
+    assert "12 of 21 dot_generals are FP8" in text and "completed at step 20/20" in text
+
+
+def test_an_interrupted_then_resumed_run_matches_the_uninterrupted_one_bitwise(
+    delayed_run, tmp_path
+):
+    reference, _, _ = delayed_run
+    out = tmp_path / "run"
+
+    def ctrl_c_at_7(step):
+        if step == 7:
+            raise KeyboardInterrupt
+
+    first = train(options(out, recipe="delayed"), progress=False, on_step=ctrl_c_at_7, say=print)
+    assert first.status == "interrupted" and first.step == 7
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [7]
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+
+    second = train(options(out, recipe="delayed", resume=True), progress=False, say=print)
+    assert second.status == "completed" and second.step == 20
+    # Batches are a function of (seed, step), and params, AdamW moments, its step count and
+    # the FP8 amax histories all round-trip exactly: the resumed run is the same computation.
+    want, got = checkpoint_arrays(reference, 20), checkpoint_arrays(out, 20)
+    assert want.keys() == got.keys()
+    assert any("fp8_state" in k for k in got)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    by_step = {m["step"]: m for m in read_metrics(reference / "metrics.jsonl")}
+    resumed = {m["step"]: m for m in read_metrics(out / "metrics.jsonl")}
+    assert sorted(resumed) == [5, 10, 15, 20]
+    # Step 10's line averages steps 8-10 only (the window restarts on resume); 15 and 20 match.
+    for step in (15, 20):
+        assert resumed[step]["loss"] == by_step[step]["loss"]
+    for step in (10, 20):
+        assert resumed[step]["val_loss"] == by_step[step]["val_loss"]
+
+
+def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(training.DivergedError) as e:
+        train(options(out, inject_nan_at=13), progress=False, say=print)
+    message = str(e.value)
+    assert "the loss is nan at step 13" in message
+    assert "last good checkpoint, step 10, is kept" in message and "--resume" in message
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [10]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["diverged_at"] == 13
+    assert summary["checkpoint_step"] == 10
+    # The kept checkpoint is finite, and the metrics stop before the NaN.
+    assert all(np.isfinite(a).all() for a in checkpoint_arrays(out, 10).values())
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [5, 10]
+
+
+def test_fsdp_and_dp_mesh_shards_params_and_batch(tmp_path):
+    out = tmp_path / "run"
+    opts = options(out, mesh="dp=2,fsdp=2", steps=2, log_every=1, eval_every=2, eval_batches=1)
+    result = train(opts, progress=False, say=print)
+    assert result.status == "completed"
+    assert result.summary["mesh"] == {"dp": 2, "fsdp": 2}
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert len(metrics) == 2 and np.isfinite([m["loss"] for m in metrics]).all()
+    manager = ocp.CheckpointManager(
+        (out / "checkpoints").absolute(), item_handlers=ocp.StandardCheckpointHandler()
+    )
+    saved = manager.item_metadata(2).tree
+    # Params and their AdamW moments are split over fsdp along the model width ("embed").
+    for tree in (saved["params"], saved["opt_state"][1][0]["mu"]):
+        assert tuple(tree["embed"]["embedding"].sharding.partition_spec) == (None, "fsdp")
+        spec = tree["blocks"]["layer"]["mlp"]["kernel_2"].sharding.partition_spec
+        assert tuple(spec) == (None, None, "fsdp")  # (layers, mlp, embed)
+    manager.close()
+
+
+def test_the_deviceless_report_is_skipped_without_the_toolchain(monkeypatch):
+    from fp8jax.verify import toolchain
+
+    def missing():
+        raise ImportError("jax-cuda13-plugin is not installed (test)")
+
+    monkeypatch.setattr(toolchain, "check_deviceless", missing)
+    x = jax.numpy.ones((16, 16), jax.numpy.bfloat16)
+    counts = gemm_count.deviceless_counts(jax.numpy.dot, x, x, target="h100", mesh=None)
+    assert counts == {
+        "target": "h100",
+        "skipped": "fp8jax[verify] is not installed: jax-cuda13-plugin is not installed (test)",
+    }
+    assert summary.deviceless_text(counts).startswith("h100 compile: skipped (fp8jax[verify]")

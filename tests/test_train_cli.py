@@ -1,0 +1,165 @@
+"""``fp8jax train`` from the command line: clear errors that change nothing, and Ctrl-C."""
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fp8jax import cli
+from fp8jax.training import read_metrics
+
+FAST = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
+
+
+def fp8jax_train(*argv: str) -> int:
+    return cli.main(["train", *FAST, *argv])
+
+
+def snapshot(root: pathlib.Path) -> dict[str, str]:
+    """Every file under ``root`` with the hash of its bytes."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished 2-step run, made through the CLI."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    status = fp8jax_train(
+        "--steps", "2", "--log-every", "1", "--eval-every", "2", "--out", str(out)
+    )
+    assert status == 0
+    return out
+
+
+@pytest.fixture
+def copy_of_run(run_dir, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--data", "/no/such/path"], "does not exist"),
+        (["--config", "huge"], "--config must be one of ['medium', 'small', 'tiny']"),
+        (["--precision", "fp16"], "--precision must be one of"),
+        (["--precision", "bf16", "--recipe", "delayed"], "--recipe delayed applies to FP8"),
+        (["--recipe", "rowwise"], "--recipe must be one of"),
+        (["--steps", "0"], "--steps must be an int >= 1"),
+        (["--log-every", "3", "--eval-every", "5"], "must be a multiple of --log-every"),
+        (["--mesh", "fsdp8"], "--mesh must look like"),
+        (["--mesh", "tp=2"], "--mesh axes are ('dp', 'fsdp')"),
+        (["--mesh", "fsdp=16"], "needs 16 devices, but JAX sees 8"),
+        (["--mesh", "dp=3"], "--batch-size 8 must be divisible by the mesh size 3"),
+        (["--verify-target", "a100"], "--verify-target must be one of"),
+        (["--attention", "flash"], "--attention must be one of"),
+    ],
+)
+def test_bad_options_fail_before_anything_is_written(tmp_path, capsys, argv, message):
+    out = tmp_path / "run"
+    assert fp8jax_train("--out", str(out), *argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp8jax train: error: ") and message in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [("empty file", "the file is empty"), ("empty folder", "the folder has no non-empty text")],
+)
+def test_empty_data_is_refused(tmp_path, capsys, kind, message):
+    data = tmp_path / "data"
+    if kind == "empty file":
+        data.write_text("")
+    else:
+        data.mkdir()
+    assert fp8jax_train("--data", str(data), "--out", str(tmp_path / "run")) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(copy_of_run, capsys):
+    before = snapshot(copy_of_run)
+    assert fp8jax_train("--steps", "2", "--out", str(copy_of_run)) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert snapshot(copy_of_run) == before
+
+
+def test_resume_needs_a_run(tmp_path, capsys):
+    assert fp8jax_train("--resume", "--out", str(tmp_path / "nothing")) == 2
+    assert "holds no run" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_different_configuration(copy_of_run, capsys):
+    before = snapshot(copy_of_run)
+    argv = ["--resume", "--steps", "4", "--out", str(copy_of_run), "--precision", "bf16"]
+    assert fp8jax_train(*argv) == 2
+    err = capsys.readouterr().err
+    assert "different configuration" in err
+    assert "precision: checkpoint has 'fp8', this run has 'bf16'" in err
+    assert snapshot(copy_of_run) == before
+
+
+def test_resume_refuses_a_checkpoint_that_does_not_fit_the_model(copy_of_run, capsys):
+    # A config.json claiming delayed scaling over a checkpoint without FP8 state
+    # (checkpoints copied between runs, say).
+    config = json.loads((copy_of_run / "config.json").read_text())
+    (copy_of_run / "config.json").write_text(json.dumps(config | {"recipe": "delayed"}))
+    before = snapshot(copy_of_run)
+    argv = ["--resume", "--steps", "4", "--recipe", "delayed", "--out", str(copy_of_run)]
+    assert fp8jax_train(*argv) == 2
+    err = capsys.readouterr().err
+    assert "checkpoints/2 does not fit this model" in err and "fp8_state" in err
+    assert snapshot(copy_of_run) == before
+
+
+def test_resume_refuses_a_corrupt_checkpoint(copy_of_run, capsys):
+    for f in (copy_of_run / "checkpoints" / "2").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    before = snapshot(copy_of_run)
+    assert fp8jax_train("--resume", "--steps", "4", "--out", str(copy_of_run)) == 2
+    err = capsys.readouterr().err
+    assert "checkpoints/2 is unreadable" in err and "left as is" in err
+    assert snapshot(copy_of_run) == before
+
+
+def test_resume_of_a_finished_run_asks_for_more_steps(copy_of_run, capsys):
+    assert fp8jax_train("--resume", "--steps", "2", "--out", str(copy_of_run)) == 2
+    assert "already at step 2" in capsys.readouterr().err
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "fp8jax.cli", "train", *FAST, "--steps", "100000"]
+    argv += ["--log-every", "1", "--eval-every", "1000", "--out", str(out)]
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0].decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, output
+    assert "Ctrl-C: stopping after this step" in output and "Traceback" not in output
+    summary = json.loads((out / "summary.json").read_text())
+    step = summary["step"]
+    assert summary["status"] == "interrupted" and step >= 1
+    assert (out / "checkpoints" / str(step)).is_dir()
+    assert read_metrics(out / "metrics.jsonl")[-1]["step"] == step
