@@ -260,12 +260,17 @@ def dense(
     check_high_precision("kernel", kernel)
     dims = dimensions.normalize((contracting_dims, ((), ())), x.shape, kernel.shape)
     y = dot_general(x, kernel, dims, recipe=recipe, state=state, preferred_element_type=x.dtype)
+    return add_bias(y, bias, kernel.ndim - len(dims[0][1]))
+
+
+def add_bias(y: jax.Array, bias: jax.Array | None, n_out_axes: int) -> jax.Array:
+    """``y + bias`` over ``y``'s last ``n_out_axes`` axes (the kernel's output axes)."""
     if bias is None:
         return y
     check_high_precision("bias", bias)
-    kernel_free = tuple(y.shape[x.ndim - len(dims[0][0]) :])
-    if tuple(bias.shape) != kernel_free:
+    expected = tuple(y.shape[y.ndim - n_out_axes :])
+    if tuple(bias.shape) != expected:
         raise ValueError(
-            f"bias must have the kernel's output shape {kernel_free}, got {tuple(bias.shape)}."
+            f"bias must have the kernel's output shape {expected}, got {tuple(bias.shape)}."
         )
     return y + _partitioning.broadcastable(bias.astype(y.dtype), y.ndim)

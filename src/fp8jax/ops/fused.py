@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from fp8jax.ops import _partitioning, dimensions
 from fp8jax.ops.dense import (
+    add_bias,
     check_state,
     quantize_computed,
     quantize_operand,
@@ -142,18 +143,6 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
 _ln_dense.defvjp(_ln_dense_fwd, _ln_dense_bwd)
 
 
-def _add_bias(y, bias, n_out_axes: int):
-    if bias is None:
-        return y
-    check_high_precision("bias", bias)
-    expected = tuple(y.shape[y.ndim - n_out_axes :])
-    if tuple(bias.shape) != expected:
-        raise ValueError(
-            f"bias must have the kernel's output shape {expected}, got {tuple(bias.shape)}."
-        )
-    return y + _partitioning.broadcastable(bias.astype(y.dtype), y.ndim)
-
-
 def layernorm_dense(
     x: jax.Array,
     gamma: jax.Array,
@@ -210,8 +199,8 @@ def layernorm_dense(
     out = _ln_dense(x, gamma, beta, kernel, state, config)
     if return_normalized:
         y, normalized = out
-        return _add_bias(y, bias, kernel.ndim - 1), normalized
-    return _add_bias(out, bias, kernel.ndim - 1)
+        return add_bias(y, bias, kernel.ndim - 1), normalized
+    return add_bias(out, bias, kernel.ndim - 1)
 
 
 # --- layernorm_mlp -----------------------------------------------------------------
@@ -230,7 +219,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     k1_q, k1_amax = quantize_operand(k1, fwd, fc1 and fc1.kernel, recipe)
     pre = scaled_dot(normed_q, k1_q, _contract_last(x.ndim), config.x_dtype,
                      recipe.forward_precision)  # fmt: skip
-    pre = _add_bias(pre, b1, 2)
+    pre = add_bias(pre, b1, 2)
     # The activation is quantized where it is computed; it never reaches HBM
     # in high precision.
     h_q, h_amax = quantize_computed(
@@ -240,7 +229,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     k2_q, k2_amax = quantize_operand(k2, fwd, fc2 and fc2.kernel, recipe)
     y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
                    recipe.forward_precision)  # fmt: skip
-    y = _add_bias(y, b2, 1)
+    y = add_bias(y, b2, 1)
     residuals = (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state)
     return y, (residuals, (normed_amax, k1_amax, h_amax, k2_amax))
 
