@@ -13,13 +13,21 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from harness import compiled_facts, dump, environment, time_ms
+from flax.linen import fp8_ops
+from harness import dump, environment, measure
 from jax import lax
 
 import fp8jax
 
 BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
 PEAK_TFLOPS = {"fp8": 1979.0, "bf16": 989.0}
+
+
+def flax_gemm(op_cls, x, w, dims):
+    """Flax's FP8 dot_general module alone, forward, with its scale state."""
+    op = op_cls()
+    variables = op.init(jax.random.key(0), x, w, dims)
+    return jax.jit(lambda v, x, w: op.apply(v, x, w, dims)), (variables, x, w)
 
 
 def variants(m, k, n):
@@ -36,6 +44,8 @@ def variants(m, k, n):
             jax.jit(lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=BF16)),
             (x.astype(E4M3), w.astype(E4M3)),
         ),
+        "flax_fp8_direct": ("fp8", *flax_gemm(fp8_ops.Fp8DirectDotGeneralOp, x, w, dims)),
+        "flax_fp8_qdq": ("fp8", *flax_gemm(fp8_ops.Fp8DotGeneralOp, x, w, dims)),
         "fp8jax_dense_current": ("fp8", jax.jit(fp8jax.dense), (x, w)),
         "fp8jax_dense_delayed": (
             "fp8",
@@ -62,22 +72,13 @@ def main():
         print(f"{'variant':<24} {'vs bf16':>8} {'ms':>8} {'TFLOP/s':>8} {'of peak':>8}  backends")
         base = None
         for name, (kind, fn, fn_args) in variants(m, k, n).items():
-            facts = compiled_facts(fn, *fn_args)
-            timing = time_ms(fn, *fn_args, iters=args.iters)
-            tflops = flops / timing["median_ms"] / 1e9
-            base = base or timing["median_ms"]
-            rows.append(
-                {
-                    "name": name,
-                    **timing,
-                    **facts,
-                    "tflops": tflops,
-                    "fraction_of_peak": tflops / PEAK_TFLOPS[kind],
-                }
-            )
+            row = measure(name, fn, *fn_args, iters=args.iters)
+            tflops = flops / row["median_ms"] / 1e9
+            base = base or row["median_ms"]
+            rows.append(row | {"tflops": tflops, "fraction_of_peak": tflops / PEAK_TFLOPS[kind]})
             print(
-                f"{name:<24} {base / timing['median_ms']:>7.3f}x {timing['median_ms']:>8.3f} "
-                f"{tflops:>8.0f} {tflops / PEAK_TFLOPS[kind]:>7.1%}  {facts['backends']}"
+                f"{name:<24} {base / row['median_ms']:>7.3f}x {row['median_ms']:>8.3f} "
+                f"{tflops:>8.0f} {tflops / PEAK_TFLOPS[kind]:>7.1%}  {row['backends']}"
             )
         results["shapes"][shape] = rows
     if args.out:

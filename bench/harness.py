@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
 
 import jax
+from breakdown import breakdown
 
 from fp8jax.verify import gemm_report
 
@@ -37,9 +39,8 @@ def time_ms(fn, *args, warmup: int = 5, iters: int = 30) -> dict:
     }
 
 
-def compiled_facts(jitted, *args) -> dict:
+def compiled_facts(compiled) -> dict:
     """GEMM backends from the live compile, and the compiled peak memory."""
-    compiled = jitted.lower(*args).compile()
     report = gemm_report(compiled.as_text())
     backends: dict[str, int] = {}
     for g in report.gemms:
@@ -63,6 +64,40 @@ def compiled_facts(jitted, *args) -> dict:
     }
 
 
+def measure(
+    name: str, jitted, *args, iters: int = 30, trace_dir: str | None = None, devices: int = 1
+) -> dict:
+    """One benchmark row: compiled once, then timed, counted and (optionally) traced.
+
+    ``jitted`` is a ``jax.jit`` function, or an executable compiled already.
+
+    The executable that is timed is the one whose HLO is reported, so the FP8
+    GEMM count and the timing always describe the same program. With
+    ``trace_dir``, three more calls are profiled and broken down by kernel
+    class (bench/breakdown.py), per step and per GPU over ``devices`` GPUs.
+    """
+    compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted
+    facts = compiled_facts(compiled)
+    row = {"name": name, **time_ms(compiled, *args, iters=iters), **facts}
+    if trace_dir:
+        where = os.path.join(trace_dir, name)
+        steps = 3
+        with jax.profiler.trace(where):
+            for _ in range(steps):
+                jax.block_until_ready(compiled(*args))
+        row["breakdown"] = breakdown(where, compiled.as_text(), steps, devices)
+    print(
+        f"  {name}: {row['median_ms']:.3f} ms, {facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs "
+        f"{facts['backends']}, peak {facts['peak_memory_gib'] or 0:.2f} GiB",
+        flush=True,
+    )
+    if "breakdown" in row:
+        b = row["breakdown"]
+        shares = ", ".join(f"{k} {v:.1%}" for k, v in b["share"].items())
+        print(f"    kernels {b['kernel_ms']:.3f} ms/step: {shares}", flush=True)
+    return row
+
+
 def environment() -> dict:
     """Versions, device and date, for BENCHMARKS.md."""
     import flax
@@ -79,19 +114,26 @@ def environment() -> dict:
     }
 
 
+def quantize_share(row: dict) -> str:
+    """The share of kernel time in quantize fusions, where the row was profiled."""
+    if "breakdown" not in row:
+        return "-"
+    return f"{row['breakdown']['share'].get('quantize', 0.0):.1%}"
+
+
 def print_table(title: str, rows: list[dict], baseline: str) -> None:
     """Ratios against ``baseline`` first; milliseconds as context."""
     base = next(r for r in rows if r["name"] == baseline)["median_ms"]
     print(f"\n{title}")
     print(
         f"{'variant':<28} {'vs ' + baseline:>10} {'median ms':>10} {'FP8 GEMMs':>10} "
-        f"{'GEMMs':>6} {'peak GiB':>9}  backends"
+        f"{'GEMMs':>6} {'peak GiB':>9} {'quantize':>9}  backends"
     )
     for r in rows:
         print(
             f"{r['name']:<28} {base / r['median_ms']:>9.3f}x {r['median_ms']:>10.3f} "
-            f"{r['fp8_gemms']:>10} {r['gemms']:>6} {r['peak_memory_gib'] or 0:>9.2f}  "
-            f"{r['backends']}"
+            f"{r['fp8_gemms']:>10} {r['gemms']:>6} {r['peak_memory_gib'] or 0:>9.2f} "
+            f"{quantize_share(r):>9}  {r['backends']}"
         )
 
 

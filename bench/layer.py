@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
-from harness import compiled_facts, dump, environment, print_table, time_ms
+from harness import dump, environment, measure, print_table
 
 import fp8jax
 from fp8jax.flax import linen as fnn
@@ -103,6 +104,7 @@ def main():
     parser.add_argument("--attention", default="cudnn", help="cudnn on the GPU, xla elsewhere")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--trace", default=None, help="profile the FP8 variants here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     env = environment()
@@ -111,14 +113,8 @@ def main():
     rows = []
     for name in args.variants:
         fn, fn_args = VARIANTS[name](x, args.heads, args.ffn, args.attention)
-        facts = compiled_facts(fn, *fn_args)
-        timing = time_ms(fn, *fn_args, iters=args.iters)
-        rows.append({"name": name, **timing, **facts})
-        print(
-            f"  {name}: {timing['median_ms']:.3f} ms, {facts['fp8_gemms']}/{facts['gemms']} "
-            f"FP8 GEMMs {facts['backends']}, attention calls {facts['attention']}",
-            flush=True,
-        )
+        trace = os.path.join(args.trace, name) if args.trace and name != "bf16" else None
+        rows.append(measure(name, fn, *fn_args, iters=args.iters, trace_dir=trace))
     print_table("TransformerLayer fwd+bwd", rows, "bf16")
     if args.out:
         dump(args.out, {"environment": env, "rows": rows})

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
-from harness import compiled_facts, dump, environment, print_table, time_ms
+from harness import dump, environment, measure, print_table
 
 import fp8jax
 from fp8jax.ops.fused import ACTIVATIONS
@@ -61,7 +61,7 @@ def flax_variant(x, ffn, activations, dot_general_cls):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x)
 
 
-def fp8jax_variant(x, ffn, activations, recipe):
+def fp8jax_variant(x, ffn, activations, recipe, bias=True):
     hidden = x.shape[-1]
     k1, k2 = jax.random.split(jax.random.key(0))
     params = {
@@ -81,8 +81,8 @@ def fp8jax_variant(x, ffn, activations, recipe):
             params["beta"],
             params["k1"],
             params["k2"],
-            params["b1"],
-            params["b2"],
+            params["b1"] if bias else None,
+            params["b2"] if bias else None,
             activations=activations,
             recipe=recipe,
             state=state,
@@ -93,6 +93,97 @@ def fp8jax_variant(x, ffn, activations, recipe):
 
 
 FAST = {"dgrad_precision": jax.lax.Precision.DEFAULT, "wgrad_precision": jax.lax.Precision.DEFAULT}
+
+
+def gemms_only(x, ffn, activations, precision):
+    """The block's six GEMMs on FP8 operands and nothing else: the floor of any FP8 MLP."""
+    tokens, hidden = x.shape
+    width = ffn * len(activations)
+    keys = jax.random.split(jax.random.key(3), 6)
+
+    def rand(key, shape, dtype):
+        return jax.random.normal(key, shape).astype(dtype)
+
+    E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    operands = (
+        rand(keys[0], (tokens, hidden), E4),  # normalized input
+        rand(keys[1], (hidden, width), E4),  # kernel 1
+        rand(keys[2], (tokens, ffn), E4),  # activation
+        rand(keys[3], (ffn, hidden), E4),  # kernel 2
+        rand(keys[4], (tokens, hidden), E5),  # output gradient
+        rand(keys[5], (tokens, width), E5),  # pre-activation gradient
+    )
+    fwd = jax.lax.Precision.DEFAULT
+
+    def dot(a, b, contract, p):
+        return jax.lax.dot_general(a, b, (contract, ((), ())), precision=p,
+                                   preferred_element_type=BF16)  # fmt: skip
+
+    def six(xq, k1q, hq, k2q, g2q, g1q):
+        return (
+            dot(xq, k1q, ((1,), (0,)), fwd),
+            dot(hq, k2q, ((1,), (0,)), fwd),
+            dot(g2q, k2q, ((1,), (1,)), precision),  # dgrad 2
+            dot(hq, g2q, ((0,), (0,)), precision),  # wgrad 2
+            dot(g1q, k1q, ((1,), (1,)), precision),  # dgrad 1
+            dot(xq, g1q, ((0,), (0,)), precision),  # wgrad 1
+        )
+
+    return jax.jit(six), operands
+
+
+def _swapped_backward_dots(swap_dgrad: bool):
+    """fused._backward_dots with the gradient as the GEMM's first operand (JAX's order).
+
+    An experiment: cuBLASLt picks its kernel by operand roles and output
+    layout, so the same product in the other order may run faster.
+    """
+    from fp8jax.ops import dimensions
+    from fp8jax.ops.dense import scaled_dot
+
+    def swapped(a, b, dims, out_dtype, precision, permutation, like):
+        (ac, bc), (ab, bb) = dims
+        y = scaled_dot(b, a, ((bc, ac), (bb, ab)), out_dtype, precision)
+        nb = len(ab)
+        a_free = [i for i in range(a.data.ndim) if i not in ac and i not in ab]
+        b_free = [i for i in range(b.data.ndim) if i not in bc and i not in bb]
+        # y's axes: batch, b free, a free; the unswapped result: batch, a free, b free.
+        back = (*range(nb), *(nb + len(b_free) + i for i in range(len(a_free))),
+                *(nb + i for i in range(len(b_free))))  # fmt: skip
+        y = jnp.transpose(y, back)
+        return y if permutation is None else jnp.transpose(y, permutation)
+
+    def backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe):
+        dg = dimensions.dgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
+        wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
+        if swap_dgrad:
+            d_lhs = swapped(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
+                            dg.permutation, lhs_q.data)  # fmt: skip
+        else:
+            d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype,
+                               recipe.dgrad_precision, dg.permutation)  # fmt: skip
+        d_rhs = swapped(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
+                        wg.permutation, rhs_q.data)  # fmt: skip
+        return d_lhs, d_rhs
+
+    return backward_dots
+
+
+def patched(make, attribute, replacement):
+    """``make`` with ``fp8jax.ops.fused.<attribute>`` replaced while it traces."""
+    from fp8jax.ops import fused
+
+    def traced_with_patch(*args, **kwargs):
+        fn, fn_args = make(*args, **kwargs)
+        original = getattr(fused, attribute)
+        setattr(fused, attribute, replacement)
+        try:
+            fn = fn.trace(*fn_args).lower().compile()  # traced now, under the patch
+        finally:
+            setattr(fused, attribute, original)
+        return fn, fn_args
+
+    return traced_with_patch
 
 
 def run_case(tokens, hidden, ffn, activations, iters, names=None, trace_dir=None):
@@ -113,27 +204,28 @@ def run_case(tokens, hidden, ffn, activations, iters, names=None, trace_dir=None
         "fp8jax_delayed_fastacc": functools.partial(
             fp8jax_variant, recipe=fp8jax.DelayedScaling(**FAST)
         ),
+        "fp8jax_delayed_nobias": functools.partial(
+            fp8jax_variant, recipe=fp8jax.DelayedScaling(amax_history_len=1024), bias=False
+        ),
+        "gemms_only": functools.partial(gemms_only, precision=jax.lax.Precision.HIGHEST),
+        "gemms_only_fastacc": functools.partial(gemms_only, precision=jax.lax.Precision.DEFAULT),
     }
+    delayed = variants["fp8jax_delayed"]
+    variants["fp8jax_delayed_swap_wgrad"] = patched(
+        delayed, "_backward_dots", _swapped_backward_dots(swap_dgrad=False)
+    )
+    variants["fp8jax_delayed_swap_both"] = patched(
+        delayed, "_backward_dots", _swapped_backward_dots(swap_dgrad=True)
+    )
     rows = []
+    gemm_flops = 2 * tokens * hidden * ffn * (len(activations) + 1) * 3
     for name, make in variants.items():
         if names and name not in names:
             continue
         fn, args = make(x, ffn, activations)
-        facts = compiled_facts(fn, *args)
-        timing = time_ms(fn, *args, iters=iters)
-        gemm_flops = 2 * tokens * hidden * ffn * (len(activations) + 1) * 3
-        rows.append(
-            {"name": name, **timing, **facts, "tflops": gemm_flops / timing["median_ms"] / 1e9}
-        )
-        print(
-            f"  {name}: {timing['median_ms']:.3f} ms, {facts['fp8_gemms']}/{facts['gemms']} "
-            f"FP8 GEMMs {facts['backends']}",
-            flush=True,
-        )
-        if trace_dir and name.startswith("fp8jax_current"):
-            with jax.profiler.trace(os.path.join(trace_dir, f"trace_{name}")):
-                for _ in range(3):
-                    jax.block_until_ready(fn(*args))
+        traced = trace_dir if trace_dir and name != "bf16" else None
+        row = measure(name, fn, *args, iters=iters, trace_dir=traced)
+        rows.append(row | {"tflops": gemm_flops / row["median_ms"] / 1e9})
     return rows
 
 
@@ -145,7 +237,7 @@ def main():
     parser.add_argument("--activations", nargs="+", default=["gelu", "gelu,linear", "silu,linear"])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--variants", nargs="*", default=None, help="run only these")
-    parser.add_argument("--trace", default=None, help="write fp8jax profiler traces here")
+    parser.add_argument("--trace", default=None, help="profile FP8 variants here")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     env = environment()
@@ -158,8 +250,9 @@ def main():
             f"ffn {args.ffn}",
             flush=True,
         )
+        trace = os.path.join(args.trace, spec.replace(",", "_")) if args.trace else None
         rows = run_case(
-            args.tokens, args.hidden, args.ffn, activations, args.iters, args.variants, args.trace
+            args.tokens, args.hidden, args.ffn, activations, args.iters, args.variants, trace
         )
         print_table(f"MLP {spec} fwd+bwd", rows, "bf16")
         results["cases"][spec] = rows

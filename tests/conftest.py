@@ -2,11 +2,17 @@
 
 Both environment variables must be set before jax is imported anywhere, which
 is why they live at the top of the root conftest.
+
+``FP8JAX_TEST_GPU=1`` is the other mode, for a machine with GPUs: JAX keeps
+its GPU platform and only the tests marked ``gpu`` run (the rest assume the
+fake CPU devices). Without it, ``gpu`` tests are skipped with that hint.
 """
 
 import os
 
-os.environ["JAX_PLATFORMS"] = "cpu"
+GPU_MODE = os.environ.get("FP8JAX_TEST_GPU") == "1"
+if not GPU_MODE:
+    os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
@@ -30,6 +36,16 @@ def pytest_collection_modifyitems(config, items):
 
     from fp8jax.verify import toolchain
 
+    if GPU_MODE:
+        cpu_only = pytest.mark.skip(reason="FP8JAX_TEST_GPU=1 runs only the tests marked gpu")
+        for item in items:
+            if "gpu" not in item.keywords:
+                item.add_marker(cpu_only)
+        return
+    on_gpus = pytest.mark.skip(reason="needs GPUs: FP8JAX_TEST_GPU=1 pytest -m gpu, on GPUs")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(on_gpus)
     try:
         toolchain.check_deviceless()
     except ImportError as e:

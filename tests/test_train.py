@@ -157,3 +157,11 @@ def test_the_deviceless_report_is_skipped_without_the_toolchain(monkeypatch):
         "skipped": "fp8jax[verify] is not installed: jax-cuda13-plugin is not installed (test)",
     }
     assert summary.deviceless_text(counts).startswith("h100 compile: skipped (fp8jax[verify]")
+
+
+def test_a_live_count_on_a_machine_without_a_gpu_is_skipped_with_the_reason():
+    x = jax.numpy.ones((16, 16), jax.numpy.bfloat16)
+    counts = gemm_count.deviceless_counts(jax.numpy.dot, x, x, target="live", mesh=None)
+    assert counts["target"] == "live"
+    assert counts["skipped"].startswith("compile failed: RuntimeError: target='live' compiles")
+    assert "jax.default_backend() is 'cpu'" in counts["skipped"]

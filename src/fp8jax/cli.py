@@ -82,8 +82,8 @@ def _add_train(sub) -> None:
     )
     p.add_argument(
         "--verify-target",
-        help="also compile the train step for h100 or h200 (needs fp8jax[verify]) and count "
-        "its FP8 GEMMs",
+        help="also compile the train step for h100 or h200 (deviceless; needs fp8jax[verify]) "
+        "or for this machine's GPU (live) and count its FP8 GEMMs",
     )
     p.add_argument("--no-progress", action="store_true", help="print lines instead of a bar")
     # Testing aid, documented in docs/train.md: NaN parameters before step N.

@@ -84,8 +84,9 @@ class TrainOptions:
       keep_checkpoints: checkpoints kept on disk (the newest ones).
       attention: the attention core: ``"xla"``, ``"cudnn"``, or ``"auto"`` (cuDNN on a
         GPU, XLA elsewhere).
-      verify_target: also compile the train step for this GPU (``"h100"``,
-        ``"h200"``) and count its FP8 GEMMs; needs ``fp8jax[verify]``.
+      verify_target: also compile the train step for a GPU and count its FP8
+        GEMMs: ``"h100"`` or ``"h200"`` deviceless (needs ``fp8jax[verify]``),
+        or ``"live"`` on this machine's GPU.
       inject_nan_at: testing only: poison the parameters before this step so
         its loss is NaN, to exercise the divergence stop.
     """

@@ -35,7 +35,9 @@ def _abstract(tree):
 
 
 def deviceless_counts(step_fn, state, batch, *, target: str, mesh) -> dict:
-    """Compiles the step for ``target`` without a GPU and counts the HLO's FP8 GEMMs.
+    """Compiles the step for ``target`` and counts the HLO's FP8 GEMMs.
+
+    ``target`` is ``"h100"``/``"h200"`` (deviceless) or ``"live"`` (this GPU).
 
     Returns ``{"target", "fp8", "total", "attention", "seconds"}``, or
     ``{"target", "skipped": reason}`` when the toolchain is missing or the compile fails.

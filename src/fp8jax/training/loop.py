@@ -32,7 +32,7 @@ from fp8jax.training.errors import ConfigError, DivergedError, RunDirError
 from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl_c
 from fp8jax.training.run_dir import RunDir
 
-VERIFY_TARGETS = ("h100", "h200")
+VERIFY_TARGETS = ("h100", "h200", "live")
 ATTENTION = ("auto", "xla", "cudnn")
 
 
@@ -46,8 +46,12 @@ class TrainResult:
     summary: dict
 
 
-class _Program:
-    """The model, the jitted train and eval steps, and the initial state of a run."""
+class TrainProgram:
+    """The model, the jitted train and eval steps, and the initial state of a run.
+
+    Public so that benchmarks time exactly the step ``fp8jax train`` runs
+    (``raw_step``, before jit and donation; bench/gpt.py).
+    """
 
     def __init__(self, config: RunConfig, mesh, attention: str):
         recipe = config.fp8_recipe()
@@ -171,7 +175,7 @@ def train(
         )
     # Optax's AdamW mixes its int32 step count with f32: standard promotion.
     with jax.numpy_dtype_promotion("standard"):
-        program = _Program(config, mesh, options.attention)
+        program = TrainProgram(config, mesh, options.attention)
         state = program.initial_state
         if options.resume:
             state = run.restore(start, state)
@@ -184,7 +188,7 @@ def train(
 class _Loop:
     """One session of training steps, from ``start`` to ``config.steps``."""
 
-    def __init__(self, program: _Program, run: RunDir, corpus, options: TrainOptions, say):
+    def __init__(self, program: TrainProgram, run: RunDir, corpus, options: TrainOptions, say):
         self.program, self.run_dir, self.corpus, self.options = program, run, corpus, options
         self.config, self.say = program.config, say
         c = self.config

@@ -27,7 +27,8 @@ def deviceless_text(d: dict) -> str:
         return f"{d['target']} compile: skipped ({d['skipped']})"
     return (
         f"{d['target']} compile: {d['fp8']} of {d['total']} GEMMs FP8, "
-        f"{d['attention']} attention calls ({d['seconds']} s, deviceless)"
+        f"{d['attention']} attention calls ({d['seconds']} s, "
+        f"{'on this GPU' if d['target'] == 'live' else 'deviceless'})"
     )
 
 
