@@ -3,11 +3,13 @@
 The trace (``jax.profiler``'s XSpace, read with ``jax.profiler.ProfileData``,
 so nothing beyond JAX is needed) names each kernel after the HLO fusion that
 launched it, or after the library kernel (cuBLASLt, cuDNN, NCCL). The
-compiled HLO text then says what each fusion writes, which is how a
-quantize kernel is told apart: it is a fusion whose result holds an FP8 array.
+compiled HLO text then says what each fusion reads and writes, which is how a
+quantize kernel is told apart: it writes FP8 from a high-precision array.
 
 Classes: ``gemm`` (cuBLAS/cuBLASLt or Triton GEMM fusions), ``attention``
-(cuDNN), ``quantize`` (fusions writing FP8), ``all-gather`` /
+(cuDNN), ``quantize`` (fusions writing FP8 from high precision),
+``fp8-relayout`` (FP8 in, FP8 out: the transposes cuBLASLt's FP8 GEMMs need
+for operands whose contracting axis is not the minor one), ``all-gather`` /
 ``reduce-scatter`` / ``all-reduce`` / ``collective`` (NCCL) and ``other``
 (norms, activations, amax and optimizer fusions, copies).
 """
@@ -24,6 +26,10 @@ from jax.profiler import ProfileData
 _GEMM_LIBRARY = re.compile(r"gemm|xmma|cutlass|cublas|sm90_|sm80_|gmma", re.IGNORECASE)
 _ATTENTION_LIBRARY = re.compile(r"cudnn|fmha|flash|sdpa", re.IGNORECASE)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s(\w[\w\-]*)\(", re.MULTILINE)
+# "__triton_gemm", and "__triton_nested_gemm_fusion" in newer XLA.
+_TRITON_GEMM = re.compile(r'"kind":"__triton\w*gemm')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 def _kernel_name(name: str) -> str:
@@ -31,19 +37,37 @@ def _kernel_name(name: str) -> str:
     return re.sub(r"[.\-]", "_", name)
 
 
+def _is_fp8_array(shape: str) -> bool:
+    return any(t.startswith("f8") and dims for t, dims in _ARRAY.findall(shape))
+
+
+def _reads_high_precision(shape_of: dict[str, str], operands: str) -> bool:
+    """Whether any operand is a non-scalar, non-FP8 floating array."""
+    for name in _OPERAND.findall(operands):
+        for dtype, dims in _ARRAY.findall(shape_of.get(name, "")):
+            if dims and dtype[:2] in ("bf", "f1", "f3", "f6"):
+                return True
+    return False
+
+
 def fusion_classes(hlo_text: str) -> dict[str, str]:
-    """Kernel name -> class, for every fusion and custom call in ``hlo_text``."""
+    """Kernel name -> class, for the GEMMs, attention calls and FP8-writing fusions."""
+    matches = list(_INSTRUCTION.finditer(hlo_text))
+    shape_of = {m.group(1): m.group(2) for m in matches}
     classes = {}
-    for match in _INSTRUCTION.finditer(hlo_text):
+    for match in matches:
         name, shape, opcode = match.groups()
         line_end = hlo_text.find("\n", match.end())
         line = hlo_text[match.start() : line_end if line_end >= 0 else None]
-        if "__triton_gemm" in line or "__cublas" in line:
+        if _TRITON_GEMM.search(line) or "__cublas" in line:
             kind = "gemm"
         elif "cudnn" in line and opcode == "custom-call":
             kind = "attention"
-        elif opcode == "fusion" and "f8e" in shape:
-            kind = "quantize"
+        elif opcode in ("fusion", "copy", "transpose") and _is_fp8_array(shape):
+            start = match.end() - match.start()
+            operands = line[start : line.find(")", start)]
+            quantizes = _reads_high_precision(shape_of, operands)
+            kind = "quantize" if quantizes else "fp8-relayout"
         else:
             continue
         classes[_kernel_name(name)] = kind

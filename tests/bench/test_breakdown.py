@@ -1,0 +1,46 @@
+"""bench/breakdown.py's kernel classes, on HLO the verifier tests already hold."""
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import breakdown  # noqa: E402
+
+DATA = ROOT / "tests" / "verify" / "data"
+
+
+def test_triton_fp8_gemms_and_quantize_fusions_are_told_apart():
+    classes = breakdown.fusion_classes((DATA / "h100_dense_triton.hlo.txt").read_text())
+    # dense fwd+bwd: three Triton FP8 GEMMs (XLA's nested-gemm fusion kind).
+    assert sorted(k for k, v in classes.items() if v == "gemm") == [
+        "gemm_fusion_dot", "gemm_fusion_dot_1", "gemm_fusion_dot_general_2",
+    ]  # fmt: skip
+    # x, the kernel and the gradient each quantized from bf16 by one fusion.
+    assert sorted(k for k, v in classes.items() if v == "quantize") == [
+        "input_convert_reduce_fusion", "input_transpose_fusion", "loop_convert_fusion",
+    ]  # fmt: skip
+
+
+def test_fp8_to_fp8_transposes_are_relayouts_not_quantization():
+    classes = breakdown.fusion_classes((DATA / "h200_live_dense_cublas.hlo.txt").read_text())
+    assert classes["wrapped_transpose"] == "fp8-relayout"
+    assert classes["loop_convert_fusion"] == "quantize"
+    assert sum(v == "gemm" for v in classes.values()) == 3  # cuBLASLt custom calls
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kind"),
+    [
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all-gather"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "reduce-scatter"),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "all-reduce"),
+        ("nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT", "gemm"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", "attention"),
+        ("input_scatter_fusion", "other"),
+    ],
+)
+def test_library_kernels_are_classified_by_name(kernel, kind):
+    assert breakdown.classify(kernel, {}) == kind
