@@ -72,15 +72,15 @@ def test_fp8_train_step_runs_every_block_gemm_in_fp8(recipe):
         ("float8_e5m2", "float8_e4m3fn"),
         ("float8_e4m3fn", "float8_e5m2"),
     }
-    # The rest, by design not FP8: the attention core (2 forward, 4 backward) and the LM head
-    # (1 + 2, flax's Dense in linear.py).
+    # The rest, by design not FP8: the attention core (2 forward, 4 backward), the LM head
+    # (1 + 2, flax's Dense in linear.py) and the one-hot byte embedding (1 + its wgrad).
     rest = [d.source.rsplit("/", 1)[-1].split(":")[0] for d in dots if not d.is_fp8]
-    assert sorted(rest) == ["_attention.py"] * 6 + ["linear.py"] * 3
+    assert sorted(rest) == ["_attention.py"] * 6 + ["gpt.py"] * 2 + ["linear.py"] * 3
 
 
 def test_bf16_train_step_has_the_same_gemms_in_bf16():
     dots = _step_dots("bf16")
-    assert len(dots) == 21
+    assert len(dots) == 23
     assert not any(d.is_fp8 for d in dots)
     blocks = [d for d in dots if "bf16_layer.py" in d.source]
     assert len(blocks) == 12
@@ -115,3 +115,25 @@ def test_bad_settings_name_the_field():
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_one_hot_embedding_is_nn_embed_with_a_gemm_for_a_gradient():
+    from fp8jax.models.gpt import ByteEmbed
+
+    init = nn.initializers.normal(stddev=0.02)
+    ours = ByteEmbed(256, 64, embedding_init=init)
+    flax_embed = nn.Embed(256, 64, dtype=jnp.bfloat16, embedding_init=init)
+    tokens = jax.random.randint(jax.random.key(3), (4, 32), 0, 256)
+    params = ours.init(jax.random.key(0), tokens)
+    # Same parameter name, shape and initial values as nn.Embed.
+    want = flax_embed.init(jax.random.key(0), tokens)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), params, want))
+    # Forward: each output row is one table row times 1, so bitwise the lookup.
+    np.testing.assert_array_equal(ours.apply(params, tokens), flax_embed.apply(params, tokens))
+    # Gradient: the same per-row sums. The GEMM accumulates in f32 and rounds once to bf16
+    # (relative error <= 2**-8); the reference sums in f32 from bf16 cotangents.
+    g = jax.random.normal(jax.random.key(4), (4, 32, 64)).astype(jnp.bfloat16)
+    got = jax.grad(lambda p: jnp.vdot(ours.apply(p, tokens), g).astype(jnp.float32))(params)
+    table_grad = np.zeros((256, 64), np.float32)
+    np.add.at(table_grad, np.asarray(tokens).ravel(), np.asarray(g, np.float32).reshape(-1, 64))
+    np.testing.assert_allclose(got["params"]["embedding"], table_grad, rtol=2**-8, atol=1e-6)
