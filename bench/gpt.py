@@ -48,7 +48,8 @@ def step_and_args(preset: str, variant: str, mesh_text: str | None, attention: s
         out_shardings = (state_shardings, mesh_lib.replicated(mesh))
     step = jax.jit(program.raw_step, out_shardings=out_shardings)
     tokens = config.batch_size * config.seq_len
-    return step, (program.initial_state, batch), tokens, (1 if mesh is None else mesh.size)
+    devices = 1 if mesh is None else mesh.size
+    return program, step, (program.initial_state, batch), tokens, devices
 
 
 def main():
@@ -67,11 +68,11 @@ def main():
     print(f"\n{title}", flush=True)
     rows = []
     for name in args.variants:
-        step, step_args, tokens, devices = step_and_args(
+        program, step, step_args, tokens, devices = step_and_args(
             args.config, name, args.mesh, args.attention
         )
         trace = os.path.join(args.trace, name) if args.trace else None
-        with jax.numpy_dtype_promotion("standard"):
+        with jax.numpy_dtype_promotion("standard"), program.sharding_context():
             row = measure(name, step, *step_args, iters=args.iters, trace_dir=trace,
                           devices=devices)  # fmt: skip
         row["tokens_per_s"] = tokens / (row["median_ms"] / 1e3)
@@ -80,7 +81,7 @@ def main():
             row["all_gather_ms_per_gpu"] = ms.get("all-gather", 0.0)
         print(f"    {row['tokens_per_s']:,.0f} tokens/s", flush=True)
         rows.append(row)
-        del step, step_args
+        del program, step, step_args
     print_table(title, rows, "bf16")
     for r in rows:
         if "all_gather_ms_per_gpu" in r:

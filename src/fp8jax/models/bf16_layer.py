@@ -20,10 +20,11 @@ import jax.numpy as jnp
 
 import fp8jax
 from fp8jax.flax import _attention, _common
-from fp8jax.flax._common import ACT, EMBED, HEADS, KV, MLP, QKV
+from fp8jax.flax._common import ACT, EMBED, HEADS, KV, MLP, QKV, RESIDUAL
 from fp8jax.flax.linen._base import param
 from fp8jax.flax.linen.dense import default_kernel_init
 from fp8jax.ops.fused import ACTIVATIONS
+from fp8jax.sharding import constrain
 
 
 def _bf16_dot(x, kernel, n_contract: int):
@@ -122,7 +123,8 @@ class _Attention(nn.Module):
             causal=self.causal,
             implementation=self.attention_implementation,
         )
-        return _OutDense(hidden, self.use_bias, self.norm["param_dtype"], name="out")(o)
+        y = _OutDense(hidden, self.use_bias, self.norm["param_dtype"], name="out")(o)
+        return constrain(y, RESIDUAL)
 
 
 class _Mlp(_Norm):
@@ -194,7 +196,9 @@ class Bf16TransformerLayer(nn.Module):
         owner = type(self).__name__
         _common.rank(owner, x, expected=3)
         n, n_kv = _common.heads(owner, self.num_heads, self.num_kv_heads)
-        x = x.astype(jnp.bfloat16)
+        # The same activation constraints as the FP8 layer, so that under a
+        # mesh both partition alike (no-ops without fp8jax.sharding.use_mesh).
+        x = constrain(x.astype(jnp.bfloat16), RESIDUAL)
         norm = {"norm_type": self.norm_type, "epsilon": self.epsilon}
         norm["param_dtype"] = self.param_dtype
         a = _Attention(
@@ -207,7 +211,7 @@ class Bf16TransformerLayer(nn.Module):
             attention_implementation=self.attention_implementation,
             name="attention",
         )(x)
-        h = x + a
+        h = constrain(x + a, RESIDUAL)
         m = _Mlp(
             intermediate_dim=self.intermediate_dim,
             activations=_common.activations(owner, self.activations),
@@ -215,4 +219,4 @@ class Bf16TransformerLayer(nn.Module):
             name="mlp",
             **norm,
         )(h)
-        return h + m
+        return constrain(h + m, RESIDUAL)

@@ -105,6 +105,10 @@ class TrainProgram:
             variables[FP8_COLLECTION] = state.fp8_state
         return self.loss(variables, batch)
 
+    def sharding_context(self):
+        """Trace and run the steps inside this: under a mesh, the activation constraints."""
+        return mesh_lib.sharding_context(self.mesh)
+
     def put(self, batch: np.ndarray):
         if self.batch_sharding is None:
             return jnp.asarray(batch)
@@ -182,7 +186,8 @@ def train(
             # Only now, with the checkpoint accepted, is anything in the run rewritten.
             run.resumed(record, start)
         loop = _Loop(program, run, corpus, options, say)
-        return loop.run(state, start, progress, on_step)
+        with program.sharding_context():
+            return loop.run(state, start, progress, on_step)
 
 
 class _Loop:
