@@ -46,9 +46,9 @@ LAYOUTS = {
 }
 
 
-def model(dtype=jnp.float32) -> fnn.TransformerLayer:
+def model(dtype=jnp.float32, recipe=RECIPE) -> fnn.TransformerLayer:
     return fnn.TransformerLayer(
-        HEADS, FFN, head_dim=HEAD_DIM, causal=True, use_rope=True, recipe=RECIPE, dtype=dtype
+        HEADS, FFN, head_dim=HEAD_DIM, causal=True, use_rope=True, recipe=recipe, dtype=dtype
     )
 
 
@@ -140,9 +140,9 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-def reference():
+def reference(recipe=RECIPE):
     """(initial params, state after STEPS, losses) of the single-device run, on the host."""
-    layer = model()
+    layer = model(recipe=recipe)
     state, losses = run(layer, STEPS)
     params0 = jax.jit(lambda: init_state(layer).params)()
     return to_host(params0), to_host(state), losses

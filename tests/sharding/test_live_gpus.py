@@ -22,6 +22,7 @@ from test_sharded_gemms import (
     check_no_high_precision_gather,
 )
 
+import fp8jax
 import fp8jax.sharding as fs
 from fp8jax import verify
 
@@ -66,13 +67,31 @@ def test_live_sharded_step_runs_fp8_gemms_and_gathers_fp8(layout):
         check_fsdp_gathers_kernels_in_fp8(layout, sizes, report)
 
 
+# Split accumulation in every GEMM. On the H200 (2026-11-29), with the default
+# fast-accumulating forward GEMM, tp2 and tp2_megatron_sp matched the single
+# GPU at step 1 (loss within 5e-6) but not at step 2 (1.1e-3): cuBLASLt's fast
+# accumulation rounds a GEMM split over two GPUs differently from the whole
+# one, and after one update such differences flip FP8 roundings of weights and
+# activations, each by a whole FP8 step. The CPU has no fast accumulation, so
+# its tolerances (derived in test_sharded_train_step.py) assume f32-accurate
+# GEMMs; this recipe gives the GPU the same. (Not yet rerun on a GPU.)
+F32_ACCURATE = fp8jax.DelayedScaling(
+    amax_history_len=sl.RECIPE.amax_history_len, forward_precision=jax.lax.Precision.HIGHEST
+)
+
+
+@pytest.fixture(scope="module")
+def f32_accurate_reference():
+    return sl.reference(F32_ACCURATE)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_live_sharded_step_matches_the_single_gpu_step(layout, reference):
+def test_live_sharded_step_matches_the_single_gpu_step(layout, f32_accurate_reference):
     sizes, config = LAYOUTS[layout]
     mesh = fs.make_mesh(**sizes, config=config)
-    state, losses = sl.run(sl.model(), sl.STEPS, mesh, config)
-    sl.check_against_reference(sl.to_host(state), losses, reference)
+    state, losses = sl.run(sl.model(recipe=F32_ACCURATE), sl.STEPS, mesh, config)
+    sl.check_against_reference(sl.to_host(state), losses, f32_accurate_reference)
 
 
 @pytest.mark.parametrize("gpus", [2, 4, 8])
