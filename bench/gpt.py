@@ -1,8 +1,9 @@
 """The GPT train step of ``fp8jax train``: tokens/s, FP8 vs BF16 (issues 8 and 9).
 
 Times the very step the CLI runs (model, AdamW, FP8 state handling), built
-by :class:`fp8jax.training.loop.TrainProgram` for a named preset, without
-buffer donation so one state can be fed again and again. With ``--mesh`` the
+by :class:`fp8jax.training.loop.TrainProgram` for a named preset. By default
+the state is not donated and the same state is fed again and again;
+``--donate`` donates it and chains the steps, as the train loop does. With ``--mesh`` the
 step runs over several GPUs (``fsdp=2``: parameters and AdamW moments split,
 FP8 kernels gathered). ``--trace`` breaks the step's kernels down by class,
 which gives the all-gather time per GPU: what FP8 weights save under FSDP.
@@ -30,7 +31,7 @@ VARIANTS = {
 }
 
 
-def step_and_args(preset: str, variant: str, mesh_text: str | None, attention: str):
+def step_and_args(preset: str, variant: str, mesh_text: str | None, attention: str, donate: bool):
     options = TrainOptions(out="unused", config=preset, mesh=mesh_text, **VARIANTS[variant])
     config = resolve(options)
     axes = mesh_lib.parse_mesh(mesh_text)
@@ -46,7 +47,9 @@ def step_and_args(preset: str, variant: str, mesh_text: str | None, attention: s
     if mesh is not None:
         state_shardings = jax.tree.map(lambda a: a.sharding, program.initial_state)
         out_shardings = (state_shardings, mesh_lib.replicated(mesh))
-    step = jax.jit(program.raw_step, out_shardings=out_shardings)
+    step = jax.jit(
+        program.raw_step, out_shardings=out_shardings, donate_argnums=0 if donate else ()
+    )
     tokens = config.batch_size * config.seq_len
     devices = 1 if mesh is None else mesh.size
     return program, step, (program.initial_state, batch), tokens, devices
@@ -59,6 +62,10 @@ def main():
     parser.add_argument("--attention", default="cudnn")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--donate", action="store_true",
+        help="donate the state and feed each step's new state to the next, as fp8jax train does",
+    )  # fmt: skip
     parser.add_argument("--trace", default=None, help="profile each variant here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -69,12 +76,12 @@ def main():
     rows = []
     for name in args.variants:
         program, step, step_args, tokens, devices = step_and_args(
-            args.config, name, args.mesh, args.attention
+            args.config, name, args.mesh, args.attention, args.donate
         )
         trace = os.path.join(args.trace, name) if args.trace else None
         with jax.numpy_dtype_promotion("standard"), program.sharding_context():
             row = measure(name, step, *step_args, iters=args.iters, trace_dir=trace,
-                          devices=devices)  # fmt: skip
+                          devices=devices, carry=args.donate)  # fmt: skip
         row["tokens_per_s"] = tokens / (row["median_ms"] / 1e3)
         if "breakdown" in row:
             ms = row["breakdown"]["ms"]

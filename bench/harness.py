@@ -21,14 +21,31 @@ from breakdown import breakdown
 from fp8jax.verify import gemm_report
 
 
-def time_ms(fn, *args, warmup: int = 5, iters: int = 30) -> dict:
-    """Median, 10th and 90th percentile wall time of ``fn(*args)`` in ms."""
+def _call(fn, args: list, carry: bool):
+    """``fn(*args)``, synchronized; with ``carry``, its first output becomes ``args[0]``."""
+    out = jax.block_until_ready(fn(*args))
+    if carry:
+        args[0] = out[0]
+    return out
+
+
+def time_ms(fn, *args, warmup: int = 5, iters: int = 30, carry: bool = False) -> dict:
+    """Median, 10th and 90th percentile wall time of ``fn(*args)`` in ms.
+
+    ``carry``: feed each call's first output back as the next call's first
+    argument, as a train loop does with its state; needed when ``fn`` donates it.
+    """
+    return _timed(fn, list(args), warmup, iters, carry)
+
+
+def _timed(fn, args: list, warmup: int, iters: int, carry: bool) -> dict:
+    """:func:`time_ms` on an argument list that, with ``carry``, ends holding the last state."""
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+        _call(fn, args, carry)
     samples = []
     for _ in range(iters):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        _call(fn, args, carry)
         samples.append((time.perf_counter() - start) * 1e3)
     samples.sort()
     return {
@@ -65,7 +82,13 @@ def compiled_facts(compiled) -> dict:
 
 
 def measure(
-    name: str, jitted, *args, iters: int = 30, trace_dir: str | None = None, devices: int = 1
+    name: str,
+    jitted,
+    *args,
+    iters: int = 30,
+    trace_dir: str | None = None,
+    devices: int = 1,
+    carry: bool = False,
 ) -> dict:
     """One benchmark row: compiled once, then timed, counted and (optionally) traced.
 
@@ -75,16 +98,18 @@ def measure(
     GEMM count and the timing always describe the same program. With
     ``trace_dir``, three more calls are profiled and broken down by kernel
     class (bench/breakdown.py), per step and per GPU over ``devices`` GPUs.
+    ``carry`` is :func:`time_ms`'s, for steps that donate their state.
     """
     compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted
     facts = compiled_facts(compiled)
-    row = {"name": name, **time_ms(compiled, *args, iters=iters), **facts}
+    args = list(args)
+    row = {"name": name, **_timed(compiled, args, 5, iters, carry), **facts}
     if trace_dir:
         where = os.path.join(trace_dir, name)
         steps = 3
         with jax.profiler.trace(where):
             for _ in range(steps):
-                jax.block_until_ready(compiled(*args))
+                _call(compiled, args, carry)
         row["breakdown"] = breakdown(where, compiled.as_text(), steps, devices)
     print(
         f"  {name}: {row['median_ms']:.3f} ms, {facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs "
