@@ -24,6 +24,7 @@ from fp8jax.flax import _attention, _common
 from fp8jax.flax._common import ACT, EMBED, HEADS, KV, MLP, QKV, RESIDUAL
 from fp8jax.flax.linen._base import param
 from fp8jax.flax.linen.dense import default_kernel_init
+from fp8jax.ops.dense import add_bias
 from fp8jax.ops.fused import ACTIVATIONS
 from fp8jax.sharding import constrain
 
@@ -79,7 +80,7 @@ class _NormDense(_Norm):
         if self.use_bias:
             zeros = jax.nn.initializers.zeros
             bias = param(self, "bias", zeros, self.features, self.param_dtype, self.bias_axes)
-            y = y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+            y = add_bias(y, bias, len(self.features))
         return y
 
 
@@ -99,7 +100,7 @@ class _OutDense(nn.Module):
         if self.use_bias:
             zeros = jax.nn.initializers.zeros
             bias = param(self, "bias", zeros, (self.hidden,), self.param_dtype, (EMBED,))
-            y = y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+            y = add_bias(y, bias, 1)
         return y
 
 
@@ -157,14 +158,14 @@ class _Mlp(_Norm):
             zeros = jax.nn.initializers.zeros
             bias_1 = param(self, "bias_1", zeros, (n_act, ffn), pd, (ACT, MLP))
             bias_2 = param(self, "bias_2", zeros, (hidden,), pd, (EMBED,))
-            pre = pre + jnp.broadcast_to(bias_1.astype(pre.dtype), pre.shape)
+            pre = add_bias(pre, bias_1, 2)
         # Rematerialized: the backward keeps only the bf16 pre-activation, as the
         # FP8 block does. Plain autodiff kept five f32 copies of (tokens, ffn)
         # per layer, 57 GB of stacked residuals in the medium GPT on the H200.
         gate = jax.checkpoint(functools.partial(_gate, activations=self.activations))
         y = _bf16_dot(gate(pre), kernel_2, 1)
         if self.use_bias:
-            y = y + jnp.broadcast_to(bias_2.astype(y.dtype), y.shape)
+            y = add_bias(y, bias_2, 1)
         return y
 
 
