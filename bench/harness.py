@@ -9,6 +9,7 @@ measured in the same process.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -16,9 +17,39 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 from breakdown import breakdown
+from flax.linen import fp8_ops
 
+import fp8jax
 from fp8jax.verify import gemm_report
+
+# The delayed-scaling recipe of every fp8jax "delayed" row.
+DELAYED = fp8jax.DelayedScaling(amax_history_len=1024)
+
+
+def standard_variants(flax_variant, fp8jax_variant) -> dict:
+    """The five side-by-side rows of every benchmark (issue 8), by name.
+
+    ``flax_variant(x, ..., dot_general_cls=)`` builds the plain Flax model
+    (``None``: BF16); ``fp8jax_variant(x, ..., recipe=)`` the fp8jax one.
+    """
+    return {
+        "bf16": functools.partial(flax_variant, dot_general_cls=None),
+        "flax_fp8_direct": functools.partial(
+            flax_variant, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp
+        ),
+        "flax_fp8_qdq": functools.partial(flax_variant, dot_general_cls=fp8_ops.Fp8DotGeneralOp),
+        "fp8jax_current": functools.partial(fp8jax_variant, recipe=fp8jax.CurrentScaling()),
+        "fp8jax_delayed": functools.partial(fp8jax_variant, recipe=DELAYED),
+    }
+
+
+def bf16_matrices(tree):
+    """Flax variables with every f32 matrix in bf16: kernels as the activations' dtype."""
+    return jax.tree.map(
+        lambda p: p.astype(jnp.bfloat16) if p.dtype == jnp.float32 and p.ndim > 1 else p, tree
+    )
 
 
 def _call(fn, args: list, carry: bool):

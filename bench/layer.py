@@ -12,16 +12,13 @@ layer; fp8jax runs its own TransformerLayer with the same shapes.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen import fp8_ops
-from harness import dump, environment, measure, print_table
+from harness import bf16_matrices, dump, environment, measure, print_table, standard_variants
 
-import fp8jax
 from fp8jax.flax import linen as fnn
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -49,13 +46,9 @@ class AnchorLayer(nn.Module):
         return x + nn.Dense(hidden, dtype=BF16, **kw)(y)
 
 
-def to_bf16(tree):
-    return jax.tree.map(lambda p: p.astype(BF16) if p.dtype == F32 and p.ndim > 1 else p, tree)
-
-
 def anchor_variant(x, heads, ffn, attention, dot_general_cls):
     model = AnchorLayer(heads, ffn, attention, dot_general_cls)
-    variables = to_bf16(jax.jit(model.init)(jax.random.key(0), x))
+    variables = bf16_matrices(jax.jit(model.init)(jax.random.key(0), x))
 
     def loss(variables, x):
         return model.apply(variables, x).astype(F32).mean()
@@ -68,7 +61,7 @@ def fp8jax_variant(x, heads, ffn, attention, recipe):
         num_heads=heads, intermediate_dim=ffn, activations=("gelu",), causal=True,
         attention_implementation=attention, dtype=BF16, recipe=recipe,
     )  # fmt: skip
-    variables = to_bf16(jax.jit(layer.init)(jax.random.key(0), x))
+    variables = bf16_matrices(jax.jit(layer.init)(jax.random.key(0), x))
     params = variables["params"]
     state = variables.get("fp8_state")
 
@@ -81,17 +74,7 @@ def fp8jax_variant(x, heads, ffn, attention, recipe):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (params, x, state)
 
 
-VARIANTS = {
-    "bf16": functools.partial(anchor_variant, dot_general_cls=None),
-    "flax_fp8_direct": functools.partial(
-        anchor_variant, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp
-    ),
-    "flax_fp8_qdq": functools.partial(anchor_variant, dot_general_cls=fp8_ops.Fp8DotGeneralOp),
-    "fp8jax_current": functools.partial(fp8jax_variant, recipe=fp8jax.CurrentScaling()),
-    "fp8jax_delayed": functools.partial(
-        fp8jax_variant, recipe=fp8jax.DelayedScaling(amax_history_len=1024)
-    ),
-}
+VARIANTS = standard_variants(anchor_variant, fp8jax_variant)
 
 
 def main():

@@ -16,8 +16,15 @@ import os
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.linen import fp8_ops
-from harness import dump, environment, measure, print_table
+from harness import (
+    DELAYED,
+    bf16_matrices,
+    dump,
+    environment,
+    measure,
+    print_table,
+    standard_variants,
+)
 
 import fp8jax
 from fp8jax.ops.fused import ACTIVATIONS
@@ -47,13 +54,9 @@ class FlaxMlp(nn.Module):
         return nn.Dense(x.shape[-1], dtype=BF16, **kw)(gated(pre, self.activations))
 
 
-def to_bf16(tree):
-    return jax.tree.map(lambda p: p.astype(BF16) if p.dtype == F32 and p.ndim > 1 else p, tree)
-
-
 def flax_variant(x, ffn, activations, dot_general_cls):
     model = FlaxMlp(ffn, activations, dot_general_cls)
-    variables = to_bf16(jax.jit(model.init)(jax.random.key(0), x))
+    variables = bf16_matrices(jax.jit(model.init)(jax.random.key(0), x))
 
     def loss(variables, x):
         return model.apply(variables, x).astype(F32).mean()
@@ -188,25 +191,14 @@ def patched(make, attribute, replacement):
 
 def run_case(tokens, hidden, ffn, activations, iters, names=None, trace_dir=None):
     x = jax.random.normal(jax.random.key(1), (tokens, hidden), F32).astype(BF16)
-    variants = {
-        "bf16": functools.partial(flax_variant, dot_general_cls=None),
-        "flax_fp8_direct": functools.partial(
-            flax_variant, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp
-        ),
-        "flax_fp8_qdq": functools.partial(flax_variant, dot_general_cls=fp8_ops.Fp8DotGeneralOp),
-        "fp8jax_current": functools.partial(fp8jax_variant, recipe=fp8jax.CurrentScaling()),
-        "fp8jax_delayed": functools.partial(
-            fp8jax_variant, recipe=fp8jax.DelayedScaling(amax_history_len=1024)
-        ),
+    variants = standard_variants(flax_variant, fp8jax_variant) | {
         "fp8jax_current_fastacc": functools.partial(
             fp8jax_variant, recipe=fp8jax.CurrentScaling(**FAST)
         ),
         "fp8jax_delayed_fastacc": functools.partial(
             fp8jax_variant, recipe=fp8jax.DelayedScaling(**FAST)
         ),
-        "fp8jax_delayed_nobias": functools.partial(
-            fp8jax_variant, recipe=fp8jax.DelayedScaling(amax_history_len=1024), bias=False
-        ),
+        "fp8jax_delayed_nobias": functools.partial(fp8jax_variant, recipe=DELAYED, bias=False),
         "gemms_only": functools.partial(gemms_only, precision=jax.lax.Precision.HIGHEST),
         "gemms_only_fastacc": functools.partial(gemms_only, precision=jax.lax.Precision.DEFAULT),
     }
