@@ -11,6 +11,7 @@ dimension a multiple of 16 on each device, as FP8 GEMMs on Hopper want.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import flax.linen as nn
 import jax
@@ -87,12 +88,14 @@ def shardings(layer, mesh, config):
     return state, data
 
 
-def run(layer, steps: int, mesh=None, config=fs.DEFAULT):
+def run(layer, steps: int, mesh=None, config=fs.DEFAULT, data=None):
     """``steps`` train steps from the same init; single-device without a mesh.
 
+    ``data``: the (inputs, targets) of every step; :func:`batch` by default.
     Returns the final TrainState and the losses, as host numpy arrays.
     """
-    step, data = make_step(layer), batch(dtype=layer.dtype)
+    step = make_step(layer)
+    data = batch(dtype=layer.dtype) if data is None else data
     # JAX's XLA attention backward mixes bf16/f32 dtypes internally; see tests/flax/conftest.py.
     with jax.numpy_dtype_promotion("standard"):
         if mesh is None:
@@ -158,18 +161,30 @@ def _groups(fp8_state):
     return jax.tree.leaves(fp8_state, is_leaf=lambda n: isinstance(n, fp8jax.DotScaleState))
 
 
-def check_against_reference(state, losses, reference):
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    loss_rtol: float
+    updates: float  # normwise, on each parameter's update
+    fp8_state: float | None  # normwise, on amax histories and scales; None: not compared
+
+
+# Derived in test_sharded_train_step.py.
+CPU = Tolerances(loss_rtol=1e-5, updates=TOL, fp8_state=TOL)
+GPU = Tolerances(loss_rtol=5e-3, updates=0.3, fp8_state=None)
+
+
+def check_against_reference(state, losses, reference, tolerances: Tolerances = CPU):
     """A host-side run agrees with ``reference()`` (tolerances: test_sharded_train_step.py)."""
     params0, want, want_losses = reference
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, want_losses, rtol=tolerances.loss_rtol)
     # Compare updates, not params: the params themselves barely move in 2 steps.
     updates = jax.tree.map(lambda g, w, p: _normwise(g, w, p), state.params, want.params, params0)
-    assert max(jax.tree.leaves(updates)) < TOL, updates
+    assert max(jax.tree.leaves(updates)) < tolerances.updates, updates
     for got, ref in zip(_groups(state.fp8_state), _groups(want.fp8_state), strict=True):
-        for role in ("x", "kernel", "grad"):
+        for role in ("x", "kernel", "grad") if tolerances.fp8_state is not None else ():
             g, w = getattr(got, role), getattr(ref, role)
-            assert _normwise(g.amax_history, w.amax_history) < TOL, role
-            assert _normwise(g.scale, w.scale) < TOL, role
+            assert _normwise(g.amax_history, w.amax_history) < tolerances.fp8_state, role
+            assert _normwise(g.scale, w.scale) < tolerances.fp8_state, role
         # Step 1's amax (history slot 1) of the kernel is a max over the
         # initial kernel's shards: exact, whatever the sharding.
         np.testing.assert_array_equal(got.kernel.amax_history[1], ref.kernel.amax_history[1])
