@@ -150,6 +150,32 @@ def test_batched_dot_general_matches_reference():
     assert dx.shape == x.shape and dw.shape == w.shape
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_quantize_stored_quantizes_like_quantize_operand(delayed):
+    # The barrier in quantize_stored moves where XLA writes the value, never
+    # what is computed: the same FP8 bytes, scale and amax as the plain path,
+    # under jit, and the stored value is the input itself.
+    from fp8jax.ops.dense import quantize_operand, quantize_stored
+
+    recipe = fp8jax.DelayedScaling() if delayed else fp8jax.CurrentScaling()
+    state = fp8jax.init_state(recipe, fp8jax.DotScaleState).x if delayed else None
+    if delayed:  # a scale that is not 1, so that a wrong scale would show
+        state = state._replace(scale=jnp.float32(4.0))
+    value = (jax.random.normal(jax.random.key(0), (64, 96)) * 3).astype(jnp.bfloat16)
+
+    @jax.jit
+    def both(v):
+        return quantize_stored(v, fp8jax.E4M3, state, recipe), quantize_operand(
+            v, fp8jax.E4M3, state, recipe
+        )
+
+    (q, amax, stored), (want_q, want_amax) = both(value)
+    np.testing.assert_array_equal(q.data.astype(jnp.float32), want_q.data.astype(jnp.float32))
+    np.testing.assert_array_equal(q.scale_inv, want_q.scale_inv)
+    np.testing.assert_array_equal(amax, want_amax)
+    np.testing.assert_array_equal(stored, value)
+
+
 def test_overflowing_input_saturates_instead_of_nan():
     recipe = fp8jax.DelayedScaling(amax_history_len=2)
     state = fp8jax.init_state(recipe)  # scale 1: 1e4 is far past E4M3's 448
