@@ -131,10 +131,26 @@ def test_layernorm_dense_returns_normalized_and_its_gradient_flows():
     np.testing.assert_allclose(jax.grad(through_normalized)(x), want, rtol=1e-4, atol=1e-4)
 
 
+def _written_results(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of each result a compiled GPU program writes to HBM.
+
+    Every top-level instruction's result goes to HBM, except parameters,
+    tuple plumbing, bitcasts and barriers, which alias buffers they are given.
+    """
+    from fp8jax.verify import _hlo
+
+    aliases = ("parameter", "get-tuple-element", "bitcast", "tuple", "opt-barrier")
+    return [
+        (inst.name, t.dtype, t.shape)
+        for inst in _hlo.parse_module(hlo).entry.instructions.values()
+        if inst.opcode not in aliases
+        for t in inst.types
+    ]
+
+
 @pytest.mark.deviceless
 def test_layernorm_dense_forward_writes_no_high_precision_normalized_copy():
-    # In the H100 program, every top-level instruction's result goes to HBM.
-    # Besides x itself, none may be a bf16/f32 tensor of x's shape: the
+    # Besides x itself, no result may be a bf16/f32 tensor of x's shape: the
     # normalized activations must leave the norm's fusion only as f8.
     from fp8jax.verify import compile_for
 
@@ -149,17 +165,9 @@ def test_layernorm_dense_forward_writes_no_high_precision_normalized_copy():
         kernel,
         target="h100",
     )
-    entry = hlo[hlo.index("\nENTRY") :]
-    results = [line.split(" = ", 1)[1] for line in entry.splitlines() if " = " in line]
-    # Parameters, tuple plumbing and bitcasts alias buffers; they write nothing.
-    aliases = ("parameter(", "get-tuple-element(", "bitcast(", "tuple(", "opt-barrier(")
-    high_precision_copies = [
-        r[:100]
-        for r in results
-        if r.startswith(("bf16[256,512]", "f32[256,512]")) and not any(a in r for a in aliases)
-    ]
-    assert high_precision_copies == []
-    assert any(r.startswith("f8e4m3fn[256,512]") for r in results)
+    results = [r for r in _written_results(hlo) if r[2] == (256, 512)]
+    assert [r for r in results if r[1] in ("bf16", "f32")] == []
+    assert any(r[1] == "f8e4m3fn" for r in results)
 
 
 TOKENS, HIDDEN, FFN = 1024, 256, 1024
@@ -168,13 +176,13 @@ TOKENS, HIDDEN, FFN = 1024, 256, 1024
 def _f32_results_of_mlp_step(
     activations, recipe, tokens=TOKENS, hidden=HIDDEN, ffn=FFN
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of each top-level f32 result of layernorm_mlp's H100 train step.
+    """(name, shape) of each f32 result written to HBM by layernorm_mlp's H100 train step.
 
-    Every top-level result of the compiled program goes to HBM. The loss
-    depends on y (not a plain mean), so the backward cannot start early and
-    fuse with the forward, which would hide what a real model's step does.
+    The loss depends on y (not a plain mean), so the backward cannot start
+    early and fuse with the forward, which would hide what a real model's
+    step does.
     """
-    from fp8jax.verify import _hlo, compile_for
+    from fp8jax.verify import compile_for
 
     n, bf16 = len(activations), jnp.bfloat16
     args = (
@@ -196,15 +204,8 @@ def _f32_results_of_mlp_step(
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
     step = jax.grad(loss, argnums=tuple(range(7)))
-    module = _hlo.parse_module(compile_for(step, *args, state, target="h100"))
-    aliases = ("parameter", "get-tuple-element", "bitcast", "tuple", "opt-barrier")
-    return [
-        (inst.name, t.shape)
-        for inst in module.entry.instructions.values()
-        if inst.opcode not in aliases
-        for t in inst.types
-        if t.dtype == "f32"
-    ]
+    hlo = compile_for(step, *args, state, target="h100")
+    return [(name, shape) for name, dtype, shape in _written_results(hlo) if dtype == "f32"]
 
 
 RECIPES = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]

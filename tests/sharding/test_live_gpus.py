@@ -74,9 +74,9 @@ def test_live_sharded_step_runs_fp8_gemms_and_gathers_fp8(layout):
 # With this recipe every layout still missed the CPU's loss tolerance (rtol
 # 1e-5), by up to 5e-5 at step 1 and 1.1e-3 at step 2 (relative; 2 H200s,
 # 2026-11-29). A rerun with jax.default_matmul_precision("highest") around
-# both runs missed it alike, so TF32 is not the cause. The likeliest cause is the FP8 tensor cores'
-# accumulator precision (not proven: noise of that size gives differences of
-# that size in a CPU proxy). The comparison therefore uses the GPU tolerances
+# both runs missed it alike, so TF32 is not the cause. The likeliest cause is
+# the FP8 tensor cores' accumulator precision (not proven: noise of that size
+# gives differences of that size in a CPU proxy). The comparison therefore uses the GPU tolerances
 # derived in test_sharded_train_step.py. (Not yet run with them.)
 F32_ACCURATE = fp8jax.DelayedScaling(
     amax_history_len=sl.RECIPE.amax_history_len, forward_precision=jax.lax.Precision.HIGHEST

@@ -87,7 +87,7 @@ def quantize_stored(
     Returns ``(q, amax, value)``, ``value`` as stored, for other readers.
     """
     value_amax = _partitioning.reduce_amax(amax(value), recipe)
-    (value,) = lax.optimization_barrier((value,))
+    value = lax.optimization_barrier(value)
     q = quantize_with_scale(value, fmt, _scale(value_amax, fmt, state, recipe))
     return q, value_amax, value
 

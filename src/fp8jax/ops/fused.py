@@ -259,7 +259,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
         # the forward and this recompute, and keeps it in f32 from the
         # forward until here: 4 bytes per element more held and moved than
         # pre. That pays only for erf (see ERF_ACTIVATIONS).
-        (pre,) = jax.lax.optimization_barrier((pre,))
+        pre = jax.lax.optimization_barrier(pre)
     dpre = _activation_grad(dh, pre, config.activations).astype(config.x_dtype)
     dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
     dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
