@@ -74,6 +74,22 @@ def fusion_classes(hlo_text: str) -> dict[str, str]:
     return classes
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def fusion_descriptions(hlo_text: str) -> dict[str, str]:
+    """Kernel name -> "result shape | source op", to tell what an unnamed fusion computes."""
+    described = {}
+    for match in _INSTRUCTION.finditer(hlo_text):
+        name, shape, _ = match.groups()
+        line_end = hlo_text.find("\n", match.end())
+        op_name = _OP_NAME.search(hlo_text, match.end(), line_end if line_end >= 0 else None)
+        # The last two scopes (module and primitive) are what tells fusions apart.
+        source = "/".join(op_name.group(1).split("/")[-2:]) if op_name else ""
+        described[_kernel_name(name)] = f"{shape[:80]} | {source}"
+    return described
+
+
 def classify(kernel: str, fusions: dict[str, str]) -> str:
     lowered = kernel.lower()
     if "nccl" in lowered:
@@ -117,18 +133,52 @@ def breakdown(trace_dir: str, hlo_text: str, steps: int, devices: int = 1) -> di
     GPU never idles; ``kernel_ms`` is that sum, to compare with the wall time.
     """
     fusions = fusion_classes(hlo_text)
+    described = fusion_descriptions(hlo_text)
     per_class: dict[str, float] = collections.defaultdict(float)
-    top: dict[str, float] = {}
+    kernels: dict[str, tuple[str, float]] = {}
     for name, us in kernel_times_us(trace_dir).items():
-        per_class[classify(name, fusions)] += us
-        top[name] = us
+        kind = classify(name, fusions)
+        per_class[kind] += us
+        kernels[name] = (kind, us)
     scale = 1.0 / (1e3 * steps * devices)
     total = sum(per_class.values()) * scale
+    by_time = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     return {
         "kernel_ms": total,
         "ms": {k: v * scale for k, v in sorted(per_class.items())},
         "share": {k: v * scale / total for k, v in sorted(per_class.items())} if total else {},
-        "top_kernels_ms": {
-            k: v * scale for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
+        # Every kernel, so two variants' "other" time can be compared kernel by kernel.
+        "kernels_ms": {
+            name: {"class": kind, "ms": us * scale, "what": described.get(name, "")}
+            for name, (kind, us) in by_time
         },
     }
+
+
+def main():
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        description="List one kernel class of benchmark rows, slowest first, per variant."
+    )
+    parser.add_argument("results", help="a bench JSON file written with --trace")
+    parser.add_argument("--variants", nargs="*", default=None)
+    parser.add_argument("--kind", default="other", help="kernel class (default: other)")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    with open(args.results) as f:
+        rows = json.load(f)["rows"]
+    for row in rows:
+        kernels = row.get("breakdown", {}).get("kernels_ms")
+        if kernels is None or (args.variants and row["name"] not in args.variants):
+            continue
+        chosen = [(n, k) for n, k in kernels.items() if k["class"] == args.kind]
+        total = sum(k["ms"] for _, k in chosen)
+        print(f"{row['name']}: {args.kind} {total:.3f} ms in {len(chosen)} kernels")
+        for name, k in chosen[: args.top]:
+            print(f"  {k['ms']:7.3f}  {name[:40]:40s} {k['what']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -44,3 +44,8 @@ def test_fp8_to_fp8_transposes_are_relayouts_not_quantization():
 )
 def test_library_kernels_are_classified_by_name(kernel, kind):
     assert breakdown.classify(kernel, {}) == kind
+
+
+def test_each_kernel_is_described_by_its_result_and_source_op():
+    described = breakdown.fusion_descriptions((DATA / "h200_live_dense_cublas.hlo.txt").read_text())
+    assert described["loop_convert_fusion"] == "f8e4m3fn[256,512]{1,0} | jvp()/convert_element_type"
