@@ -141,3 +141,41 @@ def test_gamma_gradient_is_summed_over_the_data_axis_inside_shard_map():
     want = jax.grad(loss, argnums=(0, 1, 2))(x, gamma, beta)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_is_accurate_on_rows_far_from_zero():
+    # Rows at 1000 +- 1: the one-pass statistics must not cancel. In f32, x
+    # itself is only known to ulp(1000) = 2**-14 ~ 6.1e-5, so the row mean and
+    # the centred values carry about that error against a unit std: a few of
+    # those ulps bound y's error.
+    x = 1000.0 + jax.random.normal(jax.random.key(0), (8, 256))
+    gamma, beta = jnp.ones(256), jnp.zeros(256)
+    want = reference_norm(x, gamma, beta, "layernorm", False, 1e-6)
+    y = fp8jax.layernorm(x, gamma, beta)
+    np.testing.assert_allclose(y, want, atol=4 * 2.0**-14)
+    # The check can fail: E[x^2] - E[x]^2 in f32 misses the unit variance by
+    # far more here (E[x^2] ~ 1e6 has an ulp of 0.06).
+    naive_var = jnp.mean(x * x, -1, keepdims=True) - jnp.mean(x, -1, keepdims=True) ** 2
+    naive = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(naive_var + 1e-6)
+    assert np.max(np.abs(np.asarray(naive) - want)) > 4 * 2.0**-14
+
+
+@pytest.mark.deviceless
+def test_layernorm_reads_x_in_one_row_reduction():
+    # Mean first, then the centred variance, was two reductions over x: XLA
+    # cannot fuse a reduction with one that needs its result.
+    from fp8jax.verify import _hlo, compile_for
+
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    params = jax.ShapeDtypeStruct((512,), jnp.bfloat16)
+    hlo = compile_for(fp8jax.layernorm, x, params, params, target="h100")
+    entry = _hlo.parse_module(hlo).entry
+    x_name = next(
+        i.name for i in entry.instructions.values()
+        if i.opcode == "parameter" and i.types[0].shape == (1024, 512)
+    )  # fmt: skip
+    reductions_of_x = [
+        i.name for i in entry.instructions.values()
+        if i.fusion_kind == "kInput" and x_name in i.operands
+    ]  # fmt: skip
+    assert len(reductions_of_x) == 1, reductions_of_x
