@@ -144,7 +144,10 @@ def test_gamma_gradient_is_summed_over_the_data_axis_inside_shard_map():
 
 
 def test_layernorm_is_accurate_on_rows_far_from_zero():
-    # Rows at 1000 +- 1: the one-pass statistics must not cancel. In f32, x
+    # Rows at 1000 +- 1: the statistics must not cancel. (A one-pass variant,
+    # moments of x minus each row's first element, passed this test but moved
+    # the sharded train steps' updates off the single-device run by 4.6e-3
+    # after two steps, against 1e-7 for the two passes.) In f32, x
     # itself is only known to ulp(1000) = 2**-14 ~ 6.1e-5, so the row mean and
     # the centred values carry about that error against a unit std: a few of
     # those ulps bound y's error.
@@ -158,24 +161,3 @@ def test_layernorm_is_accurate_on_rows_far_from_zero():
     naive_var = jnp.mean(x * x, -1, keepdims=True) - jnp.mean(x, -1, keepdims=True) ** 2
     naive = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(naive_var + 1e-6)
     assert np.max(np.abs(np.asarray(naive) - want)) > 4 * 2.0**-14
-
-
-@pytest.mark.deviceless
-def test_layernorm_reads_x_in_one_row_reduction():
-    # Mean first, then the centred variance, was two reductions over x: XLA
-    # cannot fuse a reduction with one that needs its result.
-    from fp8jax.verify import _hlo, compile_for
-
-    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
-    params = jax.ShapeDtypeStruct((512,), jnp.bfloat16)
-    hlo = compile_for(fp8jax.layernorm, x, params, params, target="h100")
-    entry = _hlo.parse_module(hlo).entry
-    x_name = next(
-        i.name for i in entry.instructions.values()
-        if i.opcode == "parameter" and i.types[0].shape == (1024, 512)
-    )  # fmt: skip
-    reductions_of_x = [
-        i.name for i in entry.instructions.values()
-        if i.fusion_kind == "kInput" and x_name in i.operands
-    ]  # fmt: skip
-    assert len(reductions_of_x) == 1, reductions_of_x

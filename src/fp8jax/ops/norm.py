@@ -67,23 +67,6 @@ def _effective_gamma(gamma, config: NormConfig, ndim: int) -> jax.Array:
     return gamma + jnp.float32(1) if config.zero_centered_gamma else gamma
 
 
-def _row_moments(x32):
-    """Each row's mean and variance, from one pass over ``x32``.
-
-    Mean first and then the centred variance is two passes over the input,
-    and XLA cannot fuse them: the second needs the first's result. Both
-    sums in one pass are E[d] and E[d^2] of d = x - shift; their difference
-    loses the variance to cancellation when |E[d]| is large against the
-    standard deviation. Shifting by each row's first element keeps E[d]
-    within the row's own spread.
-    """
-    shift = jax.lax.stop_gradient(x32[..., :1])
-    d = x32 - shift
-    d_mean = jnp.mean(d, axis=-1, keepdims=True)
-    variance = jnp.maximum(jnp.mean(d * d, axis=-1, keepdims=True) - d_mean * d_mean, 0.0)
-    return shift + d_mean, variance
-
-
 def normalize(x, gamma, beta, config: NormConfig):
     """Returns ``(y, mean, rstd)``: the f32 normalized output and per-row statistics.
 
@@ -91,15 +74,11 @@ def normalize(x, gamma, beta, config: NormConfig):
     """
     x32 = x.astype(jnp.float32)
     if config.norm_type == "layernorm":
-        mean, variance = _row_moments(x32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        centred = x32 - mean
     else:
-        mean, variance = None, jnp.mean(x32 * x32, axis=-1, keepdims=True)
-    rstd = jax.lax.rsqrt(variance + config.epsilon)
-    # Fused into y's consumers, the rsqrt (an "expensive" op to XLA) would be
-    # recomputed for every element, so XLA wrote y to HBM in f32 instead
-    # (layernorm_dense at 256 x 512, deviceless H100 compile).
-    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
-    centred = x32 if mean is None else x32 - mean
+        mean, centred = None, x32
+    rstd = jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + config.epsilon)
     y = centred * rstd * _effective_gamma(gamma, config, x.ndim)
     if beta is not None:
         y = y + _per_feature(beta, x.ndim)
