@@ -31,13 +31,16 @@ VARIANTS = {
 }
 
 
-def step_and_args(preset: str, variant: str, mesh_text: str | None, attention: str, donate: bool):
+def step_and_args(
+    preset: str, variant: str, mesh_text: str | None, attention: str, donate: bool,
+    unroll_layers: bool = True,
+):  # fmt: skip
     options = TrainOptions(out="unused", config=preset, mesh=mesh_text, **VARIANTS[variant])
     config = resolve(options)
     axes = mesh_lib.parse_mesh(mesh_text)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
     with jax.numpy_dtype_promotion("standard"):  # as fp8jax train: optax mixes int32 and f32
-        program = TrainProgram(config, mesh, attention)
+        program = TrainProgram(config, mesh, attention, unroll_layers)
     corpus = data.load_corpus(None)
     batch = program.put(
         data.train_batch(corpus.train, 0, batch_size=config.batch_size,
@@ -66,17 +69,22 @@ def main():
         "--donate", action="store_true",
         help="donate the state and feed each step's new state to the next, as fp8jax train does",
     )  # fmt: skip
+    parser.add_argument(
+        "--rolled-layers", action="store_true",
+        help="keep the scan over layers rolled (Gpt.unroll_layers=False), to compare",
+    )  # fmt: skip
     parser.add_argument("--trace", default=None, help="profile each variant here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     env = environment()
     print(env)
     title = f"GPT {args.config} train step" + (f", mesh {args.mesh}" if args.mesh else "")
+    title += ", layers rolled" if args.rolled_layers else ""
     print(f"\n{title}", flush=True)
     rows = []
     for name in args.variants:
         program, step, step_args, tokens, devices = step_and_args(
-            args.config, name, args.mesh, args.attention, args.donate
+            args.config, name, args.mesh, args.attention, args.donate, not args.rolled_layers
         )
         trace = os.path.join(args.trace, name) if args.trace else None
         with jax.numpy_dtype_promotion("standard"), program.sharding_context():

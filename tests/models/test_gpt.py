@@ -78,6 +78,35 @@ def test_fp8_train_step_runs_every_block_gemm_in_fp8(recipe):
     assert sorted(rest) == ["_attention.py"] * 6 + ["gpt.py"] * 2 + ["linear.py"] * 3
 
 
+@pytest.mark.deviceless
+@pytest.mark.parametrize("unroll_layers", [True, False])
+def test_unrolled_layers_compile_to_no_layer_loop_and_all_fp8_gemms(unroll_layers):
+    # Rolled, the scan is a while loop whose stacked saved activations the
+    # GPU backend copies slot by slot (Gpt.unroll_layers); unrolled, no loop.
+    from fp8jax.verify import _hlo, compile_for, gemm_report
+
+    recipe = fp8jax.DelayedScaling(amax_history_len=4)
+    _, variables = _init("fp8", recipe)
+    model = Gpt(config=CONFIG, precision="fp8", recipe=recipe, unroll_layers=unroll_layers)
+    tx = optax.sgd(0.1)
+    state = TrainState.create(nn.meta.unbox(variables), tx)
+
+    def loss_fn(v, batch):
+        return next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+
+    with jax.numpy_dtype_promotion("standard"):
+        hlo = compile_for(make_train_step(loss_fn, tx), state, TOKENS, target="h100")
+    loops = [
+        i for c in _hlo.parse_module(hlo).computations.values()
+        for i in c.instructions.values() if i.opcode == "while"
+    ]  # fmt: skip
+    assert bool(loops) != unroll_layers
+    report = gemm_report(hlo)
+    # Unrolled, each layer's 12 block GEMMs appear on their own.
+    if unroll_layers:
+        assert len(report.fp8_gemms) == 12 * CONFIG.layers
+
+
 def test_bf16_train_step_has_the_same_gemms_in_bf16():
     dots = _step_dots("bf16")
     assert len(dots) == 23

@@ -53,7 +53,7 @@ class TrainProgram:
     (``raw_step``, before jit and donation; bench/gpt.py).
     """
 
-    def __init__(self, config: RunConfig, mesh, attention: str):
+    def __init__(self, config: RunConfig, mesh, attention: str, unroll_layers: bool = True):
         recipe = config.fp8_recipe()
         self.config, self.mesh = config, mesh
         if attention == "auto":
@@ -63,6 +63,7 @@ class TrainProgram:
             precision=config.precision,
             recipe=recipe,
             attention_implementation=attention,
+            unroll_layers=unroll_layers,
         )
         tx = config.optimizer()
         tokens = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
