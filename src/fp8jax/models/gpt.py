@@ -126,8 +126,12 @@ class Gpt(nn.Module):
         step that was 45 GB of copies and 25 GB of zero-fill per step, about
         half of all bytes written. Unrolled, the step took 148 ms instead of
         185 (BF16) and 132 ms instead of 167 (FP8, delayed scaling) on an
-        H200. The parameters are stacked either way; only compile time
-        grows (7 s to about 50 s for ``medium``, deviceless).
+        H200. The parameters are stacked either way. The costs: compile
+        time (7 s to about 50 s for ``medium``, deviceless), and under FSDP
+        XLA gathers each kernel once and keeps it from the forward to the
+        backward, where the rolled scan gathered it again: fewer all-gathers,
+        but every layer's gathered kernel is alive at the peak. Set False
+        where that does not fit.
 
     Example:
       >>> import jax, jax.numpy as jnp
