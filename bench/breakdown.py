@@ -168,7 +168,16 @@ def main():
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     with open(args.results) as f:
-        rows = json.load(f)["rows"]
+        results = json.load(f)
+    # layer.py and gpt.py write {"rows": [...]}; mlp.py {"cases": {activations: [...]}}.
+    cases = results.get("cases", {"": results.get("rows", [])})
+    for case, rows in cases.items():
+        if case:
+            print(f"== {case}")
+        _print_rows(rows, args)
+
+
+def _print_rows(rows: list[dict], args) -> None:
     for row in rows:
         kernels = row.get("breakdown", {}).get("kernels_ms")
         if kernels is None or (args.variants and row["name"] not in args.variants):

@@ -128,7 +128,9 @@ def measure(
     The executable that is timed is the one whose HLO is reported, so the FP8
     GEMM count and the timing always describe the same program. With
     ``trace_dir``, three more calls are profiled and broken down by kernel
-    class (bench/breakdown.py), per step and per GPU over ``devices`` GPUs.
+    class (bench/breakdown.py), per step and per GPU over ``devices`` GPUs,
+    and the optimized HLO is written next to the trace (``compiled.hlo.txt``):
+    a live compile can differ from a deviceless one (autotuned GEMMs, layouts).
     ``carry`` is :func:`time_ms`'s, for steps that donate their state.
     """
     compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted
@@ -141,7 +143,10 @@ def measure(
         with jax.profiler.trace(where):
             for _ in range(steps):
                 _call(compiled, args, carry)
-        row["breakdown"] = breakdown(where, compiled.as_text(), steps, devices)
+        hlo = compiled.as_text()
+        with open(os.path.join(where, "compiled.hlo.txt"), "w") as f:
+            f.write(hlo)
+        row["breakdown"] = breakdown(where, hlo, steps, devices)
     print(
         f"  {name}: {row['median_ms']:.3f} ms, {facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs "
         f"{facts['backends']}, peak {facts['peak_memory_gib'] or 0:.2f} GiB",
