@@ -48,16 +48,20 @@ def test_layers_are_scanned_with_a_leading_layer_axis():
     assert scales.fc1.x.amax_history.shape == (CONFIG.layers, 4)
 
 
-def _step_dots(precision, recipe=None):
-    model, variables = _init(precision, recipe)
+def _train_step(model, variables):
+    """(SGD train step of ``model``, its initial TrainState)."""
     tx = optax.sgd(0.1)
-    state = TrainState.create(nn.meta.unbox(variables), tx)
 
     def loss_fn(v, batch):
         return next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
 
+    return make_train_step(loss_fn, tx), TrainState.create(nn.meta.unbox(variables), tx)
+
+
+def _step_dots(precision, recipe=None):
+    step, state = _train_step(*_init(precision, recipe))
     with jax.numpy_dtype_promotion("standard"):
-        return jaxpr_dots(make_train_step(loss_fn, tx), state, TOKENS)
+        return jaxpr_dots(step, state, TOKENS)
 
 
 @pytest.mark.parametrize("recipe", [None, fp8jax.DelayedScaling(amax_history_len=4)])
@@ -88,14 +92,9 @@ def test_unrolled_layers_compile_to_no_layer_loop_and_all_fp8_gemms(unroll_layer
     recipe = fp8jax.DelayedScaling(amax_history_len=4)
     _, variables = _init("fp8", recipe)
     model = Gpt(config=CONFIG, precision="fp8", recipe=recipe, unroll_layers=unroll_layers)
-    tx = optax.sgd(0.1)
-    state = TrainState.create(nn.meta.unbox(variables), tx)
-
-    def loss_fn(v, batch):
-        return next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
-
+    step, state = _train_step(model, variables)
     with jax.numpy_dtype_promotion("standard"):
-        hlo = compile_for(make_train_step(loss_fn, tx), state, TOKENS, target="h100")
+        hlo = compile_for(step, state, TOKENS, target="h100")
     loops = [
         i for c in _hlo.parse_module(hlo).computations.values()
         for i in c.instructions.values() if i.opcode == "while"

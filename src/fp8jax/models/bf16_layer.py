@@ -25,17 +25,13 @@ from fp8jax.flax._common import ACT, EMBED, HEADS, KV, MLP, QKV, RESIDUAL
 from fp8jax.flax.linen._base import param
 from fp8jax.flax.linen.dense import default_kernel_init
 from fp8jax.ops.dense import add_bias
-from fp8jax.ops.fused import ACTIVATIONS
+from fp8jax.ops.fused import gated
 from fp8jax.sharding import constrain
 
 
 def _gate(pre, activations):
     """The (gated) activation in f32, from and to bf16."""
-    pre32 = pre.astype(jnp.float32)
-    h = ACTIVATIONS[activations[0]](pre32[..., 0, :])
-    for i, name in enumerate(activations[1:], start=1):
-        h = h * ACTIVATIONS[name](pre32[..., i, :])
-    return h.astype(jnp.bfloat16)
+    return gated(pre, activations).astype(jnp.bfloat16)
 
 
 def _bf16_dot(x, kernel, n_contract: int):

@@ -67,7 +67,8 @@ def _normalized(x, gamma, beta, config: FusedConfig):
     return normalize(x, gamma, beta, config.norm)[0]
 
 
-def _gated(pre, activations):
+def gated(pre, activations):
+    """The (gated) activation of ``pre`` ``(..., len(activations), ffn)``, in f32."""
     pre32 = pre.astype(jnp.float32)
     h = ACTIVATIONS[activations[0]](pre32[..., 0, :])
     for i, name in enumerate(activations[1:], start=1):
@@ -231,7 +232,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     pre = scaled_dot(normed_q, k1_q, _contract_last(x.ndim), config.x_dtype,
                      recipe.forward_precision)  # fmt: skip
     pre = add_bias(pre, b1, 2)
-    h = _gated(pre, config.activations).astype(config.x_dtype)
+    h = gated(pre, config.activations).astype(config.x_dtype)
     h_q, h_amax, _ = quantize_stored(h, fwd, fc2 and fc2.x, recipe)
     k2_q, k2_amax = quantize_operand(k2, fwd, fc2 and fc2.kernel, recipe)
     y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
@@ -242,7 +243,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
 
 
 def _activation_grad(dh, pre, activations):
-    _, vjp = jax.vjp(functools.partial(_gated, activations=activations), pre.astype(jnp.float32))
+    _, vjp = jax.vjp(functools.partial(gated, activations=activations), pre.astype(jnp.float32))
     return vjp(dh.astype(jnp.float32))[0]
 
 
