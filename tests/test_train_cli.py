@@ -89,6 +89,29 @@ def test_empty_data_is_refused(tmp_path, capsys, kind, message):
     assert message in capsys.readouterr().err
 
 
+def test_the_summary_says_the_layers_ran_unrolled_by_default(run_dir):
+    assert json.loads((run_dir / "summary.json").read_text())["layers"] == "unrolled"
+
+
+@pytest.mark.deviceless
+def test_rolled_layers_keep_one_layer_body_in_the_compiled_step_and_may_be_resumed(tmp_path):
+    """--rolled-layers: the scan stays a loop, so the H100 compile holds one layer's 12 GEMMs.
+
+    Unrolled (the default), it holds 12 per layer (tests/models/test_gpt.py).
+    """
+    out = tmp_path / "run"
+    argv = ["--steps", "1", "--log-every", "1", "--eval-every", "1", "--verify-target", "h100"]
+    assert fp8jax_train(*argv, "--rolled-layers", "--out", str(out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layers"] == "rolled"
+    assert summary["fp8_gemms"]["deviceless"]["fp8"] == 12
+    # The parameters are the same stacked arrays either way, so a run may switch on resume.
+    assert fp8jax_train("--steps", "2", "--log-every", "1", "--eval-every", "1", "--resume",
+                        "--out", str(out)) == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["layers"], summary["step"], summary["status"]) == ("unrolled", 2, "completed")
+
+
 def test_an_existing_run_is_not_overwritten_without_resume(copy_of_run, capsys):
     before = snapshot(copy_of_run)
     assert fp8jax_train("--steps", "2", "--out", str(copy_of_run)) == 2

@@ -81,6 +81,11 @@ def _add_train(sub) -> None:
         help="attention core: xla, cudnn, or auto (cuDNN on a GPU, XLA elsewhere)",
     )
     p.add_argument(
+        "--rolled-layers",
+        action="store_true",
+        help="keep the layer scan a loop: faster compile, less FSDP memory, slower steps",
+    )
+    p.add_argument(
         "--verify-target",
         help="also compile the train step for h100 or h200 (deviceless; needs fp8jax[verify]) "
         "or for this machine's GPU (live) and count its FP8 GEMMs",

@@ -87,6 +87,10 @@ class TrainOptions:
       keep_checkpoints: checkpoints kept on disk (the newest ones).
       attention: the attention core: ``"xla"``, ``"cudnn"``, or ``"auto"`` (cuDNN on a
         GPU, XLA elsewhere).
+      rolled_layers: keep the scan over layers a loop instead of unrolling it
+        (``Gpt.unroll_layers=False``): faster to compile, and under FSDP it
+        holds one layer's gathered kernels at a time, but the step is slower
+        (BENCHMARKS.md: the loop copies each layer's saved activations).
       verify_target: also compile the train step for a GPU and count its FP8
         GEMMs: ``"h100"`` or ``"h200"`` deviceless (needs ``fp8jax[verify]``),
         or ``"live"`` on this machine's GPU.
@@ -112,6 +116,7 @@ class TrainOptions:
     resume: bool = False
     keep_checkpoints: int = 3
     attention: str = "auto"
+    rolled_layers: bool = False
     verify_target: str | None = None
     inject_nan_at: int | None = None
 

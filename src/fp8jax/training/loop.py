@@ -97,6 +97,11 @@ class TrainProgram:
             lambda tree: jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
         )
 
+    @property
+    def layers(self) -> str:
+        """``"unrolled"`` or ``"rolled"``: how the step runs the scan over layers."""
+        return "unrolled" if self.model.unroll_layers else "rolled"
+
     def loss(self, variables, batch):
         return next_token_loss(self.model.apply(variables, batch[:, :-1]), batch[:, 1:])
 
@@ -123,6 +128,8 @@ def _check_options(options: TrainOptions) -> None:
         )
     if options.attention not in ATTENTION:
         raise ConfigError(f"--attention must be one of {ATTENTION}, got {options.attention!r}.")
+    if not isinstance(options.rolled_layers, bool):
+        raise ConfigError(f"rolled_layers must be a bool, got {options.rolled_layers!r}.")
     keep = options.keep_checkpoints
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"--keep-checkpoints must be an int >= 1, got {keep!r}.")
@@ -180,7 +187,9 @@ def train(
         )
     # Optax's AdamW mixes its int32 step count with f32: standard promotion.
     with jax.numpy_dtype_promotion("standard"):
-        program = TrainProgram(config, mesh, options.attention)
+        program = TrainProgram(
+            config, mesh, options.attention, unroll_layers=not options.rolled_layers
+        )
         state = program.initial_state
         if options.resume:
             state = run.restore(start, state)
@@ -267,6 +276,7 @@ class _Loop:
                 program.mesh,
                 self.counts["jaxpr"],
                 program.model.attention_implementation,
+                program.layers,
             )
         )
         if self.options.verify_target:
@@ -343,6 +353,7 @@ class _Loop:
             checkpoint=self.last_saved,
             mesh=self.program.mesh,
             attention=self.program.model.attention_implementation,
+            layers=self.program.layers,
         )
 
 

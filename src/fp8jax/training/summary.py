@@ -8,14 +8,15 @@ from fp8jax.data import Corpus
 from fp8jax.training.config import RunConfig
 
 
-def header(config: RunConfig, corpus: Corpus, mesh, counts: dict, attention: str) -> str:
+def header(config: RunConfig, corpus: Corpus, mesh, counts: dict, attention: str,
+           layers: str = "unrolled") -> str:  # fmt: skip
     """What is about to run, and how many of its train step's GEMMs are FP8."""
     recipe = f" ({config.recipe} scaling)" if config.recipe else ""
     where = "1 device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
     return (
         f"fp8jax train: {config.name} GPT, {config.model.num_params() / 1e6:.2f}M params, "
         f"{config.precision}{recipe}, batch {config.batch_size} x {config.seq_len} bytes, "
-        f"{jax.default_backend()} {where}, {attention} attention\n"
+        f"{jax.default_backend()} {where}, {attention} attention, layers {layers}\n"
         f"  data: {corpus.describe()}\n"
         f"  train step: {counts['fp8']} of {counts['total']} dot_generals are FP8 "
         "(jaxpr; the scanned layer body counts once)"
@@ -55,7 +56,7 @@ def diverged_message(what: str, step: int, last_saved: int | None, out, first_ck
 
 def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, tokens_per_s,
           compile_s, train_s, counts: dict, checkpoint: int | None, mesh,
-          attention: str) -> dict:  # fmt: skip
+          attention: str, layers: str = "unrolled") -> dict:  # fmt: skip
     """The ``summary.json`` record."""
     return {
         "status": status,
@@ -73,6 +74,7 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
         "backend": jax.default_backend(),
         "mesh": None if mesh is None else dict(mesh.shape),
         "attention": attention,
+        "layers": layers,
         "fp8_gemms": counts,
         "checkpoint_step": checkpoint,
     }
