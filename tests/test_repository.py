@@ -87,6 +87,7 @@ MODULES = [
     "fp8jax.verify",
     "fp8jax.verify.compilation",
     "fp8jax.verify.jaxpr_dots",
+    "fp8jax.verify.relayouts",
 ]
 
 

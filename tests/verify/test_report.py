@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from fp8jax.verify import gemm_report
+from fp8jax.verify import fp8_relayouts, gemm_report
 
 DATA = pathlib.Path(__file__).parent / "data"
 SNIPPETS = DATA / "snippets"  # hand-written HLO, for cases a compile cannot pin down
@@ -33,6 +33,11 @@ def test_sample_matches_its_expectation(name):
         assert got == sorted(expected["collectives"])
     if "attention" in expected:
         assert len(report.attention) == expected["attention"]
+    if "fp8_relayouts" in expected or "untiled_transposes" in expected:
+        relayouts = fp8_relayouts((DATA / f"{name}.hlo.txt").read_text())
+        assert len(relayouts) == expected.get("fp8_relayouts", len(relayouts))
+        got = sorted([r.dtype, list(r.shape)] for r in relayouts if r.untiled_transpose)
+        assert got == sorted(expected.get("untiled_transposes", got))
     if "source_file" in expected:
         for gemm in report.gemms:
             path, _, line = gemm.source.rpartition(":")
@@ -195,3 +200,27 @@ def test_live_cudnn_attention_sample():
     }
     assert all("verify_programs.py:" in a.source for a in report.attention)
     assert "cuDNN attention: 2" in str(report)
+
+
+def test_only_the_live_sample_has_untiled_fp8_transposes():
+    """The slow kernel transposes (BENCHMARKS.md) appear in live jaxlib 0.11.2 compiles only.
+
+    The deviceless samples (jaxlib 0.10.x) write both layouts of an FP8 operand
+    in one fusion, so no deviceless test can catch them; the live sample keeps
+    the detector honest.
+    """
+    untiled = {
+        name: [r.shape for r in fp8_relayouts((DATA / f"{name}.hlo.txt").read_text())
+               if r.untiled_transpose]
+        for name in SAMPLES
+    }  # fmt: skip
+    assert untiled.pop("h200_live_geglu_mlp") == [(4096, 32768), (16384, 4096)]
+    assert not any(untiled.values()), untiled
+
+
+def test_quantize_fusions_are_not_relayouts():
+    # The GeGLU sample quantizes four bf16 arrays; only the FP8-to-FP8 kernels are relayouts.
+    rows = fp8_relayouts((DATA / "h200_live_geglu_mlp.hlo.txt").read_text())
+    assert [r.kind for r in rows].count("kLoop") == 2
+    assert all(r.kind == "kInput" for r in rows if not r.untiled_transpose)
+    assert {r.dtype for r in rows} == {"f8e4m3fn", "f8e5m2"}

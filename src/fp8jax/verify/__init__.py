@@ -5,8 +5,9 @@ process, 1 to 16+ devices over any mesh) or for the GPU at hand
 (``target="live"``), and returns the optimized HLO. ``gemm_report`` reads that
 HLO and lists every GEMM with its backend, operand dtypes and source line, and
 every collective with its dtype. ``assert_fp8_gemms`` fails, naming the line,
-when a GEMM is not FP8. ``fp8jax verify MODULE:FUNCTION`` does the same from
-the shell.
+when a GEMM is not FP8. ``fp8_relayouts`` lists the kernels that only move FP8
+data into another layout, and flags the transposes XLA emits untiled (slow).
+``fp8jax verify MODULE:FUNCTION`` does the same from the shell.
 
 What counts as FP8: a GEMM whose kernel reads two FP8 operands, i.e. a
 cuBLASLt ``__cublas$lt$matmul$f8`` call (backend ``cublaslt-fp8``) or a Triton
@@ -42,6 +43,7 @@ Example:
 
 from fp8jax.verify.assertions import Fp8VerificationError, assert_fp8_gemms
 from fp8jax.verify.compilation import CompileError, compile_for, compile_many
+from fp8jax.verify.relayouts import RelayoutRow, fp8_relayouts
 from fp8jax.verify.report import CollectiveRow, GemmRow, Report, gemm_report
 
 __all__ = [
@@ -49,9 +51,11 @@ __all__ = [
     "CompileError",
     "Fp8VerificationError",
     "GemmRow",
+    "RelayoutRow",
     "Report",
     "assert_fp8_gemms",
     "compile_for",
     "compile_many",
+    "fp8_relayouts",
     "gemm_report",
 ]
