@@ -22,7 +22,7 @@ from breakdown import breakdown
 from flax.linen import fp8_ops
 
 import fp8jax
-from fp8jax.verify import gemm_report
+from fp8jax.verify import fp8_relayouts, gemm_report
 
 # The delayed-scaling recipe of every fp8jax "delayed" row.
 DELAYED = fp8jax.DelayedScaling(amax_history_len=1024)
@@ -88,8 +88,10 @@ def _timed(fn, args: list, warmup: int, iters: int, carry: bool) -> dict:
 
 
 def compiled_facts(compiled) -> dict:
-    """GEMM backends from the live compile, and the compiled peak memory."""
-    report = gemm_report(compiled.as_text())
+    """GEMM backends and untiled FP8 transposes from the live compile, and the peak memory."""
+    hlo = compiled.as_text()
+    report = gemm_report(hlo)
+    untiled = [r for r in fp8_relayouts(hlo) if r.untiled_transpose]
     backends: dict[str, int] = {}
     for g in report.gemms:
         backends[g.backend] = backends.get(g.backend, 0) + 1
@@ -107,6 +109,8 @@ def compiled_facts(compiled) -> dict:
         "fp8_gemms": len(report.fp8_gemms),
         "backends": backends,
         "attention": len(report.attention),
+        # The slow relayouts of BENCHMARKS.md's kernel-transpose section: [dtype, shape] each.
+        "untiled_fp8_transposes": [[r.dtype, list(r.shape)] for r in untiled],
         "peak_memory_gib": None if peak is None else peak / 2**30,
         "report": report,
     }
@@ -149,7 +153,8 @@ def measure(
         row["breakdown"] = breakdown(where, hlo, steps, devices)
     print(
         f"  {name}: {row['median_ms']:.3f} ms, {facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs "
-        f"{facts['backends']}, peak {facts['peak_memory_gib'] or 0:.2f} GiB",
+        f"{facts['backends']}, peak {facts['peak_memory_gib'] or 0:.2f} GiB, "
+        f"{len(facts['untiled_fp8_transposes'])} untiled FP8 transposes",
         flush=True,
     )
     if "breakdown" in row:
