@@ -87,9 +87,8 @@ def _timed(fn, args: list, warmup: int, iters: int, carry: bool) -> dict:
     }
 
 
-def compiled_facts(compiled) -> dict:
-    """GEMM backends and untiled FP8 transposes from the live compile, and the peak memory."""
-    hlo = compiled.as_text()
+def compiled_facts(compiled, hlo: str) -> dict:
+    """GEMM backends, untiled FP8 transposes and peak memory of a compile whose text is ``hlo``."""
     report = gemm_report(hlo)
     untiled = [r for r in fp8_relayouts(hlo) if r.untiled_transpose]
     backends: dict[str, int] = {}
@@ -138,7 +137,8 @@ def measure(
     ``carry`` is :func:`time_ms`'s, for steps that donate their state.
     """
     compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted
-    facts = compiled_facts(compiled)
+    hlo = compiled.as_text()
+    facts = compiled_facts(compiled, hlo)
     args = list(args)
     row = {"name": name, **_timed(compiled, args, 5, iters, carry), **facts}
     if trace_dir:
@@ -147,7 +147,6 @@ def measure(
         with jax.profiler.trace(where):
             for _ in range(steps):
                 _call(compiled, args, carry)
-        hlo = compiled.as_text()
         with open(os.path.join(where, "compiled.hlo.txt"), "w") as f:
             f.write(hlo)
         row["breakdown"] = breakdown(where, hlo, steps, devices)

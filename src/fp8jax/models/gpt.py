@@ -130,8 +130,10 @@ class Gpt(nn.Module):
         time (7 s to about 50 s for ``medium``, deviceless), and under FSDP
         XLA gathers each kernel once and keeps it from the forward to the
         backward, where the rolled scan gathered it again: fewer all-gathers,
-        but every layer's gathered kernel is alive at the peak. Set False
-        where that does not fit.
+        but every layer's gathered kernel is alive at the peak. For
+        ``medium`` on two H200s (``fsdp=2``) the peak still fell (13.9 to
+        13.3 GiB per GPU, FP8), as the rolled scan's stacks went away; set
+        False where a larger model's kernels do not fit.
 
     Example:
       >>> import jax, jax.numpy as jnp

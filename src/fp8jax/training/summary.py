@@ -9,7 +9,7 @@ from fp8jax.training.config import RunConfig
 
 
 def header(config: RunConfig, corpus: Corpus, mesh, counts: dict, attention: str,
-           layers: str = "unrolled") -> str:  # fmt: skip
+           layers: str) -> str:  # fmt: skip
     """What is about to run, and how many of its train step's GEMMs are FP8."""
     recipe = f" ({config.recipe} scaling)" if config.recipe else ""
     where = "1 device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
@@ -56,7 +56,7 @@ def diverged_message(what: str, step: int, last_saved: int | None, out, first_ck
 
 def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, tokens_per_s,
           compile_s, train_s, counts: dict, checkpoint: int | None, mesh,
-          attention: str, layers: str = "unrolled") -> dict:  # fmt: skip
+          attention: str, layers: str) -> dict:  # fmt: skip
     """The ``summary.json`` record."""
     return {
         "status": status,
