@@ -110,6 +110,66 @@ def test_jaxpr_has_exactly_three_fp8_dots_per_dense(recipe, dtype):
     assert [d.out_dtype for d in dots] == [jnp.dtype(dtype).name] * 3
 
 
+def _forward_kernel_operand(fn, *args):
+    """The forward GEMM's kernel operand as the jaxpr hands it to XLA: (shape, contracting)."""
+    forward = jaxpr_dots(fn, *args)[0]
+    return forward.rhs_shape, forward.rhs_contracting
+
+
+# cuBLASLt's FP8 GEMM needs the kernel's contracting axis minor. fp8jax transposes the kernel
+# in the program, as a (free, contracting) matrix, because XLA's own transpose of it is an
+# untiled kernel at ~0.3 TB/s on the H200 (BENCHMARKS.md, run K). The matrix view merges
+# axes, which is safe only where no mesh axis can split them.
+def _dense_3d(x, kernel):
+    return fp8jax.dense(x, kernel)
+
+
+def test_forward_kernel_is_a_transposed_matrix_without_a_mesh():
+    x = jnp.ones((4, 8, 64), jnp.bfloat16)
+    assert _forward_kernel_operand(_dense_3d, x, jnp.ones((64, 2, 24), jnp.bfloat16)) == (
+        (48, 64),
+        (1,),
+    )
+    # Several contracted axes merge too (an attention output projection: heads, head_dim).
+    out = lambda h, k: fp8jax.dense(h, k, contracting_dims=((2, 3), (0, 1)))  # noqa: E731
+    h = jnp.ones((8, 16, 4, 32), jnp.bfloat16)
+    assert _forward_kernel_operand(out, h, jnp.ones((4, 32, 64), jnp.bfloat16)) == (
+        (64, 128),
+        (1,),
+    )
+
+
+def test_forward_kernel_axes_are_not_merged_under_an_auto_mesh():
+    import fp8jax.sharding as fs
+
+    x = jnp.ones((8, 8, 64), jnp.bfloat16)
+    with fs.use_mesh(fs.make_mesh(tp=8)):
+        # (2, 24) split by tensor parallelism on 24 would not be a block sharding once merged.
+        three_d = _forward_kernel_operand(_dense_3d, x, jnp.ones((64, 2, 24), jnp.bfloat16))
+        # A matrix kernel needs no reshape, so it is still transposed.
+        matrix = _forward_kernel_operand(_dense_3d, x, jnp.ones((64, 48), jnp.bfloat16))
+    assert three_d == ((64, 2, 24), (0,))
+    assert matrix == ((48, 64), (1,))
+
+
+def test_forward_kernel_axes_are_merged_inside_shard_map():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    per_device = jax.shard_map(
+        _dense_3d,
+        mesh=mesh,
+        in_specs=(P(), P(None, None, "tp")),
+        out_specs=P(None, None, None, "tp"),
+    )
+    x = jnp.ones((4, 8, 64), jnp.bfloat16)
+    # Each device holds (64, 2, 3): its local kernel, merged and transposed.
+    assert _forward_kernel_operand(per_device, x, jnp.ones((64, 2, 24), jnp.bfloat16)) == (
+        (6, 64),
+        (1,),
+    )
+
+
 def test_precision_follows_recipe():
     recipe = fp8jax.CurrentScaling(dgrad_precision=jax.lax.Precision.DEFAULT)
     x, w, _ = _inputs((8, 64), jnp.float32)

@@ -476,3 +476,30 @@ _K2 = jnp.ones((64, 32))
 def test_bad_input_is_explained(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_live_mlp_step_transposes_fp8_only_with_tiled_kernels(recipe):
+    # Before the forward kernel became an explicit matrix transpose (ops.dense
+    # _as_kernel_matrices), XLA relayouted both GeGLU kernels with untiled kLoop
+    # transposes at ~0.3 TB/s on the H200 (jaxlib 0.11.2; BENCHMARKS.md, runs H-K).
+    # Shapes are the benchmark's, scaled down 4x in each dimension.
+    from fp8jax import verify
+
+    tokens, hidden, ffn = 4096, 1024, 4096
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((hidden,), jnp.float32)
+    k1 = jax.ShapeDtypeStruct((hidden, 2, ffn), jnp.bfloat16)
+    k2 = jax.ShapeDtypeStruct((ffn, hidden), jnp.bfloat16)
+    state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+
+    def loss(x, gamma, k1, k2, state):
+        y = fp8jax.layernorm_mlp(x, gamma, gamma, k1, k2, recipe=recipe, state=state)
+        return jnp.sum(y.astype(jnp.float32))
+
+    step = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    hlo = verify.compile_for(step, x, gamma, k1, k2, state, target="live")
+    relayouts = verify.fp8_relayouts(hlo)
+    assert relayouts, "expected the wgrad transposes of the activations at least"
+    assert [r for r in relayouts if r.untiled_transpose] == []

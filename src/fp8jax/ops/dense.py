@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType
 
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.ops import _partitioning, dimensions
@@ -100,13 +102,76 @@ def scaled_dot(
     ``like``: for a gradient, its primal, whose sharding it takes over
     Explicit mesh axes (see :mod:`fp8jax.ops._partitioning`).
     """
-    out_sharding = _partitioning.dot_out_sharding(a.data, b.data, dims, like, permutation)
+    matrices = _as_kernel_matrices(a.data, b.data, dims)
+    if matrices is None:
+        a_data, b_data, gemm_dims, out_shape = a.data, b.data, dims, None
+    else:
+        a_data, b_data, out_shape = matrices
+        gemm_dims = (((a_data.ndim - 1,), (1,)), ((), ()))
+    out_sharding = _partitioning.dot_out_sharding(a_data, b_data, gemm_dims, like, permutation)
     y = lax.dot_general(
-        a.data, b.data, dims, precision=precision, preferred_element_type=out_dtype,
+        a_data, b_data, gemm_dims, precision=precision, preferred_element_type=out_dtype,
         out_sharding=out_sharding,
     )  # fmt: skip
+    if out_shape is not None:
+        y = y.reshape(out_shape)
     y = y * (a.scale_inv * b.scale_inv).astype(out_dtype)
     return y if permutation is None else jnp.transpose(y, permutation)
+
+
+def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims):
+    """``(a, kernel)`` as a matrix product with the kernel transposed in the program, or None.
+
+    cuBLASLt's FP8 GEMM takes only operands whose contracting axis is minor
+    in memory, so a kernel contracted on its leading axes (every forward
+    GEMM) needs a transposed FP8 copy. Left to XLA (jaxlib 0.11.2), the GEMM
+    rewriter makes it with an untiled ``kLoop`` transpose between ``{0,1}``
+    layouts at about 0.3 TB/s: 0.88 ms a step for GeGLU's 4096x2x16384
+    kernel_1 on the H200, where tiled transposes move FP8 at about 2.4 TB/s.
+    Here the kernel is viewed as a (contracting, free) matrix and transposed
+    explicitly; the optimization barrier keeps the algebraic simplifier from
+    folding the transpose back into the dot. XLA then writes the transposed
+    copy from the quantize fusion itself (BENCHMARKS.md, run K). A transpose
+    of the three-dimensional kernel without the matrix view stayed slow
+    (run I): XLA gave it a layout that made it a bitcast.
+
+    Returns ``(a_matrix, kernel_transposed, result_shape)``, or None when
+    the kernel is not contracted on its leading axes against ``a``'s trailing
+    ones, or when the view would merge axes that may be sharded.
+    """
+    (a_contract, k_contract), (a_batch, k_batch) = dims
+    n = len(k_contract)
+    if a_batch or k_batch or kernel.ndim == n:
+        return None
+    if tuple(k_contract) != tuple(range(n)):
+        return None
+    if tuple(a_contract) != tuple(range(a.ndim - n, a.ndim)):
+        return None
+    merges_axes = n > 1 or kernel.ndim - n > 1
+    if merges_axes and not _reshapes_keep_sharding():
+        return None
+    depth = math.prod(kernel.shape[:n])
+    free = kernel.shape[n:]
+    kernel_t = lax.optimization_barrier(kernel.reshape(depth, math.prod(free)).T)
+    a_matrix = a.reshape(*a.shape[: a.ndim - n], depth) if n > 1 else a
+    return a_matrix, kernel_t, (*a.shape[: a.ndim - n], *free)
+
+
+def _reshapes_keep_sharding() -> bool:
+    """Whether merging a kernel's axes is safe: no mesh in context, or every axis manual.
+
+    Under a mesh with ``Auto`` or ``Explicit`` axes, merging (2, ffn) with
+    ``ffn`` split by tensor parallelism is not a block sharding, so GSPMD
+    would all-gather the kernel (measured on 8 host devices). Inside
+    ``shard_map`` every array is local and any reshape is free. Sharded
+    inputs to a ``jit`` with no mesh in context look unsharded here: trace
+    sharded programs under ``jax.set_mesh`` (:func:`fp8jax.sharding.use_mesh`).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return all(
+        kind == AxisType.Manual or size == 1
+        for kind, size in zip(mesh.axis_types, mesh.axis_sizes, strict=True)
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

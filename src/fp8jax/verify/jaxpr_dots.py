@@ -26,6 +26,8 @@ class JaxprDot:
     rhs_shape: tuple[int, ...]
     precision: str
     source: str
+    lhs_contracting: tuple[int, ...] = ()
+    rhs_contracting: tuple[int, ...] = ()
 
     @property
     def is_fp8(self) -> bool:
@@ -63,6 +65,7 @@ def _walk(jaxpr, found: list[JaxprDot]) -> None:
         if eqn.primitive.name == "dot_general":
             lhs, rhs = (v.aval for v in eqn.invars)
             precision = eqn.params.get("precision")
+            (lhs_contracting, rhs_contracting), _ = eqn.params["dimension_numbers"]
             found.append(
                 JaxprDot(
                     lhs_dtype=str(jnp.dtype(lhs.dtype)),
@@ -72,6 +75,8 @@ def _walk(jaxpr, found: list[JaxprDot]) -> None:
                     rhs_shape=tuple(rhs.shape),
                     precision=str(precision),
                     source=_source(eqn),
+                    lhs_contracting=tuple(int(a) for a in lhs_contracting),
+                    rhs_contracting=tuple(int(a) for a in rhs_contracting),
                 )
             )
         for param in eqn.params.values():
