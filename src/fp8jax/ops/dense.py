@@ -137,7 +137,7 @@ def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims):
 
     Returns ``(a_matrix, kernel_transposed, result_shape)``, or None when
     the kernel is not contracted on its leading axes against ``a``'s trailing
-    ones, or when the view would merge axes that may be sharded.
+    ones, or when it may be sharded (:func:`_kernel_is_local`).
     """
     (a_contract, k_contract), (a_batch, k_batch) = dims
     n = len(k_contract)
@@ -147,8 +147,7 @@ def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims):
         return None
     if tuple(a_contract) != tuple(range(a.ndim - n, a.ndim)):
         return None
-    merges_axes = n > 1 or kernel.ndim - n > 1
-    if merges_axes and not _reshapes_keep_sharding():
+    if not _kernel_is_local():
         return None
     depth = math.prod(kernel.shape[:n])
     free = kernel.shape[n:]
@@ -157,15 +156,18 @@ def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims):
     return a_matrix, kernel_t, (*a.shape[: a.ndim - n], *free)
 
 
-def _reshapes_keep_sharding() -> bool:
-    """Whether merging a kernel's axes is safe: no mesh in context, or every axis manual.
+def _kernel_is_local() -> bool:
+    """Whether the kernel is whole on each device: no mesh in context, or every axis manual.
 
-    Under a mesh with ``Auto`` or ``Explicit`` axes, merging (2, ffn) with
-    ``ffn`` split by tensor parallelism is not a block sharding, so GSPMD
-    would all-gather the kernel (measured on 8 host devices). Inside
-    ``shard_map`` every array is local and any reshape is free. Sharded
-    inputs to a ``jit`` with no mesh in context look unsharded here: trace
-    sharded programs under ``jax.set_mesh`` (:func:`fp8jax.sharding.use_mesh`).
+    Under a mesh with ``Auto`` or ``Explicit`` axes the view costs
+    collectives. Merging (2, ffn) with ``ffn`` split by tensor parallelism is
+    not a block sharding, so GSPMD all-gathers the kernel (8 host devices);
+    under FSDP, XLA gathers the transposed copy apart from the one the
+    backward reads, an FP8 all-gather more per kernel and step
+    (``tests/test_train.py``). Inside ``shard_map`` every array is local.
+    Sharded inputs to a ``jit`` with no mesh in context look local here:
+    trace sharded programs under ``jax.set_mesh``
+    (:func:`fp8jax.sharding.use_mesh`).
     """
     mesh = jax.sharding.get_abstract_mesh()
     return all(
