@@ -173,10 +173,16 @@ def test_layernorm_dense_forward_writes_no_high_precision_normalized_copy():
 TOKENS, HIDDEN, FFN = 1024, 256, 1024
 
 
-def _f32_results_of_mlp_step(
-    activations, recipe, tokens=TOKENS, hidden=HIDDEN, ffn=FFN
+def _results_of_mlp_step(
+    activations, recipe, dtype: str, tokens=TOKENS, hidden=HIDDEN, ffn=FFN
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of each f32 result written to HBM by layernorm_mlp's H100 train step.
+    """(name, shape) of each ``dtype`` result written to HBM by layernorm_mlp's H100 train step."""
+    hlo = _mlp_step_hlo(activations, recipe, tokens, hidden, ffn)
+    return [(name, shape) for name, written, shape in _written_results(hlo) if written == dtype]
+
+
+def _mlp_step_hlo(activations, recipe, tokens, hidden, ffn) -> str:
+    """layernorm_mlp's train step (with bias_1), compiled deviceless for an H100.
 
     The loss depends on y (not a plain mean), so the backward cannot start
     early and fuse with the forward, which would hide what a real model's
@@ -204,8 +210,7 @@ def _f32_results_of_mlp_step(
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
     step = jax.grad(loss, argnums=tuple(range(7)))
-    hlo = compile_for(step, *args, state, target="h100")
-    return [(name, shape) for name, dtype, shape in _written_results(hlo) if dtype == "f32"]
+    return compile_for(step, *args, state, target="h100")
 
 
 RECIPES = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]
@@ -220,8 +225,37 @@ def test_layernorm_mlp_step_writes_no_f32_copy_of_the_activation(activations, re
     # arrays here for every activation. erf is the exception, by design: its
     # f32 value is written once and reused by the backward (fused.ERF_ACTIVATIONS).
     shapes = {(TOKENS, FFN), (TOKENS, 1, FFN), (TOKENS, len(activations), FFN)}
-    copies = [r for r in _f32_results_of_mlp_step(activations, recipe) if r[1] in shapes]
+    copies = [r for r in _results_of_mlp_step(activations, recipe, "f32") if r[1] in shapes]
     assert len(copies) == (1 if "gelu" in activations else 0), copies
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("activations", [("gelu", "linear"), ("gelu",)])
+def test_erf_activation_reaches_hbm_in_bf16_only_under_current_scaling(activations):
+    # Current scaling needs the amax before it can quantize, so the activation
+    # is written once in bf16 and read back (dense.quantize_stored). Delayed
+    # scaling knows its scale up front, and with erf the activation is cheap
+    # to redo from erf's stored f32 value: XLA writes only its f8 copy
+    # (fused._quantize_activation). GEMMs and the backward (its pinned
+    # activation gradient) write bf16 (tokens, ffn) arrays too; they do not count.
+    from fp8jax.verify import _hlo, gemm_report
+
+    tokens, hidden, ffn = 512, 256, 1024
+
+    def bf16_activations(recipe):
+        hlo = _mlp_step_hlo(activations, recipe, tokens, hidden, ffn)
+        entry = _hlo.parse_module(hlo).entry.instructions
+        gemms = {g.name for g in gemm_report(hlo).gemms}
+        return [
+            name
+            for name, dtype, shape in _written_results(hlo)
+            if (dtype, shape) == ("bf16", (tokens, ffn))
+            and name not in gemms
+            and "transpose(jvp" not in entry[name].metadata.get("op_name", "")
+        ]
+
+    assert len(bf16_activations(fp8jax.CurrentScaling())) == 1
+    assert bf16_activations(fp8jax.DelayedScaling()) == []
 
 
 @pytest.mark.deviceless
@@ -234,7 +268,7 @@ def test_norm_backward_writes_no_f32_tokens_by_hidden_array(recipe):
     # At the benchmarks' shape: XLA's choice depends on the size, and at
     # 4096 x 1024 tokens x hidden it still writes one f32 product either way.
     tokens, hidden = 16384, 4096
-    results = _f32_results_of_mlp_step(("silu", "linear"), recipe, tokens, hidden, ffn=16384)
+    results = _results_of_mlp_step(("silu", "linear"), recipe, "f32", tokens, hidden, ffn=16384)
     assert [r for r in results if r[1] == (tokens, hidden)] == []
 
 
