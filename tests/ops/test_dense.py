@@ -110,23 +110,19 @@ def test_jaxpr_has_exactly_three_fp8_dots_per_dense(recipe, dtype):
     assert [d.out_dtype for d in dots] == [jnp.dtype(dtype).name] * 3
 
 
+# cuBLASLt's FP8 GEMM needs the kernel's contracting axis minor. fp8jax transposes the kernel
+# in the program, as a (free, contracting) matrix, because XLA's own transpose of it is an
+# untiled kernel at ~0.3 TB/s on the H200 (BENCHMARKS.md, run K). Only where the kernel is
+# whole on each device: under a sharding mesh the view costs collectives.
 def _forward_kernel_operand(fn, *args):
     """The forward GEMM's kernel operand as the jaxpr hands it to XLA: (shape, contracting)."""
     forward = jaxpr_dots(fn, *args)[0]
     return forward.rhs_shape, forward.rhs_contracting
 
 
-# cuBLASLt's FP8 GEMM needs the kernel's contracting axis minor. fp8jax transposes the kernel
-# in the program, as a (free, contracting) matrix, because XLA's own transpose of it is an
-# untiled kernel at ~0.3 TB/s on the H200 (BENCHMARKS.md, run K). Only where the kernel is
-# whole on each device: under a sharding mesh the view costs collectives.
-def _dense_3d(x, kernel):
-    return fp8jax.dense(x, kernel)
-
-
 def test_forward_kernel_is_a_transposed_matrix_without_a_mesh():
     x = jnp.ones((4, 8, 64), jnp.bfloat16)
-    assert _forward_kernel_operand(_dense_3d, x, jnp.ones((64, 2, 24), jnp.bfloat16)) == (
+    assert _forward_kernel_operand(fp8jax.dense, x, jnp.ones((64, 2, 24), jnp.bfloat16)) == (
         (48, 64),
         (1,),
     )
@@ -145,10 +141,10 @@ def test_forward_kernel_is_left_to_xla_under_a_sharding_mesh():
     x = jnp.ones((8, 8, 64), jnp.bfloat16)
     with fs.use_mesh(fs.make_mesh(tp=8)):
         # (2, 24) split by tensor parallelism on 24 would not be a block sharding once merged.
-        three_d = _forward_kernel_operand(_dense_3d, x, jnp.ones((64, 2, 24), jnp.bfloat16))
+        three_d = _forward_kernel_operand(fp8jax.dense, x, jnp.ones((64, 2, 24), jnp.bfloat16))
     with fs.use_mesh(fs.make_mesh(fsdp=8)):
         # Under FSDP the transposed copy would be all-gathered apart from the backward's.
-        matrix = _forward_kernel_operand(_dense_3d, x, jnp.ones((64, 48), jnp.bfloat16))
+        matrix = _forward_kernel_operand(fp8jax.dense, x, jnp.ones((64, 48), jnp.bfloat16))
     assert three_d == ((64, 2, 24), (0,))
     assert matrix == ((64, 48), (0,))
 
@@ -158,7 +154,7 @@ def test_forward_kernel_axes_are_merged_inside_shard_map():
 
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     per_device = jax.shard_map(
-        _dense_3d,
+        fp8jax.dense,
         mesh=mesh,
         in_specs=(P(), P(None, None, "tp")),
         out_specs=P(None, None, None, "tp"),
