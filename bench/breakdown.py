@@ -110,20 +110,53 @@ def classify(kernel: str, fusions: dict[str, str]) -> str:
     return "other"
 
 
-def kernel_times_us(trace_dir: str) -> dict[str, float]:
-    """Total microseconds per kernel name over every GPU in the newest trace."""
+def _newest_trace(trace_dir: str) -> ProfileData:
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not paths:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
-    data = ProfileData.from_file(max(paths, key=os.path.getmtime))
+    return ProfileData.from_file(max(paths, key=os.path.getmtime))
+
+
+def kernel_times_us(trace_dir: str) -> dict[str, float]:
+    """Total microseconds per kernel name over every GPU in the newest trace."""
     totals: dict[str, float] = collections.defaultdict(float)
-    for plane in data.planes:
+    for plane in _newest_trace(trace_dir).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for line in plane.lines:
             for event in line.events:
                 totals[event.name] += event.duration_ns / 1e3
     return dict(totals)
+
+
+def idle_gaps_us(intervals) -> list[float]:
+    """The gaps, in us, between the union of ``(start_ns, end_ns)`` intervals."""
+    gaps, reach = [], None
+    for start, end in sorted(intervals):
+        if reach is not None and start > reach:
+            gaps.append((start - reach) / 1e3)
+        reach = end if reach is None else max(reach, end)
+    return gaps
+
+
+# Upper bounds (us) of the idle-gap bins: launch gaps inside a step are a few
+# us; the gaps between the profiled steps, which are synchronized one by one,
+# include the host's dispatch of the next step.
+GAP_BINS_US = (10.0, 100.0, 1000.0, float("inf"))
+
+
+def gap_histogram_ms(trace_dir: str, steps: int, devices: int = 1) -> dict[str, float]:
+    """Idle GPU time between kernels per step and GPU, in ms, binned by gap length."""
+    totals = dict.fromkeys(GAP_BINS_US, 0.0)
+    for plane in _newest_trace(trace_dir).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        intervals = [(e.start_ns, e.end_ns) for line in plane.lines for e in line.events]
+        for gap in idle_gaps_us(intervals):
+            totals[next(b for b in GAP_BINS_US if gap < b)] += gap
+    labels = ["<10us", "10-100us", "0.1-1ms", ">=1ms"]
+    per_step = 1e3 * steps * devices
+    return {label: totals[b] / per_step for label, b in zip(labels, GAP_BINS_US, strict=True)}
 
 
 def breakdown(trace_dir: str, hlo_text: str, steps: int, devices: int = 1) -> dict:
@@ -147,6 +180,7 @@ def breakdown(trace_dir: str, hlo_text: str, steps: int, devices: int = 1) -> di
         "kernel_ms": total,
         "ms": {k: v * scale for k, v in sorted(per_class.items())},
         "share": {k: v * scale / total for k, v in sorted(per_class.items())} if total else {},
+        "idle_ms": gap_histogram_ms(trace_dir, steps, devices),
         # Every kernel, so two variants' "other" time can be compared kernel by kernel.
         "kernels_ms": {
             name: {"class": kind, "ms": us * scale, "what": described.get(name, "")}

@@ -49,3 +49,11 @@ def test_library_kernels_are_classified_by_name(kernel, kind):
 def test_each_kernel_is_described_by_its_result_and_source_op():
     described = breakdown.fusion_descriptions((DATA / "h200_live_dense_cublas.hlo.txt").read_text())
     assert described["loop_convert_fusion"] == "f8e4m3fn[256,512]{1,0} | jvp()/convert_element_type"
+
+
+def test_idle_gaps_are_measured_between_overlapping_kernels_union():
+    # Two streams overlap from 0 to 30 us; the GPU idles 5 us, then 200 us.
+    intervals = [(0, 20_000), (10_000, 30_000), (35_000, 40_000), (240_000, 250_000)]
+    assert breakdown.idle_gaps_us(intervals) == [5.0, 200.0]
+    assert breakdown.idle_gaps_us(list(reversed(intervals))) == [5.0, 200.0]
+    assert breakdown.idle_gaps_us([]) == []
