@@ -58,7 +58,7 @@ def anchor_variant(x, heads, ffn, attention, dot_general_cls):
 
 def fp8jax_variant(x, heads, ffn, attention, recipe):
     layer = fnn.TransformerLayer(
-        # The anchor's nn.gelu is the tanh approximation; erf ("gelu") costs more.
+        # The anchor's nn.gelu is the tanh approximation.
         num_heads=heads, intermediate_dim=ffn, activations=("gelu_tanh",), causal=True,
         attention_implementation=attention, dtype=BF16, recipe=recipe,
     )  # fmt: skip

@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fp8jax.ops import _partitioning, dimensions
 from fp8jax.ops.dense import (
@@ -32,21 +33,34 @@ from fp8jax.quantize import check_high_precision
 from fp8jax.recipes import resolve_recipe
 from fp8jax.scaling import DotScaleState, MlpScaleState, update_scale_state
 
+
+def gelu(x):
+    """Exact gelu, ``x * Phi(x)``, with Phi written through ``erf``.
+
+    ``jax.nn.gelu(approximate=False)`` writes Phi through ``erfc``, which XLA
+    expands into several polynomials, an ``exp`` and selects: on the H200 a
+    fusion computing it over GeGLU's (16384, 16384) pre-activation took
+    0.79 ms and XLA kept its f32 value alive for the backward rather than pay
+    again. XLA's f32 ``erf`` is one rational polynomial, cheap enough to
+    recompute, so gelu takes the same path as every other activation
+    (GeGLU block 17.54 to 17.17 ms, BF16 baseline 31.08 to 30.55 ms with
+    the same change, same GPU; bench/results/h200-2026-11-30-b). ``erfc`` is
+    more accurate only in the negative tail, where ``1 + erf`` cancels: in
+    f32 this form stays within 1.1e-6 of the exact value over [-12, 12],
+    a thousandth of bf16's resolution at 1 (tests/ops/test_fused.py).
+    """
+    return x * (1 + lax.erf(x * _SQRT_HALF)) * 0.5
+
+
+_SQRT_HALF = 0.7071067811865476
+
 ACTIVATIONS = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu": gelu,
     "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
     "relu": jax.nn.relu,
     "silu": jax.nn.silu,
     "linear": lambda x: x,
 }
-
-# erf in f32 is compute-bound on the H200: each fusion computing gelu over a
-# (16384, 16384) pre-activation took about 0.8 ms, where reading and writing
-# an f32 copy costs about 0.5. For these, the backward reuses the forward's
-# f32 erf rather than computing it again: layernorm_mlp with gelu (16384
-# tokens, hidden 4096, ffn 16384, delayed scaling) ran at 1.53x BF16
-# recomputing and 1.57x reusing.
-ERF_ACTIVATIONS = frozenset({"gelu"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,32 +247,13 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
                      recipe.forward_precision)  # fmt: skip
     pre = add_bias(pre, b1, 2)
     h = gated(pre, config.activations).astype(config.x_dtype)
-    h_q, h_amax = _quantize_activation(h, fwd, fc2 and fc2.x, config)
+    h_q, h_amax, _ = quantize_stored(h, fwd, fc2 and fc2.x, recipe)
     k2_q, k2_amax = quantize_operand(k2, fwd, fc2 and fc2.kernel, recipe)
     y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
                    recipe.forward_precision)  # fmt: skip
     y = add_bias(y, b2, 1)
     residuals = (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state)
     return y, (residuals, (normed_amax, k1_amax, h_amax, k2_amax))
-
-
-def _quantize_activation(h, fmt, state, config: FusedConfig):
-    """The activation, quantized for the second GEMM: pinned in HBM unless erf and delayed.
-
-    With a stored scale (delayed scaling) the amax and the quantize do not
-    wait on each other, and with erf XLA keeps erf's f32 value for the
-    backward anyway (ERF_ACTIVATIONS): it then computes ``h`` from it in one
-    pass that writes the f8 copy and the amax, and no bf16 copy. On the H200
-    (jaxlib 0.11.2, 16384 tokens, hidden 4096, ffn 16384, same-process A/B)
-    that took GeGLU from 17.98 to 17.63 ms and plain gelu from 12.48 to
-    12.08 ms (12.62 to 12.32 on a second GPU), peak 3.81 to 3.56 GiB. For
-    SwiGLU and tanh-gelu XLA computes ``h`` twice instead, or writes it in
-    f32 (SwiGLU's kernel time rose 0.24 ms), so those keep the pinned copy.
-    """
-    if state is not None and any(name in ERF_ACTIVATIONS for name in config.activations):
-        return quantize_operand(h, fmt, state, config.recipe)
-    h_q, h_amax, _ = quantize_stored(h, fmt, state, config.recipe)
-    return h_q, h_amax
 
 
 def _activation_grad(dh, pre, activations):
@@ -274,12 +269,10 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     g_q, g_amax = quantize_operand(g, bwd, fc2 and fc2.grad, recipe)
     dh, dk2 = _backward_dots(_contract_last(h_q.data.ndim), h_q, k2_q, g_q, config.x_dtype,
                              config.kernel_dtypes[1], recipe)  # fmt: skip
-    if not any(name in ERF_ACTIVATIONS for name in config.activations):
-        # Without the barrier XLA shares the activation's f32 math between
-        # the forward and this recompute, and keeps it in f32 from the
-        # forward until here: 4 bytes per element more held and moved than
-        # pre. That pays only for erf (see ERF_ACTIVATIONS).
-        pre = jax.lax.optimization_barrier(pre)
+    # Without the barrier XLA shares the activation's f32 math between the
+    # forward and this recompute, and keeps it in f32 from the forward until
+    # here: 4 bytes per element more held and moved than pre.
+    pre = jax.lax.optimization_barrier(pre)
     dpre = _activation_grad(dh, pre, config.activations).astype(config.x_dtype)
     dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
     dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
