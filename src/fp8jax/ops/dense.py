@@ -76,7 +76,7 @@ def quantize_stored(
     """Quantizes ``value``, which is written to HBM once, in its own dtype.
 
     For a tensor whose math is too costly to recompute in both the amax and
-    the quantize pass: an activation (gelu's erf in f32) and its gradient.
+    the quantize pass: an activation (its f32 math) and its gradient.
     Left to itself, XLA writes an f32 intermediate of that math instead and,
     when the backward recomputes the same math, keeps it alive until then.
     The optimization barrier pins the one write to ``value``: the amax comes
