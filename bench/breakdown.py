@@ -110,19 +110,19 @@ def classify(kernel: str, fusions: dict[str, str]) -> str:
     return "other"
 
 
-def _newest_trace(trace_dir: str) -> ProfileData:
+def gpu_planes(trace_dir: str) -> list:
+    """The GPU planes of the newest trace under ``trace_dir``."""
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not paths:
         raise FileNotFoundError(f"no *.xplane.pb under {trace_dir}")
-    return ProfileData.from_file(max(paths, key=os.path.getmtime))
+    data = ProfileData.from_file(max(paths, key=os.path.getmtime))
+    return [plane for plane in data.planes if plane.name.startswith("/device:GPU")]
 
 
-def kernel_times_us(trace_dir: str) -> dict[str, float]:
-    """Total microseconds per kernel name over every GPU in the newest trace."""
+def kernel_times_us(planes) -> dict[str, float]:
+    """Total microseconds per kernel name over every GPU plane in ``planes``."""
     totals: dict[str, float] = collections.defaultdict(float)
-    for plane in _newest_trace(trace_dir).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    for plane in planes:
         for line in plane.lines:
             for event in line.events:
                 totals[event.name] += event.duration_ns / 1e3
@@ -145,12 +145,10 @@ def idle_gaps_us(intervals) -> list[float]:
 GAP_BINS_US = (10.0, 100.0, 1000.0, float("inf"))
 
 
-def gap_histogram_ms(trace_dir: str, steps: int, devices: int = 1) -> dict[str, float]:
+def gap_histogram_ms(planes, steps: int, devices: int = 1) -> dict[str, float]:
     """Idle GPU time between kernels per step and GPU, in ms, binned by gap length."""
     totals = dict.fromkeys(GAP_BINS_US, 0.0)
-    for plane in _newest_trace(trace_dir).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    for plane in planes:
         intervals = [(e.start_ns, e.end_ns) for line in plane.lines for e in line.events]
         for gap in idle_gaps_us(intervals):
             totals[next(b for b in GAP_BINS_US if gap < b)] += gap
@@ -169,7 +167,8 @@ def breakdown(trace_dir: str, hlo_text: str, steps: int, devices: int = 1) -> di
     described = fusion_descriptions(hlo_text)
     per_class: dict[str, float] = collections.defaultdict(float)
     kernels: dict[str, tuple[str, float]] = {}
-    for name, us in kernel_times_us(trace_dir).items():
+    planes = gpu_planes(trace_dir)
+    for name, us in kernel_times_us(planes).items():
         kind = classify(name, fusions)
         per_class[kind] += us
         kernels[name] = (kind, us)
@@ -180,7 +179,7 @@ def breakdown(trace_dir: str, hlo_text: str, steps: int, devices: int = 1) -> di
         "kernel_ms": total,
         "ms": {k: v * scale for k, v in sorted(per_class.items())},
         "share": {k: v * scale / total for k, v in sorted(per_class.items())} if total else {},
-        "idle_ms": gap_histogram_ms(trace_dir, steps, devices),
+        "idle_ms": gap_histogram_ms(planes, steps, devices),
         # Every kernel, so two variants' "other" time can be compared kernel by kernel.
         "kernels_ms": {
             name: {"class": kind, "ms": us * scale, "what": described.get(name, "")}
