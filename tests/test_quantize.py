@@ -1,5 +1,6 @@
 """quantize / dequantize: property tests of the round trip, saturation, zeros, denormals."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -131,3 +132,20 @@ def test_quantize_rejects_bad_format_and_scale():
         fp8jax.quantize(jnp.ones((2,)), fp8jax.E4M3, jnp.ones((2,)))
     with pytest.raises(TypeError, match="q must be an fp8jax.Fp8Array"):
         fp8jax.dequantize(jnp.ones((2,)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "row_maxima"), [((8, 64, 2), (8,)), ((8, 64, 256), (8, 64)), ((64, 2), (64,))]
+)
+def test_amax_takes_row_maxima_over_rows_of_useful_length(shape, row_maxima):
+    # The row maxima are pinned (optimization barrier) so that XLA reduces
+    # rows inside the producing fusion; over a short last axis (the
+    # interleaved gated pre-activation's 2) they would be half the size of x
+    # itself, so that axis joins the row.
+    x = jnp.ones(shape, jnp.bfloat16)
+    from fp8jax.quantize import amax
+
+    jaxpr = jax.make_jaxpr(amax)(x).jaxpr
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert [tuple(v.aval.shape) for e in barriers for v in e.invars] == [row_maxima]
+    assert float(amax(x.at[3, 1].set(-5))) == 5.0
