@@ -86,6 +86,13 @@ def _add_train(sub) -> None:
         help="keep the layer scan a loop: faster compile, less FSDP memory, slower steps",
     )
     p.add_argument(
+        "--compile-cache",
+        default="auto",
+        help="JAX's persistent compilation cache: auto (a cache under ~/.cache/fp8jax on a GPU, "
+        "none on a CPU), none, or a directory; spares later runs XLA's minutes of FP8 GEMM "
+        "autotuning",
+    )
+    p.add_argument(
         "--verify-target",
         help="also compile the train step for h100 or h200 (deviceless; needs fp8jax[verify]) "
         "or for this machine's GPU (live) and count its FP8 GEMMs",

@@ -91,6 +91,11 @@ class TrainOptions:
         (``Gpt.unroll_layers=False``): faster to compile, and under FSDP it
         holds one layer's gathered kernels at a time, but the step is slower
         (BENCHMARKS.md: the loop copies each layer's saved activations).
+      compile_cache: JAX's persistent compilation cache: ``"auto"`` (the
+        default: ``fp8jax.compile_cache.default_dir()`` on a GPU, none
+        elsewhere), ``"none"``, or a directory. The first FP8 compile on an
+        H200 spends minutes autotuning GEMMs; with the cache, later runs of
+        the same shapes skip it (:mod:`fp8jax.compile_cache`).
       verify_target: also compile the train step for a GPU and count its FP8
         GEMMs: ``"h100"`` or ``"h200"`` deviceless (needs ``fp8jax[verify]``),
         or ``"live"`` on this machine's GPU.
@@ -117,6 +122,7 @@ class TrainOptions:
     keep_checkpoints: int = 3
     attention: str = "auto"
     rolled_layers: bool = False
+    compile_cache: str = "auto"
     verify_target: str | None = None
     inject_nan_at: int | None = None
 

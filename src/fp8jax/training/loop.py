@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from fp8jax import data
+from fp8jax import compile_cache, data
 from fp8jax.flax import FP8_COLLECTION, TrainState, make_train_step
 from fp8jax.models.gpt import Gpt, next_token_loss
 from fp8jax.recipes import DelayedScaling
@@ -130,6 +130,10 @@ def _check_options(options: TrainOptions) -> None:
         raise ConfigError(f"--attention must be one of {ATTENTION}, got {options.attention!r}.")
     if not isinstance(options.rolled_layers, bool):
         raise ConfigError(f"rolled_layers must be a bool, got {options.rolled_layers!r}.")
+    if not isinstance(options.compile_cache, str):
+        raise ConfigError(
+            f"--compile-cache must be 'auto', 'none' or a directory, got {options.compile_cache!r}."
+        )
     keep = options.keep_checkpoints
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"--keep-checkpoints must be an int >= 1, got {keep!r}.")
@@ -162,6 +166,7 @@ def train(
     """
     _check_options(options)
     config = resolve(options)
+    cache_dir = _use_compile_cache(options.compile_cache)
     axes = mesh_lib.parse_mesh(options.mesh)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
     corpus = data.load_corpus(options.data)
@@ -185,6 +190,8 @@ def train(
             f"note: --steps changed from {run.saved_config.get('steps')} to {config.steps}; the "
             "learning-rate schedule now decays over the new length."
         )
+    if cache_dir is not None:
+        say(f"compile cache: {cache_dir}")
     # Optax's AdamW mixes its int32 step count with f32: standard promotion.
     with jax.numpy_dtype_promotion("standard"):
         program = TrainProgram(
@@ -198,6 +205,15 @@ def train(
         loop = _Loop(program, run, corpus, options, say)
         with program.sharding_context():
             return loop.run(state, start, progress, on_step)
+
+
+def _use_compile_cache(setting: str) -> str | None:
+    """Turns the compilation cache on as ``setting`` asks; returns its directory, or None."""
+    try:
+        directory = compile_cache.resolve(setting)
+        return None if directory is None else compile_cache.enable(directory)
+    except ValueError as e:
+        raise ConfigError(f"--compile-cache: {e}") from e
 
 
 class _Loop:

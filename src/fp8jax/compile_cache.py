@@ -1,0 +1,69 @@
+"""A persistent compilation cache, because XLA's first FP8 compile on Hopper is slow.
+
+Measured on the H200 with jax 0.11.2 (bench/results/h200-2026-11-30-c,
+calls S and T): the first compile of the GeGLU block's fwd+bwd step took
+157-165 s and the TransformerLayer's 253 s; a BF16 step compiles in about
+5 s. Nearly all of it is XLA autotuning Triton GEMM configurations for the
+FP8 dots (12 to 19 per GEMM), although cuBLASLt won every one of them. A
+fresh process that found XLA's autotune results on disk compiled the same
+block in 0.6 s. Switching Triton GEMMs off instead
+(``--xla_gpu_enable_triton_gemm=false``) compiled in 1.3 s but made the step
+0.9 ms (5%) slower, so fp8jax keeps XLA's defaults and caches the result.
+
+JAX's persistent compilation cache stores compiled executables and, through
+``jax_persistent_cache_enable_xla_caches``, XLA's per-fusion autotune
+results, which also serve a program that changed elsewhere but kept its
+GEMMs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+# Written by fp8jax itself only; jax's defaults otherwise.
+_CONFIG_KEY = "jax_compilation_cache_dir"
+
+
+def default_dir() -> str:
+    """``$FP8JAX_CACHE_DIR``, else ``$XDG_CACHE_HOME/fp8jax/jax`` (``~/.cache`` by default)."""
+    explicit = os.environ.get("FP8JAX_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fp8jax", "jax")
+
+
+def resolve(setting: str | None, backend: str | None = None) -> str | None:
+    """The cache directory that ``setting`` asks for, or None for no cache.
+
+    ``"auto"`` (and None) means :func:`default_dir` when the backend is a GPU,
+    where the cache pays, and no cache elsewhere; ``"none"`` means no cache;
+    anything else is the directory itself.
+    """
+    if setting is None or setting == "auto":
+        backend = backend or jax.default_backend()
+        return default_dir() if backend == "gpu" else None
+    if setting == "none":
+        return None
+    if not setting.strip():
+        raise ValueError(
+            "compile_cache must be 'auto', 'none' or a directory; got an empty string."
+        )
+    return setting
+
+
+def enable(directory: str) -> str:
+    """Turns JAX's persistent compilation cache on in ``directory`` (created if missing).
+
+    Call it before the first compile; later compiles in this process read and
+    write the cache. Returns the absolute path.
+    """
+    path = os.path.abspath(os.path.expanduser(directory))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compile_cache: cannot create the directory {path!r}: {e}") from e
+    jax.config.update(_CONFIG_KEY, path)
+    return path
