@@ -45,6 +45,30 @@ def standard_variants(flax_variant, fp8jax_variant) -> dict:
     }
 
 
+# How a benchmark reduces its model's output to the loss it differentiates (--loss).
+# "mean", as in ../shared/anchors, makes the output gradient a constant: XLA may
+# then start the backward before the forward has finished and fuse the two (an
+# activation's forward with its gradient's recompute), which a real loss rules
+# out. "square" (half the mean square) makes the gradient the output itself.
+LOSSES = {
+    "mean": lambda y: y.astype(jnp.float32).mean(),
+    "square": lambda y: 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))),
+}
+_loss = {"name": "mean"}
+
+
+def set_loss(name: str) -> None:
+    """Chooses the loss of every benchmark built afterwards (a key of :data:`LOSSES`)."""
+    if name not in LOSSES:
+        raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {name!r}.")
+    _loss["name"] = name
+
+
+def output_loss(y):
+    """The benchmark loss of the model output ``y`` (see :data:`LOSSES`)."""
+    return LOSSES[_loss["name"]](y)
+
+
 def bf16_matrices(tree):
     """Flax variables with every f32 matrix in bf16: kernels as the activations' dtype."""
     return jax.tree.map(

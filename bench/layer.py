@@ -17,7 +17,16 @@ import os
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from harness import bf16_matrices, dump, environment, measure, print_table, standard_variants
+from harness import (
+    bf16_matrices,
+    dump,
+    environment,
+    measure,
+    output_loss,
+    print_table,
+    set_loss,
+    standard_variants,
+)
 
 from fp8jax.flax import linen as fnn
 
@@ -51,7 +60,7 @@ def anchor_variant(x, heads, ffn, attention, dot_general_cls):
     variables = bf16_matrices(jax.jit(model.init)(jax.random.key(0), x))
 
     def loss(variables, x):
-        return model.apply(variables, x).astype(F32).mean()
+        return output_loss(model.apply(variables, x))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x)
 
@@ -70,7 +79,7 @@ def fp8jax_variant(x, heads, ffn, attention, recipe):
         collections = (
             {"params": params} if state is None else {"params": params, "fp8_state": state}
         )
-        return layer.apply(collections, x).astype(F32).mean()
+        return output_loss(layer.apply(collections, x))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (params, x, state)
 
@@ -89,9 +98,14 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--trace", default=None, help="profile the FP8 variants here")
+    parser.add_argument(
+        "--loss", default="mean", choices=["mean", "square"],
+        help="mean of the output (the anchors') or half its mean square (a real loss)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    env = environment()
+    set_loss(args.loss)
+    env = environment() | {"loss": args.loss}
     print(env)
     x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.hidden)).astype(BF16)
     rows = []

@@ -22,7 +22,9 @@ from harness import (
     dump,
     environment,
     measure,
+    output_loss,
     print_table,
+    set_loss,
     standard_variants,
 )
 
@@ -59,7 +61,7 @@ def flax_variant(x, ffn, activations, dot_general_cls):
     variables = bf16_matrices(jax.jit(model.init)(jax.random.key(0), x))
 
     def loss(variables, x):
-        return model.apply(variables, x).astype(F32).mean()
+        return output_loss(model.apply(variables, x))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x)
 
@@ -90,7 +92,7 @@ def fp8jax_variant(x, ffn, activations, recipe, bias=True):
             recipe=recipe,
             state=state,
         )
-        return y.astype(F32).mean()
+        return output_loss(y)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (params, x, state)
 
@@ -230,9 +232,14 @@ def main():
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--variants", nargs="*", default=None, help="run only these")
     parser.add_argument("--trace", default=None, help="profile FP8 variants here")
+    parser.add_argument(
+        "--loss", default="mean", choices=["mean", "square"],
+        help="mean of the output (the anchors') or half its mean square (a real loss)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    env = environment()
+    set_loss(args.loss)
+    env = environment() | {"loss": args.loss}
     print(env)
     results = {"environment": env, "cases": {}}
     for spec in args.activations:

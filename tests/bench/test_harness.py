@@ -21,3 +21,23 @@ def test_both_timing_loops_thread_the_state_through_every_call():
     assert timing["iters"] == 5
     assert timing["pipelined_ms"] > 0
     assert timing["p10_ms"] <= timing["median_ms"] <= timing["p90_ms"]
+
+
+def test_the_square_loss_makes_the_output_gradient_depend_on_the_output():
+    # With the anchors' mean the output gradient is a constant, so XLA may
+    # fuse a layer's forward with its backward; the square loss rules it out.
+    import jax
+    import pytest
+
+    y = jnp.arange(6.0).reshape(2, 3)
+    try:
+        harness.set_loss("square")
+        square = jax.grad(harness.output_loss)(y)
+        harness.set_loss("mean")
+        mean = jax.grad(harness.output_loss)(y)
+    finally:
+        harness.set_loss("mean")
+    assert jnp.allclose(square, y / y.size)
+    assert jnp.allclose(mean, jnp.full_like(y, 1 / y.size))
+    with pytest.raises(ValueError, match="loss must be one of"):
+        harness.set_loss("sum")
