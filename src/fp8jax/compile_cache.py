@@ -22,7 +22,7 @@ import os
 
 import jax
 
-# Written by fp8jax itself only; jax's defaults otherwise.
+# The one JAX option enable() sets; the cache's other options keep JAX's defaults.
 _CONFIG_KEY = "jax_compilation_cache_dir"
 
 
