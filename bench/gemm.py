@@ -14,7 +14,13 @@ import argparse
 import jax
 import jax.numpy as jnp
 from flax.linen import fp8_ops
-from harness import dump, environment, measure
+from harness import (
+    add_compile_cache_argument,
+    dump,
+    environment,
+    measure,
+    use_compile_cache,
+)
 from jax import lax
 
 import fp8jax
@@ -60,7 +66,9 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=["8192x8192x8192", "16384x4096x16384"])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default=None)
+    add_compile_cache_argument(parser)
     args = parser.parse_args()
+    use_compile_cache(args)
     env = environment()
     print(env)
     results = {"environment": env, "shapes": {}}

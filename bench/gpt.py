@@ -17,7 +17,14 @@ import argparse
 import os
 
 import jax
-from harness import dump, environment, measure, print_table
+from harness import (
+    add_compile_cache_argument,
+    dump,
+    environment,
+    measure,
+    print_table,
+    use_compile_cache,
+)
 
 from fp8jax import data
 from fp8jax.training import mesh as mesh_lib
@@ -75,7 +82,9 @@ def main():
     )  # fmt: skip
     parser.add_argument("--trace", default=None, help="profile each variant here")
     parser.add_argument("--out", default=None)
+    add_compile_cache_argument(parser)
     args = parser.parse_args()
+    use_compile_cache(args)
     env = environment()
     print(env)
     title = f"GPT {args.config} train step" + (f", mesh {args.mesh}" if args.mesh else "")

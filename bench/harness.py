@@ -22,6 +22,7 @@ from breakdown import breakdown
 from flax.linen import fp8_ops
 
 import fp8jax
+from fp8jax import compile_cache
 from fp8jax.verify import fp8_relayouts, gemm_report
 
 # The delayed-scaling recipe of every fp8jax "delayed" row.
@@ -67,6 +68,26 @@ def set_loss(name: str) -> None:
 def output_loss(y):
     """The benchmark loss of the model output ``y`` (see :data:`LOSSES`)."""
     return LOSSES[_loss["name"]](y)
+
+
+def add_compile_cache_argument(parser) -> None:
+    """``--compile-cache DIR``: JAX's persistent compilation cache, off by default here.
+
+    The first FP8 compile on an H200 autotunes GEMMs for minutes
+    (fp8jax.compile_cache); with a directory that a previous run filled, the
+    same shapes compile in about a second. Off by default, so that a benchmark
+    run depends on no state from an earlier one.
+    """
+    parser.add_argument(
+        "--compile-cache", default=None, metavar="DIR",
+        help="JAX's persistent compilation cache directory (default: none)",
+    )  # fmt: skip
+
+
+def use_compile_cache(args) -> None:
+    """Turns the cache of :func:`add_compile_cache_argument` on, before anything compiles."""
+    if args.compile_cache:
+        print(f"compile cache: {compile_cache.enable(args.compile_cache)}", flush=True)
 
 
 def bf16_matrices(tree):

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from harness import (
+    add_compile_cache_argument,
     bf16_matrices,
     dump,
     environment,
@@ -26,6 +27,7 @@ from harness import (
     print_table,
     set_loss,
     standard_variants,
+    use_compile_cache,
 )
 
 from fp8jax.flax import linen as fnn
@@ -103,7 +105,9 @@ def main():
         help="mean of the output (the anchors') or half its mean square (a real loss)",
     )  # fmt: skip
     parser.add_argument("--out", default=None)
+    add_compile_cache_argument(parser)
     args = parser.parse_args()
+    use_compile_cache(args)
     set_loss(args.loss)
     env = environment() | {"loss": args.loss}
     print(env)

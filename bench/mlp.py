@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from harness import (
     DELAYED,
+    add_compile_cache_argument,
     bf16_matrices,
     dump,
     environment,
@@ -26,6 +27,7 @@ from harness import (
     print_table,
     set_loss,
     standard_variants,
+    use_compile_cache,
 )
 
 import fp8jax
@@ -237,7 +239,9 @@ def main():
         help="mean of the output (the anchors') or half its mean square (a real loss)",
     )  # fmt: skip
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    add_compile_cache_argument(parser)
     args = parser.parse_args()
+    use_compile_cache(args)
     set_loss(args.loss)
     env = environment() | {"loss": args.loss}
     print(env)
