@@ -65,6 +65,14 @@ def set_loss(name: str) -> None:
     _loss["name"] = name
 
 
+def add_loss_argument(parser) -> None:
+    """``--loss``: a key of :data:`LOSSES`; pass the parsed value to :func:`set_loss`."""
+    parser.add_argument(
+        "--loss", default="mean", choices=sorted(LOSSES),
+        help="mean of the output (the anchors') or half its mean square (a real loss)",
+    )  # fmt: skip
+
+
 def output_loss(y):
     """The benchmark loss of the model output ``y`` (see :data:`LOSSES`)."""
     return LOSSES[_loss["name"]](y)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from harness import (
     add_compile_cache_argument,
+    add_loss_argument,
     bf16_matrices,
     dump,
     environment,
@@ -100,10 +101,7 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--trace", default=None, help="profile the FP8 variants here")
-    parser.add_argument(
-        "--loss", default="mean", choices=["mean", "square"],
-        help="mean of the output (the anchors') or half its mean square (a real loss)",
-    )  # fmt: skip
+    add_loss_argument(parser)
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
     args = parser.parse_args()

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from harness import (
     DELAYED,
     add_compile_cache_argument,
+    add_loss_argument,
     bf16_matrices,
     dump,
     environment,
@@ -234,10 +235,7 @@ def main():
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--variants", nargs="*", default=None, help="run only these")
     parser.add_argument("--trace", default=None, help="profile FP8 variants here")
-    parser.add_argument(
-        "--loss", default="mean", choices=["mean", "square"],
-        help="mean of the output (the anchors') or half its mean square (a real loss)",
-    )  # fmt: skip
+    add_loss_argument(parser)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     add_compile_cache_argument(parser)
     args = parser.parse_args()

@@ -18,6 +18,7 @@ if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Silent upcasts are exactly the bug class fp8jax exists to catch, so tests
 # refuse implicit dtype and rank promotion.
@@ -55,3 +56,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "deviceless" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def compile_cache_reset():
+    """Leaves JAX's persistent compilation cache off again after the test."""
+    from jax._src import compilation_cache
+
+    yield
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()

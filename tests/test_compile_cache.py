@@ -10,16 +10,6 @@ from fp8jax.training import TrainOptions, train
 from fp8jax.training.errors import ConfigError
 
 
-@pytest.fixture
-def cache_reset():
-    """Leaves JAX's compilation cache off again for the rest of the session."""
-    from jax._src import compilation_cache
-
-    yield
-    jax.config.update("jax_compilation_cache_dir", None)
-    compilation_cache.reset_cache()
-
-
 def test_auto_means_the_default_directory_on_a_gpu_and_no_cache_elsewhere(monkeypatch):
     monkeypatch.delenv("FP8JAX_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
@@ -37,14 +27,14 @@ def test_none_and_a_directory_are_taken_as_said_and_an_empty_string_is_refused()
         compile_cache.resolve("  ", backend="gpu")
 
 
-def test_enable_creates_the_directory_and_points_jax_at_it(tmp_path, cache_reset):
+def test_enable_creates_the_directory_and_points_jax_at_it(tmp_path, compile_cache_reset):
     where = tmp_path / "a" / "b"
     assert compile_cache.enable(str(where)) == str(where)
     assert where.is_dir()
     assert jax.config.jax_compilation_cache_dir == str(where)
 
 
-def test_a_directory_that_cannot_be_made_is_a_config_error(tmp_path, cache_reset):
+def test_a_directory_that_cannot_be_made_is_a_config_error(tmp_path, compile_cache_reset):
     blocker = tmp_path / "file"
     blocker.write_text("")
     options = TrainOptions(out=str(tmp_path / "run"), compile_cache=str(blocker / "cache"))
@@ -53,7 +43,7 @@ def test_a_directory_that_cannot_be_made_is_a_config_error(tmp_path, cache_reset
     assert not (tmp_path / "run").exists()
 
 
-def test_a_train_run_writes_its_compiled_programs_to_the_cache(tmp_path, cache_reset):
+def test_a_train_run_writes_its_compiled_programs_to_the_cache(tmp_path, compile_cache_reset):
     cache = tmp_path / "cache"
     messages = []
     options = TrainOptions(

@@ -43,19 +43,14 @@ def test_the_square_loss_makes_the_output_gradient_depend_on_the_output():
         harness.set_loss("sum")
 
 
-def test_compile_cache_is_off_unless_a_directory_is_given(tmp_path):
+def test_compile_cache_is_off_unless_a_directory_is_given(tmp_path, compile_cache_reset):
     import argparse
 
     import jax
-    from jax._src import compilation_cache
 
     parser = argparse.ArgumentParser()
     harness.add_compile_cache_argument(parser)
     harness.use_compile_cache(parser.parse_args([]))
     assert jax.config.jax_compilation_cache_dir is None
-    try:
-        harness.use_compile_cache(parser.parse_args(["--compile-cache", str(tmp_path / "c")]))
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()
+    harness.use_compile_cache(parser.parse_args(["--compile-cache", str(tmp_path / "c")]))
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")

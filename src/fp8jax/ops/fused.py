@@ -312,7 +312,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
                                   config.kernel_dtypes[0], recipe)  # fmt: skip
     dk1 = _interleave(dk1)
-    db1 = None if b1 is None else _interleave(_rows_sum(dpre, _interleave(b1)))
+    db1 = None if b1 is None else _interleave(_rows_sum(dpre, b1))
     dx, dgamma, dbeta = normalize_backward(dnormed, x, mean, rstd, gamma, beta, config.norm)
     db2 = None if b2 is None else _rows_sum(g, b2)
     new_state = None
