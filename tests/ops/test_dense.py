@@ -185,6 +185,48 @@ def test_bias_and_its_gradient():
     np.testing.assert_array_equal(db, jnp.full((48,), 8.0))
 
 
+def _biased_op(op, x, bias, recipe, state):
+    """``op`` on ``x`` with its output bias (layernorm_mlp: bias_2) set to ``bias``."""
+    hidden, features = x.shape[-1], bias.shape[0]
+    kernel = jnp.full((hidden, features), 0.01, x.dtype)
+    ones = jnp.ones((hidden,), jnp.float32)
+    if op == "dense":
+        return fp8jax.dense(x, kernel, bias, recipe=recipe, state=state)
+    if op == "layernorm_dense":
+        return fp8jax.layernorm_dense(x, ones, ones, kernel, bias, recipe=recipe, state=state)
+    k1, k2 = jnp.full((hidden, 1, 64), 0.01, x.dtype), jnp.full((64, features), 0.01, x.dtype)
+    return fp8jax.layernorm_mlp(
+        x, ones, ones, k1, k2, None, bias, activations=("relu",), recipe=recipe, state=state
+    )
+
+
+@pytest.mark.parametrize("op", ["dense", "layernorm_dense", "layernorm_mlp"])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_bias_gradient_is_summed_in_f32(op, delayed):
+    # The output gradient is bf16 (the cotangent c below, exactly), but its
+    # sum over the 4096 tokens is accumulated and returned in f32
+    # (dense.quantize_gradient). Bound: any order of f32 additions of n
+    # non-negative terms errs by at most n * 2**-24 * sum(c). A bf16 result
+    # (as JAX's own gradient of a bf16 bias add gives) is off by up to half
+    # a bf16 spacing of ~6000, 16, far outside it.
+    tokens, hidden, features = 4096, 64, 32
+    recipe = fp8jax.DelayedScaling() if delayed else fp8jax.CurrentScaling()
+    group = fp8jax.MlpScaleState if op == "layernorm_mlp" else fp8jax.DotScaleState
+    state = fp8jax.init_state(recipe, group) if delayed else None
+    kx, kc = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+    c = jax.random.uniform(kc, (tokens, features), jnp.float32, 1, 2).astype(jnp.bfloat16)
+    bias = jnp.zeros((features,), jnp.float32)
+
+    def loss(bias):
+        y = _biased_op(op, x, bias, recipe, state)
+        return jnp.vdot(y.astype(jnp.float32), c.astype(jnp.float32))
+
+    db = np.asarray(jax.grad(loss)(bias), np.float64)
+    exact = np.asarray(c, np.float64).sum(axis=0)
+    np.testing.assert_array_less(np.abs(db - exact), tokens * 2.0**-24 * exact)
+
+
 def test_mixed_dtypes_give_cotangents_in_primal_dtypes():
     x, w, _ = _inputs((8, 64), jnp.bfloat16)
     w32 = w.astype(jnp.float32)

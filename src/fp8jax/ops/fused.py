@@ -22,8 +22,10 @@ from jax import lax
 from fp8jax.ops import _partitioning, dimensions
 from fp8jax.ops.dense import (
     add_bias,
+    check_bias,
     check_state,
     quantize_computed,
+    quantize_gradient,
     quantize_operand,
     quantize_stored,
     scaled_dot,
@@ -75,6 +77,7 @@ class FusedConfig:
     return_normalized: bool = False
     # What each input's cotangent must match: shard_map axes, Explicit sharding.
     inputs: tuple[_partitioning.InputType, ...] = ()
+    bias_dtype: jnp.dtype | None = None  # layernorm_dense's bias, None without one
 
 
 def _normalized(x, gamma, beta, config: FusedConfig):
@@ -127,9 +130,11 @@ def _rows_sum(v, like):
 # --- layernorm_dense ---------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ln_dense(x, gamma, beta, kernel, state, config: FusedConfig):
-    return _ln_dense_fwd(x, gamma, beta, kernel, state, config)[0]
+# The bias is an input, as in dense: its gradient comes out of the pass that
+# quantizes the output gradient (quantize_gradient).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ln_dense(x, gamma, beta, kernel, bias, state, config: FusedConfig):
+    return _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config)[0]
 
 
 def _quantize_normalized(x, gamma, beta, state, config: FusedConfig):
@@ -139,7 +144,7 @@ def _quantize_normalized(x, gamma, beta, state, config: FusedConfig):
     )  # fmt: skip
 
 
-def _ln_dense_fwd(x, gamma, beta, kernel, state, config: FusedConfig):
+def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     recipe = config.recipe
     _, mean, rstd = normalize(x, gamma, beta, config.norm)
     normed_q, normed_amax = _quantize_normalized(x, gamma, beta, state and state.x, config)
@@ -148,6 +153,7 @@ def _ln_dense_fwd(x, gamma, beta, kernel, state, config: FusedConfig):
     )
     y = scaled_dot(normed_q, kernel_q, _contract_last(x.ndim), config.x_dtype,
                    recipe.forward_precision)  # fmt: skip
+    y = add_bias(y, bias, kernel.ndim - 1)
     if config.return_normalized:
         y = (y, _normalized(x, gamma, beta, config).astype(x.dtype))
     residuals = (x, gamma, beta, mean, rstd, normed_q, kernel_q, state)
@@ -158,7 +164,10 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
     (x, gamma, beta, mean, rstd, normed_q, kernel_q, state), amaxes = saved
     recipe = config.recipe
     g, g_normed = cotangent if config.return_normalized else (cotangent, None)
-    g_q, g_amax = quantize_operand(g, recipe.formats.backward, state and state.grad, recipe)
+    bias_ndim = 0 if config.bias_dtype is None else kernel_q.data.ndim - 1
+    g_q, g_amax, d_bias = quantize_gradient(
+        g, recipe.formats.backward, state and state.grad, recipe, bias_ndim
+    )
     d_normed, d_kernel = _backward_dots(
         _contract_last(x.ndim), normed_q, kernel_q, g_q, x.dtype, config.kernel_dtypes[0], recipe
     )
@@ -166,7 +175,8 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
     dx, dgamma, dbeta = normalize_backward(d_normed, x, mean, rstd, gamma, beta, config.norm)
     new_state = None if state is None else _new_dot_state(state, (*amaxes, g_amax), recipe)
-    return _partitioning.match_cotangents((dx, dgamma, dbeta, d_kernel), new_state,
+    d_bias = None if d_bias is None else d_bias.astype(config.bias_dtype)
+    return _partitioning.match_cotangents((dx, dgamma, dbeta, d_kernel, d_bias), new_state,
                                           config.inputs)  # fmt: skip
 
 
@@ -221,16 +231,15 @@ def layernorm_dense(
         raise ValueError(
             f"kernel must have shape (hidden={x.shape[-1]}, *features), got {tuple(kernel.shape)}."
         )
+    check_bias(bias, kernel.shape[1:])
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
-    inputs = _partitioning.input_types(x, gamma, beta, kernel, state)
+    inputs = _partitioning.input_types(x, gamma, beta, kernel, bias, state)
+    bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
-                         return_normalized=return_normalized, inputs=inputs)  # fmt: skip
-    out = _ln_dense(x, gamma, beta, kernel, state, config)
-    if return_normalized:
-        y, normalized = out
-        return add_bias(y, bias, kernel.ndim - 1), normalized
-    return add_bias(out, bias, kernel.ndim - 1)
+                         return_normalized=return_normalized, inputs=inputs,
+                         bias_dtype=bias_dtype)  # fmt: skip
+    return _ln_dense(x, gamma, beta, kernel, bias, state, config)
 
 
 # --- layernorm_mlp -----------------------------------------------------------------
@@ -300,7 +309,9 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     normed_amax, k1_amax, h_amax, k2_amax = amaxes
     recipe, bwd = config.recipe, config.recipe.formats.backward
     fc1, fc2 = (None, None) if state is None else state
-    g_q, g_amax = quantize_operand(g, bwd, fc2 and fc2.grad, recipe)
+    g_q, g_amax, db2 = quantize_gradient(
+        g, bwd, fc2 and fc2.grad, recipe, bias_ndim=0 if b2 is None else 1
+    )
     dh, dk2 = _backward_dots(_contract_last(h_q.data.ndim), h_q, k2_q, g_q, config.x_dtype,
                              config.kernel_dtypes[1], recipe)  # fmt: skip
     # Without the barrier XLA shares the activation's f32 math between the
@@ -314,7 +325,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     dk1 = _interleave(dk1)
     db1 = None if b1 is None else _interleave(_rows_sum(dpre, b1))
     dx, dgamma, dbeta = normalize_backward(dnormed, x, mean, rstd, gamma, beta, config.norm)
-    db2 = None if b2 is None else _rows_sum(g, b2)
+    db2 = None if b2 is None else db2.astype(b2.dtype)
     new_state = None
     if state is not None:
         new_state = MlpScaleState(
