@@ -27,6 +27,7 @@ from fp8jax.ops.dense import (
     quantize_computed,
     quantize_gradient,
     quantize_operand,
+    quantize_recomputed,
     quantize_stored,
     scaled_dot,
 )
@@ -259,8 +260,13 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     k1_q, k1_amax = quantize_operand(_interleave(k1), fwd, fc1 and fc1.kernel, recipe)
     pre = scaled_dot(normed_q, k1_q, _contract_last(x.ndim), config.x_dtype,
                      recipe.forward_precision)  # fmt: skip
-    h = _activation(pre, b1, config.activations).astype(config.x_dtype)
-    h_q, h_amax, _ = quantize_stored(h, fwd, fc2 and fc2.x, recipe)
+    activation = functools.partial(_activation, activations=config.activations)
+    if fc2 is not None and b1 is not None:
+        h_q, h_amax = quantize_recomputed(activation, pre, (b1,), fwd, fc2.x, recipe,
+                                          config.x_dtype)  # fmt: skip
+    else:
+        h = activation(pre, b1).astype(config.x_dtype)
+        h_q, h_amax, _ = quantize_stored(h, fwd, fc2 and fc2.x, recipe)
     k2_q, k2_amax = quantize_operand(k2, fwd, fc2 and fc2.kernel, recipe)
     y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
                    recipe.forward_precision)  # fmt: skip
