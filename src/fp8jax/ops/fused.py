@@ -2,12 +2,16 @@
 
 The normalized input is quantized in the fusions that compute it, so it
 never reaches HBM in high precision: the amax pass recomputes it from x (see
-:func:`~fp8jax.ops.dense.quantize_computed`). The activation and its
-gradient cost too much to compute twice; each is written once, in the
-activations' dtype, and read back by its quantize pass
-(:func:`~fp8jax.ops.dense.quantize_stored`). The ops save only FP8 GEMM
-operands, the input, the per-row statistics and, for the MLP, the first
-GEMM's output, which the activation's backward needs.
+:func:`~fp8jax.ops.dense.quantize_computed`). The activation's gradient,
+and the activation itself under current scaling or without a bias, cost too
+much to compute twice; each is written once, in the activations' dtype, and
+read back by its quantize pass (:func:`~fp8jax.ops.dense.quantize_stored`).
+Under delayed scaling a biased activation is cast to FP8 where it is
+computed (:func:`~fp8jax.ops.dense.quantize_recomputed`). Biases are inputs
+of the custom_vjps: their gradients come out of the pass that quantizes the
+output gradient (:func:`~fp8jax.ops.dense.quantize_gradient`). The ops save
+only FP8 GEMM operands, the input, the per-row statistics and, for the MLP,
+the first GEMM's output, which the activation's backward needs.
 """
 
 from __future__ import annotations
