@@ -17,9 +17,8 @@ from flax.linen import fp8_ops
 from harness import (
     add_compile_cache_argument,
     dump,
-    environment,
     measure,
-    use_compile_cache,
+    start,
 )
 from jax import lax
 
@@ -68,8 +67,7 @@ def main():
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
     args = parser.parse_args()
-    use_compile_cache(args)
-    env = environment()
+    env = start(args)
     print(env)
     results = {"environment": env, "shapes": {}}
     for shape in args.shapes:

@@ -20,10 +20,9 @@ import jax
 from harness import (
     add_compile_cache_argument,
     dump,
-    environment,
     measure,
     print_table,
-    use_compile_cache,
+    start,
 )
 
 from fp8jax import data
@@ -84,8 +83,7 @@ def main():
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
     args = parser.parse_args()
-    use_compile_cache(args)
-    env = environment()
+    env = start(args)
     print(env)
     title = f"GPT {args.config} train step" + (f", mesh {args.mesh}" if args.mesh else "")
     title += ", layers rolled" if args.rolled_layers else ""

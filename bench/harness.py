@@ -98,6 +98,21 @@ def use_compile_cache(args) -> None:
         print(f"compile cache: {compile_cache.enable(args.compile_cache)}", flush=True)
 
 
+def start(args) -> dict:
+    """Applies the options every script shares before anything compiles; the run's environment.
+
+    ``--compile-cache`` (:func:`add_compile_cache_argument`) and, where the
+    script has it, ``--loss`` (:func:`add_loss_argument`), which also goes into
+    the environment record.
+    """
+    use_compile_cache(args)
+    env = environment()
+    if hasattr(args, "loss"):
+        set_loss(args.loss)
+        env["loss"] = args.loss
+    return env
+
+
 def bf16_matrices(tree):
     """Flax variables with every f32 matrix in bf16: kernels as the activations' dtype."""
     return jax.tree.map(

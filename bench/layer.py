@@ -22,13 +22,11 @@ from harness import (
     add_loss_argument,
     bf16_matrices,
     dump,
-    environment,
     measure,
     output_loss,
     print_table,
-    set_loss,
     standard_variants,
-    use_compile_cache,
+    start,
 )
 
 from fp8jax.flax import linen as fnn
@@ -105,9 +103,7 @@ def main():
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
     args = parser.parse_args()
-    use_compile_cache(args)
-    set_loss(args.loss)
-    env = environment() | {"loss": args.loss}
+    env = start(args)
     print(env)
     x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.hidden)).astype(BF16)
     rows = []

@@ -22,13 +22,11 @@ from harness import (
     add_loss_argument,
     bf16_matrices,
     dump,
-    environment,
     measure,
     output_loss,
     print_table,
-    set_loss,
     standard_variants,
-    use_compile_cache,
+    start,
 )
 
 import fp8jax
@@ -239,9 +237,7 @@ def main():
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     add_compile_cache_argument(parser)
     args = parser.parse_args()
-    use_compile_cache(args)
-    set_loss(args.loss)
-    env = environment() | {"loss": args.loss}
+    env = start(args)
     print(env)
     results = {"environment": env, "cases": {}}
     for spec in args.activations:

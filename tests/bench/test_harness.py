@@ -54,3 +54,20 @@ def test_compile_cache_is_off_unless_a_directory_is_given(tmp_path, compile_cach
     assert jax.config.jax_compilation_cache_dir is None
     harness.use_compile_cache(parser.parse_args(["--compile-cache", str(tmp_path / "c")]))
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+
+
+def test_start_applies_the_loss_and_records_it_only_where_a_script_has_one(compile_cache_reset):
+    import argparse
+
+    with_loss = argparse.ArgumentParser()
+    harness.add_loss_argument(with_loss)
+    harness.add_compile_cache_argument(with_loss)
+    without_loss = argparse.ArgumentParser()
+    harness.add_compile_cache_argument(without_loss)
+    try:
+        env = harness.start(with_loss.parse_args(["--loss", "square"]))
+        assert env["loss"] == "square"
+        assert harness.output_loss(jnp.full((2,), 2.0)) == 2.0  # half the mean square
+    finally:
+        harness.set_loss("mean")
+    assert "loss" not in harness.start(without_loss.parse_args([]))
