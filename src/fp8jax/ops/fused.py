@@ -329,6 +329,13 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     # here: 4 bytes per element more held and moved than pre.
     pre = jax.lax.optimization_barrier(pre)
     dpre = _activation_grad(dh, pre, b1, config.activations).astype(config.x_dtype)
+    # Under delayed scaling too the gradient goes to HBM in bf16 and back,
+    # where the forward activation does not (quantize_recomputed): bias_1's
+    # gradient is a column sum, and XLA's reduction kernels run the
+    # activation's gradient math slowly. GeGLU on the H200: the column sum
+    # computed from dh and pre took 1.06 ms alone, against 0.81 ms for the
+    # bf16 write (with the amax) and 0.63 ms for the cast with the sum; one
+    # kernel doing all of it took 5.3 ms (bench/results/h200-2026-11-30-e).
     dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
     dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
                                   config.kernel_dtypes[0], recipe)  # fmt: skip
