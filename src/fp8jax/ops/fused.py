@@ -33,10 +33,11 @@ from fp8jax.ops.dense import (
     quantize_operand,
     quantize_recomputed,
     quantize_stored,
+    quantize_stored_transposed,
     scaled_dot,
 )
 from fp8jax.ops.norm import NormConfig, check_norm_args, normalize, normalize_backward
-from fp8jax.quantize import check_high_precision
+from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import resolve_recipe
 from fp8jax.scaling import DotScaleState, MlpScaleState, update_scale_state
 
@@ -314,6 +315,18 @@ def _activation_grad(dh, pre, bias, activations):
     return vjp(dh.astype(jnp.float32))[0]
 
 
+def _wgrad_from_transposed(lhs_q: Fp8Array, g_t: Fp8Array, kernel_shape, dtype, recipe):
+    """``lhs^T . g`` over the token axes, with ``g`` given transposed as (features, tokens).
+
+    Both operands then have the tokens as their minor axis, as cuBLASLt's FP8
+    GEMM wants, so XLA transposes only ``lhs``.
+    """
+    hidden = lhs_q.shape[-1]
+    lhs = Fp8Array(lhs_q.data.reshape(-1, hidden), lhs_q.scale_inv, lhs_q.format)
+    dims = (((0,), (1,)), ((), ()))
+    return scaled_dot(lhs, g_t, dims, dtype, recipe.wgrad_precision).reshape(kernel_shape)
+
+
 def _mlp_bwd(config: FusedConfig, saved, g):
     (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state), amaxes = saved
     normed_amax, k1_amax, h_amax, k2_amax = amaxes
@@ -336,11 +349,22 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     # computed from dh and pre took 1.06 ms alone, against 0.81 ms for the
     # bf16 write (with the amax) and 0.63 ms for the cast with the sum; one
     # kernel doing all of it took 5.3 ms (bench/results/h200-2026-11-30-e).
-    dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
-    dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
-                                  config.kernel_dtypes[0], recipe)  # fmt: skip
+    rows_ndim = x.ndim - 1
+    transposed = quantize_stored_transposed(dpre, bwd, fc1 and fc1.grad, recipe, rows_ndim)
+    if transposed is None:
+        dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
+        dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
+                                      config.kernel_dtypes[0], recipe)  # fmt: skip
+        db1 = None if b1 is None else _rows_sum(dpre, b1)
+    else:
+        dpre_q, dpre_t, dpre_amax, column_sums = transposed
+        dg = dimensions.dgrad(_contract_last(x.ndim), x.ndim, k1_q.data.ndim)
+        dnormed = scaled_dot(dpre_q, k1_q, dg.dimension_numbers, x.dtype, recipe.dgrad_precision,
+                             dg.permutation, like=normed_q.data)  # fmt: skip
+        dk1 = _wgrad_from_transposed(normed_q, dpre_t, k1_q.shape, config.kernel_dtypes[0], recipe)
+        db1 = None if b1 is None else column_sums.astype(b1.dtype)
     dk1 = _interleave(dk1)
-    db1 = None if b1 is None else _interleave(_rows_sum(dpre, b1))
+    db1 = None if db1 is None else _interleave(db1)
     dx, dgamma, dbeta = normalize_backward(dnormed, x, mean, rstd, gamma, beta, config.norm)
     db2 = None if b2 is None else db2.astype(b2.dtype)
     new_state = None
