@@ -28,6 +28,8 @@ _ATTENTION_LIBRARY = re.compile(r"cudnn|fmha|flash|sdpa", re.IGNORECASE)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s(\w[\w\-]*)\(", re.MULTILINE)
 # "__triton_gemm", and "__triton_nested_gemm_fusion" in newer XLA.
 _TRITON_GEMM = re.compile(r'"kind":"__triton\w*gemm')
+_PALLAS_TRITON = "__gpu$xla.gpu.triton"
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
@@ -68,13 +70,19 @@ def fusion_classes(hlo_text: str) -> dict[str, str]:
             operands = line[start : line.find(")", start)]
             quantizes = _reads_high_precision(shape_of, operands)
             kind = "quantize" if quantizes else "fp8-relayout"
+        elif opcode == "custom-call" and _PALLAS_TRITON in line and _is_fp8_array(shape):
+            # A Pallas kernel (fp8jax.ops.cast_transpose) runs under the name
+            # given to its pallas_call, the scope above "pallas_call" in op_name.
+            start = match.end() - match.start()
+            operands = line[start : line.find(")", start)]
+            op_name = _OP_NAME.search(line)
+            scopes = op_name.group(1).split("/") if op_name else []
+            name = scopes[-2] if len(scopes) > 1 else name
+            kind = "quantize" if _reads_high_precision(shape_of, operands) else "fp8-relayout"
         else:
             continue
         classes[_kernel_name(name)] = kind
     return classes
-
-
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def fusion_descriptions(hlo_text: str) -> dict[str, str]:

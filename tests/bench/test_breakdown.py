@@ -31,6 +31,20 @@ def test_fp8_to_fp8_transposes_are_relayouts_not_quantization():
     assert sum(v == "gemm" for v in classes.values()) == 3  # cuBLASLt custom calls
 
 
+def test_the_pallas_cast_transpose_kernel_is_a_quantize_pass_under_its_own_name():
+    # fp8jax.ops.cast_transpose: a Triton custom call that reads the bf16
+    # gradient and writes FP8. The trace names the kernel after its
+    # pallas_call (the scope above "pallas_call" in op_name), not the HLO.
+    hlo = (
+        "  %g = bf16[128,256]{1,0} parameter(0)\n"
+        "  %s = f32[1]{0} parameter(1)\n"
+        "  %pallas_call.0 = (f8e5m2[128,256]{1,0}, f8e5m2[256,128]{1,0}, f32[2,256]{1,0}) "
+        'custom-call(%g, %s), custom_call_target="__gpu$xla.gpu.triton", '
+        'metadata={op_name="jit(step)/transpose(jvp())/fp8jax_cast_transpose/pallas_call"}\n'
+    )
+    assert breakdown.fusion_classes(hlo) == {"fp8jax_cast_transpose": "quantize"}
+
+
 @pytest.mark.parametrize(
     ("kernel", "kind"),
     [
