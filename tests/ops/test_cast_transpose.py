@@ -42,7 +42,8 @@ def test_off_gpu_the_same_values_come_from_xla():
     np.testing.assert_allclose(sums, g.astype(jnp.float32).sum(axis=0), rtol=1e-6, atol=1e-5)
 
 
-def test_a_shape_that_does_not_split_into_tiles_is_refused():
-    g = jnp.zeros((ct.BLOCK_ROWS + 1, ct.BLOCK_COLS), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"rows a multiple of 64 .* got shape \(65, 128\)"):
+@pytest.mark.parametrize("shape", [(65, 128), (64, 96), (2, 64, 128)], ids=str)
+def test_a_shape_that_does_not_split_into_tiles_is_refused(shape):
+    g = jnp.zeros(shape, jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"g must be 2-D with rows a multiple of 64 .*got shape"):
         ct.cast_transpose(g, jnp.float32(1), fp8jax.E5M2)
