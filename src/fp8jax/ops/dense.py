@@ -91,10 +91,15 @@ def quantize_stored(
 
     Returns ``(q, amax, value)``, ``value`` as stored, for other readers.
     """
+    value, value_amax, scale = _pinned(value, fmt, state, recipe)
+    return quantize_with_scale(value, fmt, scale), value_amax, value
+
+
+def _pinned(value, fmt: Fp8Format, state: ScaleState | None, recipe):
+    """``(value, amax, scale)``: the amax taken where ``value`` is written (quantize_stored)."""
     value_amax = _partitioning.reduce_amax(amax(value), recipe)
     value = lax.optimization_barrier(value)
-    q = quantize_with_scale(value, fmt, _scale(value_amax, fmt, state, recipe))
-    return q, value_amax, value
+    return value, value_amax, _scale(value_amax, fmt, state, recipe)
 
 
 def quantize_stored_transposed(
@@ -125,11 +130,9 @@ def quantize_stored_transposed(
         and cast_transpose.enabled()
     ):
         return None
-    value_amax = _partitioning.reduce_amax(amax(value), recipe)
-    value = lax.optimization_barrier(value)
-    scale = _scale(value_amax, fmt, state, recipe).astype(jnp.float32)
+    value, value_amax, scale = _pinned(value, fmt, state, recipe)
     q, q_t, sums = cast_transpose.cast_transpose(value.reshape(rows, -1), scale, fmt)
-    scale_inv = 1.0 / scale
+    scale_inv = 1.0 / scale.astype(jnp.float32)  # as quantize_with_scale computes it
     return (
         Fp8Array(q.reshape(value.shape), scale_inv, fmt),
         Fp8Array(q_t, scale_inv, fmt),

@@ -107,12 +107,19 @@ def _contract_last(lhs_ndim: int):
     return (((lhs_ndim - 1,), (0,)), ((), ()))
 
 
-def _backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe):
-    """dgrad and wgrad of ``dot_general(lhs, rhs, dims)``, both FP8."""
+def _backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe, g_t=None):
+    """dgrad and wgrad of ``dot_general(lhs, rhs, dims)``, both FP8.
+
+    ``g_t``: the gradient's FP8 copy transposed to (features, tokens), where
+    one was made (dense.quantize_stored_transposed); only with ``dims``
+    contracting lhs's last axis. The wgrad GEMM then reads it as it is.
+    """
     dg = dimensions.dgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
-    wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
     d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
                        dg.permutation, like=lhs_q.data)  # fmt: skip
+    if g_t is not None:
+        return d_lhs, _wgrad_from_transposed(lhs_q, g_t, rhs_q.shape, rhs_dtype, recipe)
+    wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
     d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
                        wg.permutation, like=rhs_q.data)  # fmt: skip
     return d_lhs, d_rhs
@@ -349,20 +356,16 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     # computed from dh and pre took 1.06 ms alone, against 0.81 ms for the
     # bf16 write (with the amax) and 0.63 ms for the cast with the sum; one
     # kernel doing all of it took 5.3 ms (bench/results/h200-2026-11-30-e).
-    rows_ndim = x.ndim - 1
-    transposed = quantize_stored_transposed(dpre, bwd, fc1 and fc1.grad, recipe, rows_ndim)
+    transposed = quantize_stored_transposed(dpre, bwd, fc1 and fc1.grad, recipe, x.ndim - 1)
     if transposed is None:
         dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
-        dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
-                                      config.kernel_dtypes[0], recipe)  # fmt: skip
+        dpre_t = None
         db1 = None if b1 is None else _rows_sum(dpre, b1)
     else:
         dpre_q, dpre_t, dpre_amax, column_sums = transposed
-        dg = dimensions.dgrad(_contract_last(x.ndim), x.ndim, k1_q.data.ndim)
-        dnormed = scaled_dot(dpre_q, k1_q, dg.dimension_numbers, x.dtype, recipe.dgrad_precision,
-                             dg.permutation, like=normed_q.data)  # fmt: skip
-        dk1 = _wgrad_from_transposed(normed_q, dpre_t, k1_q.shape, config.kernel_dtypes[0], recipe)
         db1 = None if b1 is None else column_sums.astype(b1.dtype)
+    dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
+                                  config.kernel_dtypes[0], recipe, g_t=dpre_t)  # fmt: skip
     dk1 = _interleave(dk1)
     db1 = None if db1 is None else _interleave(db1)
     dx, dgamma, dbeta = normalize_backward(dnormed, x, mean, rstd, gamma, beta, config.norm)
