@@ -280,12 +280,17 @@ def test_forward_activation_reaches_hbm_in_bf16_only_under_current_scaling(activ
 @pytest.mark.deviceless
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("activations", [("gelu", "linear"), ("gelu",)])
-def test_gradient_and_its_transposed_copy_come_from_one_kernel(activations, recipe):
-    # dense.quantize_stored_transposed: on one GPU the pre-activation
-    # gradient's FP8 cast, its transposed copy for the wgrad GEMM and bias_1's
-    # sums are one Pallas kernel (fp8jax.ops.cast_transpose), which reads the
-    # bf16 gradient once; XLA made a cast kernel and an FP8 transpose of them
-    # (GeGLU on the H200: 0.78 + 0.46 against 0.63 ms). All six GEMMs stay FP8.
+def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, recipe):
+    # dense.quantize_transposed: on one GPU, every GEMM operand that both of
+    # its GEMMs read in a different layout is cast to FP8 with its transposed
+    # copy in one Pallas kernel (fp8jax.ops.cast_transpose) that reads it
+    # once: the pre-activation gradient (with bias_1's sums), the output
+    # gradient (with bias_2's), kernel_2 and, ungated, kernel_1. XLA made a
+    # cast kernel and an FP8 transpose of each (GeGLU's gradient on the H200:
+    # 0.78 + 0.46 against 0.63 ms). Gated, kernel_1 is read interleaved, a
+    # transpose XLA fuses into its own cast. All six GEMMs stay FP8.
+    from collections import Counter
+
     from fp8jax.verify import _hlo, gemm_report
 
     n = len(activations)
@@ -296,9 +301,19 @@ def test_gradient_and_its_transposed_copy_come_from_one_kernel(activations, reci
         if "fp8jax_cast_transpose" in inst.metadata.get("op_name", "")
         and inst.custom_call_target == "__gpu$xla.gpu.triton"
     ]
-    assert len(kernels) == 1
-    written = {(t.dtype, t.shape) for t in kernels[0].types}
-    assert {("f8e5m2", (TOKENS, FFN * n)), ("f8e5m2", (FFN * n, TOKENS))} <= written
+    written = Counter(
+        frozenset((t.dtype, t.shape) for t in inst.types if t.dtype.startswith("f8"))
+        for inst in kernels
+    )
+
+    def both(dtype, rows, cols):
+        return frozenset({(dtype, (rows, cols)), (dtype, (cols, rows))})
+
+    want = Counter([both("f8e5m2", TOKENS, FFN * n), both("f8e5m2", TOKENS, HIDDEN),
+                    both("f8e4m3fn", FFN, HIDDEN)])  # fmt: skip
+    if n == 1:
+        want[both("f8e4m3fn", HIDDEN, FFN)] += 1
+    assert written == want
     report = gemm_report(hlo)
     assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
 
@@ -376,13 +391,16 @@ def _biased_step_outputs(op, recipe) -> dict[str, list[tuple[str, tuple[int, ...
 @pytest.mark.deviceless
 @pytest.mark.parametrize("op", ["dense", "layernorm_dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe):
-    # dense.quantize_gradient: the amax of the output gradient is taken as
-    # column maxima, like the bias gradient's column sums, so one kernel
-    # computes both; under delayed scaling the FP8 gradient comes out of the
-    # same kernel. With row maxima XLA needs a kernel for each reduction (the
-    # transformer layer's QKV gradient: 0.31 + 0.41 ms on the H200, then one
-    # 0.59 ms kernel).
+def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe, monkeypatch):
+    # dense.quantize_gradient, XLA's path (where the Pallas kernel of
+    # dense.quantize_transposed does not run, here switched off): the amax of
+    # the output gradient is taken as column maxima, like the bias gradient's
+    # column sums, so one kernel computes both; under delayed scaling the FP8
+    # gradient comes out of the same kernel. With row maxima XLA needs a
+    # kernel for each reduction (the transformer layer's QKV gradient: 0.31 +
+    # 0.41 ms on the H200, then one 0.59 ms kernel).
+    monkeypatch.setenv("FP8JAX_PALLAS", "0")
+
     def column_results(outs):
         return [d for d, shape in outs if d == "f32" and shape[-2:] == (3, 128)]
 
@@ -394,6 +412,34 @@ def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe):
         assert fp8_gradient == both
     else:
         assert fp8_gradient and both[0] not in fp8_gradient
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("op", ["dense", "layernorm_dense"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
+    # dense.quantize_kernel, quantize_output_gradient and, for dense's own
+    # input, quantize_transposed: on one GPU the kernel's FP8 copies for the
+    # forward GEMM (transposed) and the dgrad GEMM, the output gradient's for
+    # the dgrad and the wgrad GEMM (transposed) with the bias's column sums,
+    # and dense's input's for the forward and the wgrad GEMM (transposed),
+    # each come out of one Pallas kernel. Its f32 results are per-tile column
+    # sums and maxima (64-row tiles). layernorm_dense's normalized input is
+    # computed where it is cast, by XLA, in one fusion with both layouts.
+    outputs = _biased_step_outputs(op, recipe)
+    kernels = {frozenset(outs) for name, outs in outputs.items() if name.startswith("pallas_call")}
+
+    def cast_transposed(dtype, rows, cols):
+        return frozenset(
+            {(dtype, (rows, cols)), (dtype, (cols, rows)), ("f32", (rows // 64, cols))}
+        )
+
+    tokens, hidden, columns = 2 * 512, 256, 3 * 128
+    want = {cast_transposed("f8e4m3fn", hidden, columns),
+            cast_transposed("f8e5m2", tokens, columns)}  # fmt: skip
+    if op == "dense":
+        want.add(cast_transposed("f8e4m3fn", tokens, hidden))
+    assert kernels == want
 
 
 def test_gelu_stays_within_f32_rounding_of_the_exact_definition():

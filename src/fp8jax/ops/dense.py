@@ -39,6 +39,7 @@ class DotConfig:
     out_dtype: np.dtype
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
+    lhs_ndim: int
     # What each input's cotangent must match: shard_map axes, Explicit sharding.
     inputs: tuple[_partitioning.InputType, ...] = ()
     # Trailing output axes a bias spans (0 without one), and its dtype.
@@ -102,25 +103,30 @@ def _pinned(value, fmt: Fp8Format, state: ScaleState | None, recipe):
     return value, value_amax, _scale(value_amax, fmt, state, recipe)
 
 
-def quantize_stored_transposed(
+def quantize_transposed(
     value: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int
 ) -> tuple[Fp8Array, Fp8Array, jax.Array, jax.Array] | None:
-    """:func:`quantize_stored` that also returns the transposed FP8 copy and the column sums.
+    """Quantizes ``value`` in one pass that also writes its transposed FP8 copy and column sums.
 
-    ``value``'s leading ``rows_ndim`` axes are its rows (the tokens), the rest
-    its columns. The cast, the transposed copy (which the wgrad GEMM reads)
-    and the f32 column sums (a bias's gradient) come out of one pass
-    (:func:`fp8jax.ops.cast_transpose.cast_transpose`), where XLA makes a
-    cast kernel and a transpose kernel of them. That kernel needs whole
+    ``value``'s leading ``rows_ndim`` axes are its rows, the rest its
+    columns. cuBLASLt's FP8 GEMMs read both operands with the contracting
+    axis minor, so a kernel feeds its forward GEMM transposed and its dgrad
+    GEMM as itself, and an output gradient feeds its dgrad GEMM as itself
+    and its wgrad GEMM transposed. Left to XLA, the cast and the transpose
+    are two kernels (with the bias sums and amax in a third or in the cast's);
+    here they are one (:func:`fp8jax.ops.cast_transpose.cast_transpose`),
+    which under delayed scaling also takes the amax. That kernel needs whole
     arrays on each device and whole tiles, and can be switched off
     (``FP8JAX_PALLAS=0``); where it does not run this returns None and the
-    caller quantizes with :func:`quantize_stored`. On the H200, same process,
-    alternating (bench/results/h200-2026-11-30-e, run L): GeGLU's block went
-    from 16.79-16.87 to 16.44-16.50 ms, SwiGLU's from 16.63 to 16.15-16.28,
-    the layer from 19.93-20.09 to 19.80-19.88.
+    caller quantizes with XLA. Measured on the H200, same process,
+    alternating: for the MLP's pre-activation gradient alone, GeGLU's block
+    went from 16.79-16.87 to 16.44-16.50 ms (bench/results/h200-2026-11-30-e,
+    run L); for every kernel, output gradient and dense input too, the
+    transformer layer went from 19.64 to 18.84-19.19 ms, 18.9 to 18.1-18.2 ms
+    pipelined (bench/results/h200-2026-11-30-f, runs B and C).
 
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
-    as (columns, rows), ``column_sums`` in the columns' shape.
+    as (columns, rows), ``column_sums`` (f32) in the columns' shape.
     """
     rows = math.prod(value.shape[:rows_ndim])
     columns = value.shape[rows_ndim:]
@@ -130,15 +136,94 @@ def quantize_stored_transposed(
         and cast_transpose.enabled()
     ):
         return None
-    value, value_amax, scale = _pinned(value, fmt, state, recipe)
-    q, q_t, sums = cast_transpose.cast_transpose(value.reshape(rows, -1), scale, fmt)
+    if state is None:
+        # Current scaling needs the amax before the cast: take it where value
+        # is written (quantize_stored).
+        value, value_amax, scale = _pinned(value, fmt, state, recipe)
+    else:
+        scale = state.scale
+    out = cast_transpose.cast_transpose(value.reshape(rows, -1), scale, fmt)
+    if state is not None:
+        value_amax = _partitioning.reduce_amax(out.amax, recipe)
     scale_inv = 1.0 / scale.astype(jnp.float32)  # as quantize_with_scale computes it
     return (
-        Fp8Array(q.reshape(value.shape), scale_inv, fmt),
-        Fp8Array(q_t, scale_inv, fmt),
+        Fp8Array(out.q.reshape(value.shape), scale_inv, fmt),
+        Fp8Array(out.q_t, scale_inv, fmt),
         value_amax,
-        sums.reshape(columns),
+        out.column_sums.reshape(columns),
     )
+
+
+def quantize_output_gradient(
+    g: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int | None,
+    bias_ndim: int = 0,
+) -> tuple[Fp8Array, Fp8Array | None, jax.Array, jax.Array | None]:  # fmt: skip
+    """Quantizes a GEMM's output gradient for its dgrad and wgrad GEMMs, and sums a bias's.
+
+    ``rows_ndim``: ``g``'s leading (token) axes, which the wgrad GEMM
+    contracts, or None for any other wgrad; ``bias_ndim``: the trailing axes
+    a bias spans (0 without one). With :func:`quantize_transposed`'s kernel
+    the wgrad GEMM gets ``g``'s transposed FP8 copy (pass it to
+    :func:`wgrad_over_tokens`); without it, :func:`quantize_gradient`.
+
+    Returns ``(g_q, g_t or None, amax, bias_gradient or None)``, the last in f32.
+    """
+    if rows_ndim is not None and bias_ndim in (0, g.ndim - rows_ndim):
+        transposed = quantize_transposed(g, fmt, state, recipe, rows_ndim)
+        if transposed is not None:
+            g_q, g_t, g_amax, sums = transposed
+            return g_q, g_t, g_amax, sums if bias_ndim else None
+    g_q, g_amax, d_bias = quantize_gradient(g, fmt, state, recipe, bias_ndim)
+    return g_q, None, g_amax, d_bias
+
+
+def wgrad_over_tokens(
+    lhs: Fp8Array, g: Fp8Array, kernel_shape, dtype, recipe, *, lhs_transposed: bool = False,
+    g_transposed: bool = False,
+) -> jax.Array:  # fmt: skip
+    """``lhs^T . g`` summed over the token axes: the wgrad of a kernel of ``kernel_shape``.
+
+    Each operand comes as itself, tokens leading (``lhs``: tokens x the
+    kernel's contracted axes, ``g``: tokens x its free axes), or transposed
+    to (features, tokens) by :func:`quantize_transposed`; at least one of
+    them transposed. cuBLASLt's FP8 GEMM wants the tokens as the minor axis
+    of both, so XLA transposes only an operand that comes as itself.
+    """
+    if not (lhs_transposed or g_transposed):
+        raise ValueError("wgrad_over_tokens needs lhs or g transposed to (features, tokens).")
+    total = math.prod(kernel_shape)
+    depth = lhs.shape[0] if lhs_transposed else total // g.shape[0]
+    lhs_matrix = lhs.data if lhs_transposed else lhs.data.reshape(-1, depth)
+    g_matrix = g.data if g_transposed else g.data.reshape(-1, total // depth)
+    dims = (((1 if lhs_transposed else 0,), (1 if g_transposed else 0,)), ((), ()))
+    return scaled_dot(
+        Fp8Array(lhs_matrix, lhs.scale_inv, lhs.format),
+        Fp8Array(g_matrix, g.scale_inv, g.format),
+        dims, dtype, recipe.wgrad_precision,
+    ).reshape(kernel_shape)  # fmt: skip
+
+
+def quantize_kernel(
+    kernel: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, n_contract: int | None
+) -> tuple[Fp8Array, Fp8Array | None, jax.Array]:
+    """Quantizes a kernel contracted on its leading ``n_contract`` axes, in both GEMM layouts.
+
+    ``n_contract`` None: the kernel is contracted otherwise (kernel_contraction).
+
+    Returns ``(q, q_t, amax)``: ``q`` for the dgrad GEMM, ``q_t`` the
+    (free, contracted) matrix the forward GEMM reads (pass it to
+    :func:`scaled_dot` as ``kernel_t``), or None where
+    :func:`quantize_transposed`'s kernel does not run; then
+    :func:`scaled_dot` transposes ``q`` in the program.
+    """
+    transposed = None
+    if n_contract is not None:
+        transposed = quantize_transposed(kernel, fmt, state, recipe, n_contract)
+    if transposed is None:
+        q, kernel_amax = quantize_operand(kernel, fmt, state, recipe)
+        return q, None, kernel_amax
+    q, q_t, kernel_amax, _ = transposed
+    return q, q_t, kernel_amax
 
 
 def quantize_recomputed(
@@ -202,14 +287,17 @@ def quantize_gradient(
 
 
 def scaled_dot(
-    a: Fp8Array, b: Fp8Array, dims, out_dtype, precision, permutation=None, like=None
-) -> jax.Array:
+    a: Fp8Array, b: Fp8Array, dims, out_dtype, precision, permutation=None, like=None,
+    kernel_t: Fp8Array | None = None,
+) -> jax.Array:  # fmt: skip
     """``dot_general(a.data, b.data) * a.scale_inv * b.scale_inv`` in ``out_dtype``.
 
     ``like``: for a gradient, its primal, whose sharding it takes over
-    Explicit mesh axes (see :mod:`fp8jax.ops._partitioning`).
+    Explicit mesh axes (see :mod:`fp8jax.ops._partitioning`). ``kernel_t``:
+    ``b`` as the (free, contracted) matrix, from :func:`quantize_kernel`.
     """
-    matrices = _as_kernel_matrices(a.data, b.data, dims)
+    b_t = None if kernel_t is None else kernel_t.data
+    matrices = _as_kernel_matrices(a.data, b.data, dims, b_t)
     if matrices is None:
         a_data, b_data, gemm_dims, out_shape = a.data, b.data, dims, None
     else:
@@ -226,7 +314,24 @@ def scaled_dot(
     return y if permutation is None else jnp.transpose(y, permutation)
 
 
-def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims):
+def kernel_contraction(dims, a_ndim: int, kernel_ndim: int) -> int | None:
+    """How many leading kernel axes ``dims`` contracts against ``a``'s trailing ones, or None.
+
+    None for any other form: batch axes, a kernel with no free axis, or
+    contracted axes elsewhere.
+    """
+    (a_contract, k_contract), (a_batch, k_batch) = dims
+    n = len(k_contract)
+    if a_batch or k_batch or kernel_ndim == n:
+        return None
+    if tuple(k_contract) != tuple(range(n)):
+        return None
+    if tuple(a_contract) != tuple(range(a_ndim - n, a_ndim)):
+        return None
+    return n
+
+
+def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims, kernel_t=None):
     """``(a, kernel)`` as a matrix product with the kernel transposed in the program, or None.
 
     cuBLASLt's FP8 GEMM takes only operands whose contracting axis is minor
@@ -240,43 +345,46 @@ def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims):
     folding the transpose back into the dot. XLA then writes the transposed
     copy from the quantize fusion itself (BENCHMARKS.md, run K). A transpose
     of the three-dimensional kernel without the matrix view stayed slow
-    (run I): XLA gave it a layout that made it a bitcast.
+    (run I): XLA gave it a layout that made it a bitcast. ``kernel_t``, the
+    transposed matrix where :func:`quantize_kernel` made one, is used as is.
 
     Returns ``(a_matrix, kernel_transposed, result_shape)``, or None when
     the kernel is not contracted on its leading axes against ``a``'s trailing
-    ones, or when it may be sharded (:func:`_kernel_is_local`).
+    ones (:func:`kernel_contraction`), or when it may be sharded
+    (:func:`_kernel_is_local`).
     """
-    (a_contract, k_contract), (a_batch, k_batch) = dims
-    n = len(k_contract)
-    if a_batch or k_batch or kernel.ndim == n:
-        return None
-    if tuple(k_contract) != tuple(range(n)):
-        return None
-    if tuple(a_contract) != tuple(range(a.ndim - n, a.ndim)):
-        return None
-    if not _kernel_is_local():
+    n = kernel_contraction(dims, a.ndim, kernel.ndim)
+    if n is None or not _kernel_is_local():
         return None
     depth = math.prod(kernel.shape[:n])
     free = kernel.shape[n:]
-    kernel_t = lax.optimization_barrier(kernel.reshape(depth, math.prod(free)).T)
+    if kernel_t is None:
+        kernel_t = lax.optimization_barrier(kernel.reshape(depth, math.prod(free)).T)
     a_matrix = a.reshape(*a.shape[: a.ndim - n], depth) if n > 1 else a
     return a_matrix, kernel_t, (*a.shape[: a.ndim - n], *free)
 
 
 def _kernel_is_local() -> bool:
-    """Whether the kernel is whole on each device: no mesh in context, or every axis manual.
+    """Whether arrays are whole on each device: every mesh axis manual or of size 1.
 
-    Under a mesh with ``Auto`` or ``Explicit`` axes the view costs
-    collectives. Merging (2, ffn) with ``ffn`` split by tensor parallelism is
-    not a block sharding, so GSPMD all-gathers the kernel (8 host devices);
-    under FSDP, XLA gathers the transposed copy apart from the one the
-    backward reads, an FP8 all-gather more per kernel and step
-    (``tests/test_train.py``). Inside ``shard_map`` every array is local.
-    Sharded inputs to a ``jit`` with no mesh in context look local here:
-    trace sharded programs under ``jax.set_mesh``
-    (:func:`fp8jax.sharding.use_mesh`).
+    Under a mesh with ``Auto`` or ``Explicit`` axes the kernel's matrix view
+    costs collectives. Merging (2, ffn) with ``ffn`` split by tensor
+    parallelism is not a block sharding, so GSPMD all-gathers the kernel (8
+    host devices); under FSDP, XLA gathers the transposed copy apart from the
+    one the backward reads, an FP8 all-gather more per kernel and step
+    (``tests/test_train.py``). A ``pallas_call``
+    (:mod:`fp8jax.ops.cast_transpose`) has no partitioning rule at all: XLA
+    gathers its operands in high precision (the FSDP dense of
+    ``tests/verify``). Inside ``shard_map`` every array is local.
+
+    With no mesh in context (``jax.set_mesh``, :func:`fp8jax.sharding.use_mesh`),
+    a ``jit`` may still get sharded inputs, which tracing cannot see; then
+    arrays count as whole only where the process has one GPU (or none: the
+    deviceless compiles). Trace sharded programs under their mesh.
     """
     mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return jax.default_backend() == "cpu" or jax.device_count() == 1
     return all(
         kind == AxisType.Manual or size == 1
         for kind, size in zip(mesh.axis_types, mesh.axis_sizes, strict=True)
@@ -292,29 +400,49 @@ def _fp8_dot(lhs, rhs, bias, state, config: DotConfig):
 
 def _fp8_dot_fwd(lhs, rhs, bias, state, config: DotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    lhs_q, lhs_amax = quantize_operand(lhs, fmt, state and state.x, recipe)
-    rhs_q, rhs_amax = quantize_operand(rhs, fmt, state and state.kernel, recipe)
-    y = scaled_dot(
-        lhs_q, rhs_q, config.dimension_numbers, config.out_dtype, recipe.forward_precision
-    )
+    dims = config.dimension_numbers
+    n_contract = kernel_contraction(dims, lhs.ndim, rhs.ndim)
+    # The wgrad GEMM reads lhs transposed: where one pass can write that copy
+    # too, it is saved instead of lhs's own.
+    transposed = None
+    if n_contract is not None:
+        transposed = quantize_transposed(lhs, fmt, state and state.x, recipe, lhs.ndim - n_contract)
+    if transposed is None:
+        lhs_q, lhs_amax = quantize_operand(lhs, fmt, state and state.x, recipe)
+        lhs_saved, lhs_t = lhs_q, None
+    else:
+        lhs_q, lhs_t, lhs_amax, _ = transposed
+        lhs_saved = None
+    rhs_q, rhs_t, rhs_amax = quantize_kernel(rhs, fmt, state and state.kernel, recipe, n_contract)
+    y = scaled_dot(lhs_q, rhs_q, dims, config.out_dtype, recipe.forward_precision, kernel_t=rhs_t)
     y = add_bias(y, bias, config.bias_ndim)
     amaxes = (lhs_amax, rhs_amax) if state is not None else None
-    return y, (lhs_q, rhs_q, state, amaxes)
+    return y, (lhs_saved, lhs_t, rhs_q, state, amaxes)
 
 
 def _fp8_dot_bwd(config: DotConfig, residuals, g):
-    lhs_q, rhs_q, state, amaxes = residuals
-    recipe = config.recipe
-    g_q, g_amax, d_bias = quantize_gradient(
-        g, recipe.formats.backward, state and state.grad, recipe, config.bias_ndim
-    )
-    lhs_ndim, rhs_ndim = lhs_q.data.ndim, rhs_q.data.ndim
-    dg = dimensions.dgrad(config.dimension_numbers, lhs_ndim, rhs_ndim)
-    wg = dimensions.wgrad(config.dimension_numbers, lhs_ndim, rhs_ndim)
+    lhs_q, lhs_t, rhs_q, state, amaxes = residuals
+    recipe, dims = config.recipe, config.dimension_numbers
+    lhs_ndim, rhs_ndim = config.lhs_ndim, rhs_q.data.ndim
+    n_contract = kernel_contraction(dims, lhs_ndim, rhs_ndim)
+    g_q, g_t, g_amax, d_bias = quantize_output_gradient(
+        g, recipe.formats.backward, state and state.grad, recipe,
+        None if n_contract is None else lhs_ndim - n_contract, config.bias_ndim,
+    )  # fmt: skip
+    dg = dimensions.dgrad(dims, lhs_ndim, rhs_ndim)
     d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, config.lhs_dtype,
-                       recipe.dgrad_precision, dg.permutation, like=lhs_q.data)  # fmt: skip
-    d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, config.rhs_dtype,
-                       recipe.wgrad_precision, wg.permutation, like=rhs_q.data)  # fmt: skip
+                       recipe.dgrad_precision, dg.permutation,
+                       like=None if lhs_q is None else lhs_q.data)  # fmt: skip
+    if lhs_t is not None or g_t is not None:
+        d_rhs = wgrad_over_tokens(
+            lhs_q if lhs_t is None else lhs_t, g_q if g_t is None else g_t, rhs_q.shape,
+            config.rhs_dtype, recipe, lhs_transposed=lhs_t is not None,
+            g_transposed=g_t is not None,
+        )  # fmt: skip
+    else:
+        wg = dimensions.wgrad(dims, lhs_ndim, rhs_ndim)
+        d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, config.rhs_dtype,
+                           recipe.wgrad_precision, wg.permutation, like=rhs_q.data)  # fmt: skip
     new_state = None
     if state is not None:
         fwd_max, bwd_max = recipe.formats.forward.max, recipe.formats.backward.max
@@ -431,6 +559,7 @@ def _dot(lhs, rhs, bias, dims, recipe, state, out_dtype):
         out_dtype=jnp.dtype(out_dtype),
         lhs_dtype=jnp.dtype(lhs.dtype),
         rhs_dtype=jnp.dtype(rhs.dtype),
+        lhs_ndim=lhs.ndim,
         inputs=_partitioning.input_types(lhs, rhs, bias, state),
         bias_ndim=0 if bias is None else bias.ndim,
         bias_dtype=None if bias is None else jnp.dtype(bias.dtype),

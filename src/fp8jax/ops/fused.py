@@ -29,15 +29,16 @@ from fp8jax.ops.dense import (
     check_bias,
     check_state,
     quantize_computed,
-    quantize_gradient,
-    quantize_operand,
+    quantize_kernel,
+    quantize_output_gradient,
     quantize_recomputed,
     quantize_stored,
-    quantize_stored_transposed,
+    quantize_transposed,
     scaled_dot,
+    wgrad_over_tokens,
 )
 from fp8jax.ops.norm import NormConfig, check_norm_args, normalize, normalize_backward
-from fp8jax.quantize import Fp8Array, check_high_precision
+from fp8jax.quantize import check_high_precision
 from fp8jax.recipes import resolve_recipe
 from fp8jax.scaling import DotScaleState, MlpScaleState, update_scale_state
 
@@ -111,14 +112,15 @@ def _backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe, g_t=No
     """dgrad and wgrad of ``dot_general(lhs, rhs, dims)``, both FP8.
 
     ``g_t``: the gradient's FP8 copy transposed to (features, tokens), where
-    one was made (dense.quantize_stored_transposed); only with ``dims``
+    one was made (dense.quantize_transposed); only with ``dims``
     contracting lhs's last axis. The wgrad GEMM then reads it as it is.
     """
     dg = dimensions.dgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
     d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
                        dg.permutation, like=lhs_q.data)  # fmt: skip
     if g_t is not None:
-        return d_lhs, _wgrad_from_transposed(lhs_q, g_t, rhs_q.shape, rhs_dtype, recipe)
+        return d_lhs, wgrad_over_tokens(lhs_q, g_t, rhs_q.shape, rhs_dtype, recipe,
+                                        g_transposed=True)  # fmt: skip
     wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
     d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
                        wg.permutation, like=rhs_q.data)  # fmt: skip
@@ -161,11 +163,11 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     recipe = config.recipe
     _, mean, rstd = normalize(x, gamma, beta, config.norm)
     normed_q, normed_amax = _quantize_normalized(x, gamma, beta, state and state.x, config)
-    kernel_q, kernel_amax = quantize_operand(
-        kernel, recipe.formats.forward, state and state.kernel, recipe
+    kernel_q, kernel_t, kernel_amax = quantize_kernel(
+        kernel, recipe.formats.forward, state and state.kernel, recipe, n_contract=1
     )
     y = scaled_dot(normed_q, kernel_q, _contract_last(x.ndim), config.x_dtype,
-                   recipe.forward_precision)  # fmt: skip
+                   recipe.forward_precision, kernel_t=kernel_t)  # fmt: skip
     y = add_bias(y, bias, kernel.ndim - 1)
     if config.return_normalized:
         y = (y, _normalized(x, gamma, beta, config).astype(x.dtype))
@@ -178,12 +180,11 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
     recipe = config.recipe
     g, g_normed = cotangent if config.return_normalized else (cotangent, None)
     bias_ndim = 0 if config.bias_dtype is None else kernel_q.data.ndim - 1
-    g_q, g_amax, d_bias = quantize_gradient(
-        g, recipe.formats.backward, state and state.grad, recipe, bias_ndim
+    g_q, g_t, g_amax, d_bias = quantize_output_gradient(
+        g, recipe.formats.backward, state and state.grad, recipe, x.ndim - 1, bias_ndim
     )
-    d_normed, d_kernel = _backward_dots(
-        _contract_last(x.ndim), normed_q, kernel_q, g_q, x.dtype, config.kernel_dtypes[0], recipe
-    )
+    d_normed, d_kernel = _backward_dots(_contract_last(x.ndim), normed_q, kernel_q, g_q, x.dtype,
+                                        config.kernel_dtypes[0], recipe, g_t=g_t)  # fmt: skip
     if g_normed is not None:
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
     dx, dgamma, dbeta = normalize_backward(d_normed, x, mean, rstd, gamma, beta, config.norm)
@@ -269,9 +270,12 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     _, mean, rstd = normalize(x, gamma, beta, config.norm)
     normed_q, normed_amax = _quantize_normalized(x, gamma, beta, fc1 and fc1.x, config)
     # kernel_1 goes in as (hidden, ffn, n), so that the GEMM writes pre interleaved.
-    k1_q, k1_amax = quantize_operand(_interleave(k1), fwd, fc1 and fc1.kernel, recipe)
+    # Gated (n > 1), that view is a transpose, which XLA fuses into its own
+    # quantize pass; quantize_kernel's kernel would need it written out first.
+    k1_q, k1_t, k1_amax = quantize_kernel(_interleave(k1), fwd, fc1 and fc1.kernel, recipe,
+                                          n_contract=1 if k1.shape[1] == 1 else None)  # fmt: skip
     pre = scaled_dot(normed_q, k1_q, _contract_last(x.ndim), config.x_dtype,
-                     recipe.forward_precision)  # fmt: skip
+                     recipe.forward_precision, kernel_t=k1_t)  # fmt: skip
     activation = functools.partial(_activation, activations=config.activations)
     if fc2 is not None and b1 is not None:
         h_q, h_amax = quantize_recomputed(activation, pre, (b1,), fwd, fc2.x, recipe,
@@ -279,9 +283,9 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     else:
         h = activation(pre, b1).astype(config.x_dtype)
         h_q, h_amax, _ = quantize_stored(h, fwd, fc2 and fc2.x, recipe)
-    k2_q, k2_amax = quantize_operand(k2, fwd, fc2 and fc2.kernel, recipe)
+    k2_q, k2_t, k2_amax = quantize_kernel(k2, fwd, fc2 and fc2.kernel, recipe, n_contract=1)
     y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
-                   recipe.forward_precision)  # fmt: skip
+                   recipe.forward_precision, kernel_t=k2_t)  # fmt: skip
     y = add_bias(y, b2, 1)
     residuals = (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state)
     return y, (residuals, (normed_amax, k1_amax, h_amax, k2_amax))
@@ -322,28 +326,16 @@ def _activation_grad(dh, pre, bias, activations):
     return vjp(dh.astype(jnp.float32))[0]
 
 
-def _wgrad_from_transposed(lhs_q: Fp8Array, g_t: Fp8Array, kernel_shape, dtype, recipe):
-    """``lhs^T . g`` over the token axes, with ``g`` given transposed as (features, tokens).
-
-    Both operands then have the tokens as their minor axis, as cuBLASLt's FP8
-    GEMM wants, so XLA transposes only ``lhs``.
-    """
-    hidden = lhs_q.shape[-1]
-    lhs = Fp8Array(lhs_q.data.reshape(-1, hidden), lhs_q.scale_inv, lhs_q.format)
-    dims = (((0,), (1,)), ((), ()))
-    return scaled_dot(lhs, g_t, dims, dtype, recipe.wgrad_precision).reshape(kernel_shape)
-
-
 def _mlp_bwd(config: FusedConfig, saved, g):
     (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state), amaxes = saved
     normed_amax, k1_amax, h_amax, k2_amax = amaxes
     recipe, bwd = config.recipe, config.recipe.formats.backward
     fc1, fc2 = (None, None) if state is None else state
-    g_q, g_amax, db2 = quantize_gradient(
-        g, bwd, fc2 and fc2.grad, recipe, bias_ndim=0 if b2 is None else 1
+    g_q, g_t, g_amax, db2 = quantize_output_gradient(
+        g, bwd, fc2 and fc2.grad, recipe, x.ndim - 1, bias_ndim=0 if b2 is None else 1
     )
     dh, dk2 = _backward_dots(_contract_last(h_q.data.ndim), h_q, k2_q, g_q, config.x_dtype,
-                             config.kernel_dtypes[1], recipe)  # fmt: skip
+                             config.kernel_dtypes[1], recipe, g_t=g_t)  # fmt: skip
     # Without the barrier XLA shares the activation's f32 math between the
     # forward and this recompute, and keeps it in f32 from the forward until
     # here: 4 bytes per element more held and moved than pre.
@@ -356,7 +348,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     # computed from dh and pre took 1.06 ms alone, against 0.81 ms for the
     # bf16 write (with the amax) and 0.63 ms for the cast with the sum; one
     # kernel doing all of it took 5.3 ms (bench/results/h200-2026-11-30-e).
-    transposed = quantize_stored_transposed(dpre, bwd, fc1 and fc1.grad, recipe, x.ndim - 1)
+    transposed = quantize_transposed(dpre, bwd, fc1 and fc1.grad, recipe, x.ndim - 1)
     if transposed is None:
         dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
         dpre_t = None

@@ -8,6 +8,7 @@ request, builds the GPU topology, compiles each job, and pickles back one
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pickle
 import sys
@@ -68,7 +69,10 @@ def _compile_flat(fn, sds, specs, out_specs, mesh, device, options) -> str:
         jit_kw["out_shardings"] = tuple(
             None if s is None else NamedSharding(mesh, s) for s in out_specs
         )
-    lowered = jax.jit(fn, **jit_kw).trace(*sds).lower()
+    # Traced under the mesh, as fp8jax.sharding.use_mesh traces a train step:
+    # fp8jax's ops read it to keep whole-array kernels out of sharded programs.
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        lowered = jax.jit(fn, **jit_kw).trace(*sds).lower()
     return lowered.compile(options or None).as_text()
 
 

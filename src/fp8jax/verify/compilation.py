@@ -248,15 +248,19 @@ def _job(call: _Call, axes: MeshAxes | None) -> dict[str, Any]:
 
 
 def _context_mesh(call: _Call, abstract_mesh):
-    """The abstract mesh as context, for bare ``PartitionSpec`` constraints in ``fn``.
+    """The mesh as context while tracing, as :func:`fp8jax.sharding.use_mesh` sets it.
 
-    Left out where the caller set a context mesh, or sharded the arguments on a
-    concrete Mesh: ``fn`` may use that Mesh (shard_map does), and JAX refuses a
-    context mesh that differs from it.
+    fp8jax's ops read it to keep whole-array kernels out of sharded programs,
+    and bare ``PartitionSpec`` constraints in ``fn`` need it. Arguments
+    sharded on a concrete Mesh make that Mesh the context (``fn`` may use it,
+    as shard_map does, and JAX refuses a context mesh that differs from it);
+    otherwise the abstract mesh. Left alone where the caller set one.
     """
-    concrete = any(isinstance(s.mesh, jax.sharding.Mesh) for s in named_shardings(call.args))
-    if abstract_mesh is None or concrete or not jax.sharding.get_abstract_mesh().empty:
+    if abstract_mesh is None or not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
+    for sharding in named_shardings(call.args):
+        if isinstance(sharding.mesh, jax.sharding.Mesh):
+            return jax.set_mesh(sharding.mesh)
     return jax.sharding.use_abstract_mesh(abstract_mesh)
 
 
