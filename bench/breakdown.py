@@ -111,6 +111,11 @@ def classify(kernel: str, fusions: dict[str, str]) -> str:
         return "collective"
     if kernel in fusions:
         return fusions[kernel]
+    # A program with several calls of one Pallas kernel runs them as NAME,
+    # NAME__1, NAME__2, ... (the Triton module's name made unique).
+    unsuffixed = re.sub(r"__\d+$", "", kernel)
+    if unsuffixed in fusions:
+        return fusions[unsuffixed]
     if _ATTENTION_LIBRARY.search(kernel):
         return "attention"
     if _GEMM_LIBRARY.search(kernel) and "fusion" not in lowered:
