@@ -203,6 +203,33 @@ def wgrad_over_tokens(
     ).reshape(kernel_shape)  # fmt: skip
 
 
+def backward_dots(
+    dims, lhs_ndim: int, lhs_q, rhs_q: Fp8Array, g_q: Fp8Array, lhs_dtype, rhs_dtype, recipe,
+    *, lhs_t: Fp8Array | None = None, g_t: Fp8Array | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """dgrad and wgrad of ``dot_general(lhs, rhs, dims)``, both FP8.
+
+    ``lhs_t``, ``g_t``: lhs's and the gradient's FP8 copies transposed to
+    (features, tokens), where :func:`quantize_transposed` made them; only
+    when ``dims`` contract lhs's trailing axes against the kernel's leading
+    ones (:func:`kernel_contraction`). The wgrad GEMM then reads them as
+    they are (:func:`wgrad_over_tokens`); with ``lhs_t``, ``lhs_q`` may be None.
+    """
+    dg = dimensions.dgrad(dims, lhs_ndim, rhs_q.data.ndim)
+    d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
+                       dg.permutation, like=None if lhs_q is None else lhs_q.data)  # fmt: skip
+    if lhs_t is None and g_t is None:
+        wg = dimensions.wgrad(dims, lhs_ndim, rhs_q.data.ndim)
+        d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
+                           wg.permutation, like=rhs_q.data)  # fmt: skip
+        return d_lhs, d_rhs
+    d_rhs = wgrad_over_tokens(
+        lhs_q if lhs_t is None else lhs_t, g_q if g_t is None else g_t, rhs_q.shape, rhs_dtype,
+        recipe, lhs_transposed=lhs_t is not None, g_transposed=g_t is not None,
+    )  # fmt: skip
+    return d_lhs, d_rhs
+
+
 def quantize_kernel(
     kernel: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, n_contract: int | None
 ) -> tuple[Fp8Array, Fp8Array | None, jax.Array]:
@@ -429,20 +456,8 @@ def _fp8_dot_bwd(config: DotConfig, residuals, g):
         g, recipe.formats.backward, state and state.grad, recipe,
         None if n_contract is None else lhs_ndim - n_contract, config.bias_ndim,
     )  # fmt: skip
-    dg = dimensions.dgrad(dims, lhs_ndim, rhs_ndim)
-    d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, config.lhs_dtype,
-                       recipe.dgrad_precision, dg.permutation,
-                       like=None if lhs_q is None else lhs_q.data)  # fmt: skip
-    if lhs_t is not None or g_t is not None:
-        d_rhs = wgrad_over_tokens(
-            lhs_q if lhs_t is None else lhs_t, g_q if g_t is None else g_t, rhs_q.shape,
-            config.rhs_dtype, recipe, lhs_transposed=lhs_t is not None,
-            g_transposed=g_t is not None,
-        )  # fmt: skip
-    else:
-        wg = dimensions.wgrad(dims, lhs_ndim, rhs_ndim)
-        d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, config.rhs_dtype,
-                           recipe.wgrad_precision, wg.permutation, like=rhs_q.data)  # fmt: skip
+    d_lhs, d_rhs = backward_dots(dims, lhs_ndim, lhs_q, rhs_q, g_q, config.lhs_dtype,
+                                 config.rhs_dtype, recipe, lhs_t=lhs_t, g_t=g_t)  # fmt: skip
     new_state = None
     if state is not None:
         fwd_max, bwd_max = recipe.formats.forward.max, recipe.formats.backward.max

@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.ops import _partitioning, dimensions
+from fp8jax.ops import _partitioning
 from fp8jax.ops.dense import (
     add_bias,
+    backward_dots,
     check_bias,
     check_state,
     quantize_computed,
@@ -35,7 +36,6 @@ from fp8jax.ops.dense import (
     quantize_stored,
     quantize_transposed,
     scaled_dot,
-    wgrad_over_tokens,
 )
 from fp8jax.ops.norm import NormConfig, check_norm_args, normalize, normalize_backward
 from fp8jax.quantize import check_high_precision
@@ -108,23 +108,10 @@ def _contract_last(lhs_ndim: int):
     return (((lhs_ndim - 1,), (0,)), ((), ()))
 
 
-def _backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe, g_t=None):
-    """dgrad and wgrad of ``dot_general(lhs, rhs, dims)``, both FP8.
-
-    ``g_t``: the gradient's FP8 copy transposed to (features, tokens), where
-    one was made (dense.quantize_transposed); only with ``dims``
-    contracting lhs's last axis. The wgrad GEMM then reads it as it is.
-    """
-    dg = dimensions.dgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
-    d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
-                       dg.permutation, like=lhs_q.data)  # fmt: skip
-    if g_t is not None:
-        return d_lhs, wgrad_over_tokens(lhs_q, g_t, rhs_q.shape, rhs_dtype, recipe,
-                                        g_transposed=True)  # fmt: skip
-    wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
-    d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
-                       wg.permutation, like=rhs_q.data)  # fmt: skip
-    return d_lhs, d_rhs
+def _backward_dots(lhs_ndim, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe, g_t=None):
+    """:func:`~fp8jax.ops.dense.backward_dots` of a GEMM contracting lhs's last axis."""
+    return backward_dots(_contract_last(lhs_ndim), lhs_ndim, lhs_q, rhs_q, g_q, lhs_dtype,
+                         rhs_dtype, recipe, g_t=g_t)  # fmt: skip
 
 
 def _new_dot_state(state: DotScaleState, amaxes, recipe) -> DotScaleState:
@@ -183,7 +170,7 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
     g_q, g_t, g_amax, d_bias = quantize_output_gradient(
         g, recipe.formats.backward, state and state.grad, recipe, x.ndim - 1, bias_ndim
     )
-    d_normed, d_kernel = _backward_dots(_contract_last(x.ndim), normed_q, kernel_q, g_q, x.dtype,
+    d_normed, d_kernel = _backward_dots(x.ndim, normed_q, kernel_q, g_q, x.dtype,
                                         config.kernel_dtypes[0], recipe, g_t=g_t)  # fmt: skip
     if g_normed is not None:
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
@@ -334,7 +321,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     g_q, g_t, g_amax, db2 = quantize_output_gradient(
         g, bwd, fc2 and fc2.grad, recipe, x.ndim - 1, bias_ndim=0 if b2 is None else 1
     )
-    dh, dk2 = _backward_dots(_contract_last(h_q.data.ndim), h_q, k2_q, g_q, config.x_dtype,
+    dh, dk2 = _backward_dots(x.ndim, h_q, k2_q, g_q, config.x_dtype,
                              config.kernel_dtypes[1], recipe, g_t=g_t)  # fmt: skip
     # Without the barrier XLA shares the activation's f32 math between the
     # forward and this recompute, and keeps it in f32 from the forward until
@@ -356,7 +343,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     else:
         dpre_q, dpre_t, dpre_amax, column_sums = transposed
         db1 = None if b1 is None else column_sums.astype(b1.dtype)
-    dnormed, dk1 = _backward_dots(_contract_last(x.ndim), normed_q, k1_q, dpre_q, x.dtype,
+    dnormed, dk1 = _backward_dots(x.ndim, normed_q, k1_q, dpre_q, x.dtype,
                                   config.kernel_dtypes[0], recipe, g_t=dpre_t)  # fmt: skip
     dk1 = _interleave(dk1)
     db1 = None if db1 is None else _interleave(db1)
