@@ -418,8 +418,8 @@ def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe, monkeypatc
 @pytest.mark.parametrize("op", ["dense", "layernorm_dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
-    # dense.quantize_kernel, quantize_output_gradient and, for dense's own
-    # input, quantize_transposed: on one GPU the kernel's FP8 copies for the
+    # dense.quantize_in_both_layouts (kernels, and dense's own input) and
+    # quantize_output_gradient: on one GPU the kernel's FP8 copies for the
     # forward GEMM (transposed) and the dgrad GEMM, the output gradient's for
     # the dgrad and the wgrad GEMM (transposed) with the bias's column sums,
     # and dense's input's for the forward and the wgrad GEMM (transposed),

@@ -230,27 +230,30 @@ def backward_dots(
     return d_lhs, d_rhs
 
 
-def quantize_kernel(
-    kernel: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, n_contract: int | None
+def quantize_in_both_layouts(
+    value: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int | None
 ) -> tuple[Fp8Array, Fp8Array | None, jax.Array]:
-    """Quantizes a kernel contracted on its leading ``n_contract`` axes, in both GEMM layouts.
+    """Quantizes a GEMM operand that its two GEMMs read in different layouts.
 
-    ``n_contract`` None: the kernel is contracted otherwise (kernel_contraction).
+    A kernel contracted on its leading axes (``rows_ndim`` of them) is read
+    transposed by the forward GEMM and as itself by the dgrad GEMM; an input
+    contracted on its trailing axes (``rows_ndim`` the leading, token axes)
+    as itself by the forward GEMM and transposed by the wgrad GEMM.
+    ``rows_ndim`` None: the operand is contracted otherwise
+    (:func:`kernel_contraction`).
 
-    Returns ``(q, q_t, amax)``: ``q`` for the dgrad GEMM, ``q_t`` the
-    (free, contracted) matrix the forward GEMM reads (pass it to
-    :func:`scaled_dot` as ``kernel_t``), or None where
-    :func:`quantize_transposed`'s kernel does not run; then
-    :func:`scaled_dot` transposes ``q`` in the program.
+    Returns ``(q, q_t, amax)``: ``q_t`` the (columns, rows) copy from
+    :func:`quantize_transposed`'s kernel, or None where it does not run; a
+    kernel's then goes to :func:`scaled_dot` as ``kernel_t``.
     """
     transposed = None
-    if n_contract is not None:
-        transposed = quantize_transposed(kernel, fmt, state, recipe, n_contract)
+    if rows_ndim is not None:
+        transposed = quantize_transposed(value, fmt, state, recipe, rows_ndim)
     if transposed is None:
-        q, kernel_amax = quantize_operand(kernel, fmt, state, recipe)
-        return q, None, kernel_amax
-    q, q_t, kernel_amax, _ = transposed
-    return q, q_t, kernel_amax
+        q, value_amax = quantize_operand(value, fmt, state, recipe)
+        return q, None, value_amax
+    q, q_t, value_amax, _ = transposed
+    return q, q_t, value_amax
 
 
 def quantize_recomputed(
@@ -321,7 +324,7 @@ def scaled_dot(
 
     ``like``: for a gradient, its primal, whose sharding it takes over
     Explicit mesh axes (see :mod:`fp8jax.ops._partitioning`). ``kernel_t``:
-    ``b`` as the (free, contracted) matrix, from :func:`quantize_kernel`.
+    ``b`` as the (free, contracted) matrix, from :func:`quantize_in_both_layouts`.
     """
     b_t = None if kernel_t is None else kernel_t.data
     matrices = _as_kernel_matrices(a.data, b.data, dims, b_t)
@@ -373,7 +376,7 @@ def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims, kernel_t=None):
     copy from the quantize fusion itself (BENCHMARKS.md, run K). A transpose
     of the three-dimensional kernel without the matrix view stayed slow
     (run I): XLA gave it a layout that made it a bitcast. ``kernel_t``, the
-    transposed matrix where :func:`quantize_kernel` made one, is used as is.
+    transposed matrix where :func:`quantize_in_both_layouts` made one, is used as is.
 
     Returns ``(a_matrix, kernel_transposed, result_shape)``, or None when
     the kernel is not contracted on its leading axes against ``a``'s trailing
@@ -429,21 +432,16 @@ def _fp8_dot_fwd(lhs, rhs, bias, state, config: DotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     dims = config.dimension_numbers
     n_contract = kernel_contraction(dims, lhs.ndim, rhs.ndim)
-    # The wgrad GEMM reads lhs transposed: where one pass can write that copy
-    # too, it is saved instead of lhs's own.
-    transposed = None
-    if n_contract is not None:
-        transposed = quantize_transposed(lhs, fmt, state and state.x, recipe, lhs.ndim - n_contract)
-    if transposed is None:
-        lhs_q, lhs_amax = quantize_operand(lhs, fmt, state and state.x, recipe)
-        lhs_saved, lhs_t = lhs_q, None
-    else:
-        lhs_q, lhs_t, lhs_amax, _ = transposed
-        lhs_saved = None
-    rhs_q, rhs_t, rhs_amax = quantize_kernel(rhs, fmt, state and state.kernel, recipe, n_contract)
+    tokens_ndim = None if n_contract is None else lhs.ndim - n_contract
+    lhs_q, lhs_t, lhs_amax = quantize_in_both_layouts(lhs, fmt, state and state.x, recipe,
+                                                      tokens_ndim)  # fmt: skip
+    rhs_q, rhs_t, rhs_amax = quantize_in_both_layouts(rhs, fmt, state and state.kernel, recipe,
+                                                      n_contract)  # fmt: skip
     y = scaled_dot(lhs_q, rhs_q, dims, config.out_dtype, recipe.forward_precision, kernel_t=rhs_t)
     y = add_bias(y, bias, config.bias_ndim)
     amaxes = (lhs_amax, rhs_amax) if state is not None else None
+    # The wgrad GEMM reads lhs transposed: where that copy exists, only it is saved.
+    lhs_saved = lhs_q if lhs_t is None else None
     return y, (lhs_saved, lhs_t, rhs_q, state, amaxes)
 
 

@@ -30,7 +30,7 @@ from fp8jax.ops.dense import (
     check_bias,
     check_state,
     quantize_computed,
-    quantize_kernel,
+    quantize_in_both_layouts,
     quantize_output_gradient,
     quantize_recomputed,
     quantize_stored,
@@ -150,8 +150,8 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     recipe = config.recipe
     _, mean, rstd = normalize(x, gamma, beta, config.norm)
     normed_q, normed_amax = _quantize_normalized(x, gamma, beta, state and state.x, config)
-    kernel_q, kernel_t, kernel_amax = quantize_kernel(
-        kernel, recipe.formats.forward, state and state.kernel, recipe, n_contract=1
+    kernel_q, kernel_t, kernel_amax = quantize_in_both_layouts(
+        kernel, recipe.formats.forward, state and state.kernel, recipe, rows_ndim=1
     )
     y = scaled_dot(normed_q, kernel_q, _contract_last(x.ndim), config.x_dtype,
                    recipe.forward_precision, kernel_t=kernel_t)  # fmt: skip
@@ -258,9 +258,10 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     normed_q, normed_amax = _quantize_normalized(x, gamma, beta, fc1 and fc1.x, config)
     # kernel_1 goes in as (hidden, ffn, n), so that the GEMM writes pre interleaved.
     # Gated (n > 1), that view is a transpose, which XLA fuses into its own
-    # quantize pass; quantize_kernel's kernel would need it written out first.
-    k1_q, k1_t, k1_amax = quantize_kernel(_interleave(k1), fwd, fc1 and fc1.kernel, recipe,
-                                          n_contract=1 if k1.shape[1] == 1 else None)  # fmt: skip
+    # quantize pass; quantize_in_both_layouts's kernel would need it written out first.
+    k1_q, k1_t, k1_amax = quantize_in_both_layouts(
+        _interleave(k1), fwd, fc1 and fc1.kernel, recipe, rows_ndim=1 if k1.shape[1] == 1 else None
+    )
     pre = scaled_dot(normed_q, k1_q, _contract_last(x.ndim), config.x_dtype,
                      recipe.forward_precision, kernel_t=k1_t)  # fmt: skip
     activation = functools.partial(_activation, activations=config.activations)
@@ -270,7 +271,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     else:
         h = activation(pre, b1).astype(config.x_dtype)
         h_q, h_amax, _ = quantize_stored(h, fwd, fc2 and fc2.x, recipe)
-    k2_q, k2_t, k2_amax = quantize_kernel(k2, fwd, fc2 and fc2.kernel, recipe, n_contract=1)
+    k2_q, k2_t, k2_amax = quantize_in_both_layouts(k2, fwd, fc2 and fc2.kernel, recipe, rows_ndim=1)
     y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
                    recipe.forward_precision, kernel_t=k2_t)  # fmt: skip
     y = add_bias(y, b2, 1)
