@@ -45,6 +45,61 @@ def test_off_gpu_the_same_values_come_from_xla():
     assert float(g_amax) == float(jnp.max(jnp.abs(g.astype(jnp.float32))))
 
 
+def _interleaved(rows, periods, widths, seed=2):
+    keys = jax.random.split(jax.random.key(seed), len(widths))
+    return ct.Interleaved(
+        tuple(
+            (jax.random.normal(k, (rows, periods * w)) * 4).astype(jnp.bfloat16)
+            for k, w in zip(keys, widths, strict=True)
+        ),
+        periods,
+    )
+
+
+@pytest.mark.parametrize(
+    ("periods", "widths"), [(2, (256, 128, 128)), (1, (128, 128, 128)), (3, (128,))], ids=str
+)
+def test_pieces_kernel_writes_the_joined_matrix_bytes(periods, widths):
+    # A fused QKV's gradient comes as dq, dk, dv; the kernel reads each column
+    # tile from the piece it lies in (periods: key/value heads; widths: the
+    # group's query heads, then k and v, times head_dim). Every result must be
+    # exactly the one-matrix kernel's on the joined matrix (same tiles, same
+    # order of f32 additions within each tile), which the test above checks
+    # against quantize_with_scale and f64 sums.
+    g = _interleaved(2 * ct.BLOCK_ROWS, periods, widths)
+    joined = g.joined()
+    assert joined.shape == g.shape
+    np.testing.assert_array_equal(  # the layout Interleaved documents
+        np.asarray(joined).reshape(g.shape[0], periods, -1)[:, -1, -widths[-1] :],
+        np.asarray(g.pieces[-1]).reshape(g.shape[0], periods, -1)[:, -1],
+    )
+    fmt, scale = fp8jax.E5M2, jnp.float32(fp8jax.E5M2.max / 8)
+    run = jax.jit(ct._pallas, static_argnames=("fmt", "interpret"))
+    from_pieces = run(g, scale, fmt=fmt, interpret=True)
+    from_joined = run(joined, scale, fmt=fmt, interpret=True)
+    for got, want in zip(from_pieces, from_joined, strict=True):
+        np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
+
+
+def test_off_gpu_pieces_are_joined_by_xla():
+    g = _interleaved(ct.BLOCK_ROWS, 2, (128, 256))
+    scale = jnp.float32(3.0)
+    q, q_t, sums, g_amax = jax.jit(ct.cast_transpose, static_argnums=2)(g, scale, fp8jax.E5M2)
+    want = quantize_with_scale(g.joined(), fp8jax.E5M2, scale).data.astype(jnp.float32)
+    np.testing.assert_array_equal(q.astype(jnp.float32), want)
+    np.testing.assert_array_equal(q_t.astype(jnp.float32), want.T)
+    np.testing.assert_array_equal(sums, g.joined().astype(jnp.float32).sum(axis=0))
+    assert float(g_amax) == max(float(jnp.max(jnp.abs(p.astype(jnp.float32)))) for p in g.pieces)
+
+
+def test_pieces_whose_widths_split_tiles_are_refused():
+    g = _interleaved(ct.BLOCK_ROWS, 2, (64, 64, 128))
+    assert not g.tiles_fit()
+    with pytest.raises(ValueError, match=r"widths \(columns per period\) multiples of 128, got "
+                       r"64 rows and widths \(64, 64, 128\)"):  # fmt: skip
+        ct.cast_transpose(g, jnp.float32(1), fp8jax.E5M2)
+
+
 @pytest.mark.parametrize("shape", [(65, 128), (64, 96), (2, 64, 128)], ids=str)
 def test_a_shape_that_does_not_split_into_tiles_is_refused(shape):
     g = jnp.zeros(shape, jnp.bfloat16)

@@ -442,6 +442,91 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
     assert kernels == want
 
 
+def _qkv_loss(split: bool, recipe, state):
+    """A fused QKV (2 key/value heads, 2 query heads each) and a loss on q, k, v apart."""
+    f32 = jnp.float32
+
+    def loss(x, gamma, beta, kernel, bias):
+        if split:
+            q, k, v = fp8jax.layernorm_dense(x, gamma, beta, kernel, bias, recipe=recipe,
+                                             state=state, split=(2, 1, 1))  # fmt: skip
+        else:
+            y = fp8jax.layernorm_dense(x, gamma, beta, kernel, bias, recipe=recipe, state=state)
+            q, k, v = y[..., :2, :], y[..., 2:3, :], y[..., 3:, :]
+        q, k, v = (t.astype(f32) for t in (q, k, v))
+        return jnp.sum(q * q) + jnp.sum(3 * k) + jnp.sum(v * v * v)
+
+    return loss
+
+
+def _qkv_args(head_dim, hidden=256):
+    keys = jax.random.split(jax.random.key(7), 3)
+    x = jax.random.normal(keys[0], (2, 128, hidden), jnp.bfloat16)
+    kernel = jax.random.normal(keys[1], (hidden, 2, 4, head_dim)) * hidden**-0.5
+    bias = 0.1 * jax.random.normal(keys[2], (2, 4, head_dim))
+    return x, jnp.ones(hidden), jnp.zeros(hidden), kernel, bias
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_dim):
+    # layernorm_dense(split=...) must compute exactly what slicing its whole
+    # output computes: the same GEMMs on the same FP8 bytes. With head_dim 128
+    # every piece's share of a row is whole kernel tiles, so the gradient's cast
+    # reads the pieces (ops.cast_transpose.Interleaved; on the CPU XLA joins
+    # them); with 64 the pieces are joined first and cast by quantize_gradient.
+    # Both must match the unsplit op bit for bit.
+    state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
+    args = _qkv_args(head_dim)
+    step = {
+        split: jax.jit(jax.value_and_grad(_qkv_loss(split, recipe, state), argnums=(0, 1, 2, 3, 4)))
+        for split in (True, False)
+    }
+    got, want = step[True](*args), step[False](*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_split_qkv_gradient_is_cast_from_its_pieces(recipe):
+    # Sliced outside the op, the pieces' gradients are padded and summed into
+    # the whole (tokens, 2, 4, 128) gradient, written in bf16 and read again by
+    # the FP8 cast (the transformer layer on the H200: 0.27 ms). Split inside
+    # the op (ops.split), the cast kernel reads dq, dk and dv themselves.
+    from fp8jax.verify import _hlo, compile_for, gemm_report
+
+    state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _qkv_args(128))
+    # Pieces: (tokens, 2 * 2 * 128) of q, (tokens, 2 * 128) of k and of v.
+    tokens, features = 2 * 128, 2 * 4 * 128
+
+    def whole_gradients_written(split):
+        step = jax.grad(_qkv_loss(split, recipe, state), argnums=(0, 1, 2, 3, 4))
+        hlo = compile_for(step, *args, target="h100")
+        assert len(gemm_report(hlo).fp8_gemms) == 3
+        entry = _hlo.parse_module(hlo).entry
+        casts = [
+            inst for inst in entry.instructions.values()
+            if inst.custom_call_target == "__gpu$xla.gpu.triton"
+            and {(t.dtype, t.shape) for t in inst.types} >= {("f8e5m2", (tokens, features))}
+        ]  # fmt: skip
+        assert len(casts) == 1
+        read = [t.shape for o in casts[0].operands for t in entry.instructions[o].types]
+        written = [
+            shape for name, dtype, shape in _written_results(hlo)
+            if dtype == "bf16" and math.prod(shape) == tokens * features
+            and "transpose(jvp" in entry.instructions[name].metadata.get("op_name", "")
+        ]  # fmt: skip
+        return read, written
+
+    read, written = whole_gradients_written(split=True)
+    assert sorted(read) == [(1,), (tokens, 256), (tokens, 256), (tokens, 512)]  # scale last
+    assert written == []
+    _, written = whole_gradients_written(split=False)
+    assert written  # the pass the split removes
+
+
 def test_gelu_stays_within_f32_rounding_of_the_exact_definition():
     # fused.gelu writes Phi through erf where jax.nn.gelu uses erfc. Bound:
     # 4 f32 ulps of max(|x|, 1): a couple for x * (1 + erf) * 0.5's own
@@ -697,6 +782,17 @@ _K2 = jnp.ones((64, 32))
             lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((16, 8))),
             ValueError,
             r"kernel must have shape \(hidden=32, \*features\), got \(16, 8\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((32, 4, 8)), split=(2, 1)),
+            ValueError,
+            r"split must be positive integers summing to the output's axis -2 \(4\), got \(2, 1\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((32, 8)), split=(4, 4)),
+            ValueError,
+            r"split_axis must name one of the output's 1 feature axes, counted from the end "
+            r"\(-1 to -1\), got -2",
         ),
         (
             lambda: fp8jax.layernorm_mlp(

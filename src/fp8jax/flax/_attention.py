@@ -25,6 +25,9 @@ def attend(
 ):
     """Splits the fused QKV ``(b, s, kv_heads, group + 2, d)``, applies RoPE, attends.
 
+    ``qkv`` may come split already (``layernorm_dense(..., split=(group, 1, 1))``):
+    ``(q, k, v)`` of ``(b, s, kv_heads, group, d)``, ``(b, s, kv_heads, 1, d)`` twice.
+
     Query head ``h`` is group member ``h % group`` of key/value head
     ``h // group``, the grouping ``jax.nn.dot_product_attention`` uses for GQA.
 
@@ -33,10 +36,14 @@ def attend(
     keep the sequence split of the residual stream while keys and values are
     gathered whole: every query sees every key.
     """
-    batch, seq, _, group_plus_2, d = qkv.shape
-    group = group_plus_2 - 2
-    q = qkv[:, :, :, :group].reshape(batch, seq, num_heads, d)
-    k, v = qkv[:, :, :, group], qkv[:, :, :, group + 1]
+    if isinstance(qkv, tuple):
+        q, k, v = qkv
+        k, v = k[:, :, :, 0], v[:, :, :, 0]
+    else:
+        group = qkv.shape[3] - 2
+        q, k, v = qkv[:, :, :, :group], qkv[:, :, :, group], qkv[:, :, :, group + 1]
+    batch, seq, _, _, d = q.shape
+    q = q.reshape(batch, seq, num_heads, d)
     if rope_base is not None:
         positions = jnp.arange(seq) if positions is None else positions
         q = apply_rotary(q, positions, base=rope_base)

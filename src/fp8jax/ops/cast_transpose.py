@@ -20,6 +20,12 @@ each device (no mesh axis splits it, or inside ``shard_map``). A
 would gather its operands in high precision; the callers keep XLA's path
 there (``fp8jax.ops.dense._kernel_is_local``).
 
+A gradient that arrives in pieces (a fused QKV projection's, as cuDNN's
+attention backward writes dq, dk and dv apart) is read from its pieces
+(:class:`Interleaved`): XLA would first write the whole in bf16, a pass of
+0.27 ms over the transformer layer's (16384, 12288) QKV gradient on the
+H200 (bench/results/h200-2026-11-30-f, run 6D).
+
 JAX 0.11 deprecates Pallas's Triton backend in favour of Mosaic GPU, and
 warns (DeprecationWarning) when it lowers the kernel. Mosaic GPU in the JAX
 versions fp8jax supports cannot express this kernel: it has no transpose of
@@ -31,6 +37,7 @@ XLA computes the same values.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -73,6 +80,40 @@ def tiles_fit(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[0] % BLOCK_ROWS == 0 and shape[1] % BLOCK_COLS == 0
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["pieces"], meta_fields=["periods"]
+)
+@dataclasses.dataclass(frozen=True)
+class Interleaved:
+    """A (rows, periods * sum(widths)) matrix given as its pieces.
+
+    Piece ``i`` is (rows, periods * widths[i]); each period of the whole
+    holds the next ``widths[0]`` columns of piece 0, then piece 1's, and so on.
+    A fused QKV's gradient (tokens, kv_heads, group + 2, head_dim) is the
+    pieces dq, dk, dv with one period per key/value head.
+    """
+
+    pieces: tuple[jax.Array, ...]
+    periods: int
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return tuple(p.shape[1] // self.periods for p in self.pieces)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.pieces[0].shape[0], self.periods * sum(self.widths)
+
+    def joined(self) -> jax.Array:
+        rows = self.pieces[0].shape[0]
+        per_period = [p.reshape(rows, self.periods, -1) for p in self.pieces]
+        return jnp.concatenate(per_period, axis=2).reshape(rows, -1)
+
+    def tiles_fit(self) -> bool:
+        """Whether every tile of the whole lies in one piece (and the whole fits tiles)."""
+        return tiles_fit(self.shape) and all(w % BLOCK_COLS == 0 for w in self.widths)
+
+
 class CastTransposed(NamedTuple):
     """What :func:`cast_transpose` returns for a (rows, columns) array ``g``."""
 
@@ -82,13 +123,42 @@ class CastTransposed(NamedTuple):
     amax: jax.Array  # () f32 max |g|
 
 
-def _kernel(fmt: Fp8Format, g_ref, scale_ref, q_ref, qt_ref, sum_ref, max_ref):
-    g = g_ref[...].astype(jnp.float32)
-    q = quantize_with_scale(g, fmt, scale_ref[0]).data
+def _cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
+    g = g.astype(jnp.float32)
+    q = quantize_with_scale(g, fmt, scale).data
     q_ref[...] = q
     qt_ref[...] = q.T
     sum_ref[...] = jnp.sum(g, axis=0)[None, :]
     max_ref[...] = jnp.max(jnp.abs(g), axis=0)[None, :]
+
+
+def _kernel(fmt: Fp8Format, g_ref, scale_ref, *out_refs):
+    _cast_tile(fmt, g_ref[...], scale_ref[0], *out_refs)
+
+
+def _pieces_kernel(fmt: Fp8Format, tiles_per_piece: tuple[int, ...], *refs):
+    from jax.experimental import pallas as pl
+
+    piece_refs, (scale_ref, *out_refs) = refs[: len(tiles_per_piece)], refs[len(tiles_per_piece) :]
+    unit = pl.program_id(1) % sum(tiles_per_piece)
+    start = 0
+    for piece_ref, count in zip(piece_refs, tiles_per_piece, strict=True):
+        # Only the piece this column tile lies in is read.
+        @pl.when((unit >= start) & (unit < start + count))
+        def _(piece_ref=piece_ref):
+            _cast_tile(fmt, piece_ref[...], scale_ref[0], *out_refs)
+
+        start += count
+
+
+def _piece_index_map(start: int, count: int, per_period: int):
+    """Column tile ``j`` of the whole as a tile of one piece; clamped where it lies elsewhere."""
+
+    def index(i, j):
+        local = jnp.clip(j % per_period - start, 0, count - 1)
+        return i, (j // per_period) * count + local
+
+    return index
 
 
 def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
@@ -97,14 +167,24 @@ def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
 
     rows, cols = g.shape
     grid = (rows // BLOCK_ROWS, cols // BLOCK_COLS)
+    if isinstance(g, Interleaved):
+        tiles_per_piece = tuple(w // BLOCK_COLS for w in g.widths)
+        kernel = functools.partial(_pieces_kernel, fmt, tiles_per_piece)
+        operands = g.pieces
+        starts = [sum(tiles_per_piece[:k]) for k in range(len(tiles_per_piece))]
+        piece_specs = [
+            pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS),
+                         _piece_index_map(start, count, sum(tiles_per_piece)))
+            for start, count in zip(starts, tiles_per_piece, strict=True)
+        ]  # fmt: skip
+    else:
+        kernel, operands = functools.partial(_kernel, fmt), (g,)
+        piece_specs = [pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS), lambda i, j: (i, j))]
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
     q, qt, partial_sums, partial_maxima = pl.pallas_call(
-        functools.partial(_kernel, fmt),
+        kernel,
         grid=grid,
-        in_specs=[
-            pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS), lambda i, j: (i, j)),
-            pl.BlockSpec((1,), lambda i, j: (0,)),
-        ],
+        in_specs=[*piece_specs, pl.BlockSpec((1,), lambda i, j: (0,))],
         out_specs=[
             pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS), lambda i, j: (i, j)),
             pl.BlockSpec((BLOCK_COLS, BLOCK_ROWS), lambda i, j: (j, i)),
@@ -120,26 +200,36 @@ def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
         interpret=interpret,
         name="fp8jax_cast_transpose",
         **params,
-    )(g, scale.astype(jnp.float32).reshape(1))
+    )(*operands, scale.astype(jnp.float32).reshape(1))
     return q, qt, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima)
 
 
 def _xla(g, scale, fmt: Fp8Format):
+    if isinstance(g, Interleaved):
+        g = g.joined()
     q = quantize_with_scale(g, fmt, scale).data
     g32 = g.astype(jnp.float32)
     return q, q.T, jnp.sum(g32, axis=0), jnp.max(jnp.abs(g32))
 
 
-def cast_transpose(g: jax.Array, scale: jax.Array, fmt: Fp8Format) -> CastTransposed:
+def cast_transpose(g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format) -> CastTransposed:
     """The saturating FP8 cast of a 2-D ``g`` at ``scale``, its transpose, column sums and amax.
 
     ``q`` holds exactly the bytes of ``quantize_with_scale(g, fmt, scale).data``;
     the column sums are f32 sums of ``g`` over its rows, the amax ``max |g|``
     (delayed scaling's history entry, taken in the same pass). ``g``'s shape
-    must split into whole tiles (:func:`tiles_fit`). With the kernel switched
-    off (:func:`enabled`) XLA computes the same values on every platform.
+    must split into whole tiles (:func:`tiles_fit`); an :class:`Interleaved`
+    ``g`` is read from its pieces, each of whose widths must be whole tiles.
+    With the kernel switched off (:func:`enabled`) XLA computes the same
+    values on every platform.
     """
-    if not tiles_fit(g.shape):
+    if isinstance(g, Interleaved):
+        if not g.tiles_fit():
+            raise ValueError(
+                f"g's pieces must have rows a multiple of {BLOCK_ROWS} and widths (columns per "
+                f"period) multiples of {BLOCK_COLS}, got {g.shape[0]} rows and widths {g.widths}."
+            )
+    elif not tiles_fit(g.shape):
         raise ValueError(
             f"g must be 2-D with rows a multiple of {BLOCK_ROWS} and columns a multiple of "
             f"{BLOCK_COLS}, got shape {g.shape}."

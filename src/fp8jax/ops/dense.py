@@ -25,6 +25,7 @@ from jax.sharding import AxisType
 
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.ops import _partitioning, cast_transpose, dimensions
+from fp8jax.ops.split import SplitGradient
 from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, resolve_recipe
 from fp8jax.scaling import DotScaleState, ScaleState, scale_from_amax, update_scale_state
@@ -97,9 +98,18 @@ def quantize_stored(
 
 
 def _pinned(value, fmt: Fp8Format, state: ScaleState | None, recipe):
-    """``(value, amax, scale)``: the amax taken where ``value`` is written (quantize_stored)."""
-    value_amax = _partitioning.reduce_amax(amax(value), recipe)
-    value = lax.optimization_barrier(value)
+    """``(value, amax, scale)``: the amax taken where ``value`` is written (quantize_stored).
+
+    ``value`` may be a :class:`~fp8jax.ops.split.SplitGradient`, pinned piece by piece.
+    """
+    pieces = value.pieces if isinstance(value, SplitGradient) else (value,)
+    value_amax = _partitioning.reduce_amax(functools.reduce(jnp.maximum, map(amax, pieces)),
+                                           recipe)  # fmt: skip
+    pieces = lax.optimization_barrier(pieces)
+    if isinstance(value, SplitGradient):
+        value = SplitGradient(pieces, value.axis)
+    else:
+        (value,) = pieces
     return value, value_amax, _scale(value_amax, fmt, state, recipe)
 
 
@@ -125,16 +135,19 @@ def quantize_transposed(
     transformer layer went from 19.64 to 18.84-19.19 ms, 18.9 to 18.1-18.2 ms
     pipelined (bench/results/h200-2026-11-30-f, runs B and C).
 
+    A :class:`~fp8jax.ops.split.SplitGradient` ``value`` is read from its
+    pieces, where every piece's share of a row fills whole kernel tiles.
+
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
     as (columns, rows), ``column_sums`` (f32) in the columns' shape.
     """
     rows = math.prod(value.shape[:rows_ndim])
     columns = value.shape[rows_ndim:]
-    if not (
-        _kernel_is_local()
-        and cast_transpose.tiles_fit((rows, math.prod(columns)))
-        and cast_transpose.enabled()
-    ):
+    if isinstance(value, SplitGradient):
+        fits = value.interleaved(rows_ndim).tiles_fit()
+    else:
+        fits = cast_transpose.tiles_fit((rows, math.prod(columns)))
+    if not (_kernel_is_local() and fits and cast_transpose.enabled()):
         return None
     if state is None:
         # Current scaling needs the amax before the cast: take it where value
@@ -142,7 +155,9 @@ def quantize_transposed(
         value, value_amax, scale = _pinned(value, fmt, state, recipe)
     else:
         scale = state.scale
-    out = cast_transpose.cast_transpose(value.reshape(rows, -1), scale, fmt)
+    matrix = (value.interleaved(rows_ndim) if isinstance(value, SplitGradient)
+              else value.reshape(rows, -1))  # fmt: skip
+    out = cast_transpose.cast_transpose(matrix, scale, fmt)
     if state is not None:
         value_amax = _partitioning.reduce_amax(out.amax, recipe)
     scale_inv = 1.0 / scale.astype(jnp.float32)  # as quantize_with_scale computes it
@@ -164,7 +179,9 @@ def quantize_output_gradient(
     contracts, or None for any other wgrad; ``bias_ndim``: the trailing axes
     a bias spans (0 without one). With :func:`quantize_transposed`'s kernel
     the wgrad GEMM gets ``g``'s transposed FP8 copy (pass it to
-    :func:`wgrad_over_tokens`); without it, :func:`quantize_gradient`.
+    :func:`wgrad_over_tokens`); without it, :func:`quantize_gradient`. A
+    :class:`~fp8jax.ops.split.SplitGradient` ``g`` is joined first where the
+    kernel does not read its pieces.
 
     Returns ``(g_q, g_t or None, amax, bias_gradient or None)``, the last in f32.
     """
@@ -173,6 +190,8 @@ def quantize_output_gradient(
         if transposed is not None:
             g_q, g_t, g_amax, sums = transposed
             return g_q, g_t, g_amax, sums if bias_ndim else None
+    if isinstance(g, SplitGradient):
+        g = g.joined()
     g_q, g_amax, d_bias = quantize_gradient(g, fmt, state, recipe, bias_ndim)
     return g_q, None, g_amax, d_bias
 

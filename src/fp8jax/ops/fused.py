@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from fp8jax.ops.dense import (
     scaled_dot,
 )
 from fp8jax.ops.norm import NormConfig, check_norm_args, normalize, normalize_backward
+from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import check_high_precision
 from fp8jax.recipes import resolve_recipe
 from fp8jax.scaling import DotScaleState, MlpScaleState, update_scale_state
@@ -85,6 +87,7 @@ class FusedConfig:
     # What each input's cotangent must match: shard_map axes, Explicit sharding.
     inputs: tuple[_partitioning.InputType, ...] = ()
     bias_dtype: jnp.dtype | None = None  # layernorm_dense's bias, None without one
+    split: Split | None = None  # layernorm_dense's output returned in pieces
 
 
 def _normalized(x, gamma, beta, config: FusedConfig):
@@ -156,6 +159,8 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     y = scaled_dot(normed_q, kernel_q, _contract_last(x.ndim), config.x_dtype,
                    recipe.forward_precision, kernel_t=kernel_t)  # fmt: skip
     y = add_bias(y, bias, kernel.ndim - 1)
+    if config.split is not None:
+        y = config.split.apply(y)
     if config.return_normalized:
         y = (y, _normalized(x, gamma, beta, config).astype(x.dtype))
     residuals = (x, gamma, beta, mean, rstd, normed_q, kernel_q, state)
@@ -166,6 +171,8 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
     (x, gamma, beta, mean, rstd, normed_q, kernel_q, state), amaxes = saved
     recipe = config.recipe
     g, g_normed = cotangent if config.return_normalized else (cotangent, None)
+    if config.split is not None:
+        g = SplitGradient(tuple(g), config.split.axis)
     bias_ndim = 0 if config.bias_dtype is None else kernel_q.data.ndim - 1
     g_q, g_t, g_amax, d_bias = quantize_output_gradient(
         g, recipe.formats.backward, state and state.grad, recipe, x.ndim - 1, bias_ndim
@@ -197,6 +204,8 @@ def layernorm_dense(
     recipe=None,
     state: DotScaleState | None = None,
     return_normalized: bool = False,
+    split: Sequence[int] | None = None,
+    split_axis: int = -2,
 ):
     """LayerNorm/RMSNorm followed by an FP8 dense, fused.
 
@@ -214,9 +223,16 @@ def layernorm_dense(
         :class:`~fp8jax.DotScaleState`); its role ``x`` is the normalized input.
       return_normalized: also return the normalized ``x`` (in ``x.dtype``),
         e.g. for a residual taken after the norm.
+      split: return ``y`` as a tuple of pieces of these sizes along
+        ``split_axis``, as ``jnp.split`` would cut it. For a fused QKV
+        projection: the backward then casts the pieces' gradients to FP8
+        straight from the pieces, where slicing outside the op makes XLA
+        write their sum in bf16 first (:mod:`fp8jax.ops.split`).
+      split_axis: the feature axis ``split`` cuts, counted from the end.
 
     Returns:
-      ``y`` of shape ``(..., *features)`` in ``x.dtype``, or ``(y, normalized)``.
+      ``y`` of shape ``(..., *features)`` in ``x.dtype`` (a tuple of pieces
+      with ``split``), or ``(y, normalized)``.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -224,6 +240,9 @@ def layernorm_dense(
       >>> w = jax.random.normal(jax.random.key(1), (64, 3, 8)) * 0.1
       >>> fp8jax.layernorm_dense(x, jnp.ones(64), jnp.zeros(64), w).shape
       (4, 16, 3, 8)
+      >>> q, k, v = fp8jax.layernorm_dense(x, jnp.ones(64), jnp.zeros(64), w, split=(1, 1, 1))
+      >>> q.shape
+      (4, 16, 1, 8)
     """
     norm = NormConfig(norm_type, zero_centered_gamma, epsilon)
     check_norm_args(x, gamma, beta, norm)
@@ -237,9 +256,11 @@ def layernorm_dense(
     check_state(state, recipe)
     inputs = _partitioning.input_types(x, gamma, beta, kernel, bias, state)
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
+    out_shape = (*x.shape[:-1], *kernel.shape[1:])
+    pieces = make_split(split, split_axis, out_shape, kernel.ndim - 1)
     config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
                          return_normalized=return_normalized, inputs=inputs,
-                         bias_dtype=bias_dtype)  # fmt: skip
+                         bias_dtype=bias_dtype, split=pieces)  # fmt: skip
     return _ln_dense(x, gamma, beta, kernel, bias, state, config)
 
 

@@ -119,6 +119,7 @@ class MultiHeadAttention(nn.Module):
                 epsilon=self.epsilon,
                 zero_centered_gamma=self.zero_centered_gamma,
                 return_layernorm_output=self.return_layernorm_output,
+                split=(group, 1, 1),
                 name="qkv",
                 **qkv_shape,
                 **common,

@@ -110,6 +110,8 @@ class LayerNormDenseGeneral(nn.Module):
       ln_bias_init: norm shift initializer.
       kernel_axes: logical names of the kernel (default ``("embed", None, ...)``).
       bias_axes: logical names of the bias (default all None).
+      split, split_axis: return the output as pieces of these sizes along
+        that feature axis, as ``fp8jax.layernorm_dense`` does (a fused QKV).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -137,6 +139,8 @@ class LayerNormDenseGeneral(nn.Module):
     kernel_axes: Sequence[str | None] | None = None
     bias_axes: Sequence[str | None] | None = None
     recipe: Any = None
+    split: Sequence[int] | None = None
+    split_axis: int = -2
 
     def __post_init__(self):
         _common.features(type(self).__name__, self.features)
@@ -178,4 +182,6 @@ class LayerNormDenseGeneral(nn.Module):
             recipe=self.recipe,
             state=scale_state(self, self.recipe),
             return_normalized=self.return_layernorm_output,
+            split=self.split,
+            split_axis=self.split_axis,
         )

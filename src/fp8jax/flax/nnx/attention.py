@@ -99,6 +99,7 @@ class MultiHeadAttention(nnx.Module):
                 epsilon=epsilon,
                 zero_centered_gamma=zero_centered_gamma,
                 return_layernorm_output=return_layernorm_output,
+                split=(n // n_kv, 1, 1),
                 **qkv,
                 **common,
             )

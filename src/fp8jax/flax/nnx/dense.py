@@ -114,6 +114,8 @@ class LayerNormDenseGeneral(nnx.Module):
       ln_bias_init: norm shift initializer.
       kernel_axes: logical names of the kernel (default ``("embed", None, ...)``).
       bias_axes: logical names of the bias (default all None).
+      split, split_axis: return the output as pieces of these sizes along
+        that feature axis, as ``fp8jax.layernorm_dense`` does (a fused QKV).
 
     Example:
       >>> import jax.numpy as jnp
@@ -143,6 +145,8 @@ class LayerNormDenseGeneral(nnx.Module):
         kernel_axes: Sequence[str | None] | None = None,
         bias_axes: Sequence[str | None] | None = None,
         recipe=None,
+        split: Sequence[int] | None = None,
+        split_axis: int = -2,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
@@ -172,6 +176,8 @@ class LayerNormDenseGeneral(nnx.Module):
             recipe,
         )
         self.scales = scale_state(recipe)
+        self.split = None if split is None else tuple(split)
+        self.split_axis = split_axis
 
     def __call__(self, x: jax.Array):
         _common.in_features(type(self).__name__, x, (-1,), (self.in_features,))
@@ -187,4 +193,6 @@ class LayerNormDenseGeneral(nnx.Module):
             recipe=self.recipe,
             state=state_value(self.scales),
             return_normalized=self.return_layernorm_output,
+            split=self.split,
+            split_axis=self.split_axis,
         )

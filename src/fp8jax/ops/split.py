@@ -1,0 +1,92 @@
+"""A GEMM output returned in pieces along one of its feature axes: a fused QKV's q, k and v.
+
+Sliced outside the op, the pieces cost the backward a pass: autodiff pads
+each piece's gradient to the whole output and sums them, so the whole
+gradient is written in bf16 before its FP8 cast reads it again (0.27 ms of
+the transformer layer's step on the H200, bench/results/h200-2026-11-30-f,
+run 6D). Split inside the op, the backward receives the pieces as they are,
+and the cast reads them directly (:class:`~fp8jax.ops.cast_transpose.Interleaved`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8jax.ops.cast_transpose import Interleaved
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Piece sizes along axis ``axis`` (non-negative) of the op's output."""
+
+    sizes: tuple[int, ...]
+    axis: int
+
+    def apply(self, y: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=self.axis))
+
+
+def make_split(
+    sizes: Sequence[int] | None, axis: int, out_shape: tuple[int, ...], n_features: int
+) -> Split | None:
+    """Checks ``sizes`` and ``axis`` against an output of ``out_shape`` whose last
+    ``n_features`` axes are features; None for no split."""
+    if sizes is None:
+        return None
+    sizes = tuple(sizes)
+    ndim = len(out_shape)
+    if not -n_features <= axis < 0:
+        raise ValueError(
+            f"split_axis must name one of the output's {n_features} feature axes, counted from "
+            f"the end (-{n_features} to -1), got {axis}."
+        )
+    axis += ndim
+    if (
+        not sizes
+        or not all(isinstance(s, int) and s > 0 for s in sizes)
+        or sum(sizes) != out_shape[axis]
+    ):
+        raise ValueError(
+            f"split must be positive integers summing to the output's axis {axis - ndim} "
+            f"({out_shape[axis]}), got {sizes}."
+        )
+    return Split(sizes, axis)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"], meta_fields=["axis"])
+@dataclasses.dataclass(frozen=True)
+class SplitGradient:
+    """The gradient of a split output, as its pieces along ``axis``."""
+
+    pieces: tuple[jax.Array, ...]
+    axis: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.pieces[0].shape
+        joined = sum(p.shape[self.axis] for p in self.pieces)
+        return (*first[: self.axis], joined, *first[self.axis + 1 :])
+
+    @property
+    def ndim(self) -> int:
+        return self.pieces[0].ndim
+
+    @property
+    def dtype(self):
+        return self.pieces[0].dtype
+
+    def joined(self) -> jax.Array:
+        return jnp.concatenate(self.pieces, axis=self.axis)
+
+    def interleaved(self, rows_ndim: int) -> Interleaved:
+        """As a (rows, columns) matrix of the leading ``rows_ndim`` axes by the rest."""
+        rows = math.prod(self.shape[:rows_ndim])
+        periods = math.prod(self.shape[rows_ndim : self.axis])
+        return Interleaved(tuple(p.reshape(rows, -1) for p in self.pieces), periods)
