@@ -141,13 +141,9 @@ def quantize_transposed(
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
     as (columns, rows), ``column_sums`` (f32) in the columns' shape.
     """
-    rows = math.prod(value.shape[:rows_ndim])
-    columns = value.shape[rows_ndim:]
-    if isinstance(value, SplitGradient):
-        fits = value.interleaved(rows_ndim).tiles_fit()
-    else:
-        fits = cast_transpose.tiles_fit((rows, math.prod(columns)))
-    if not (_kernel_is_local() and fits and cast_transpose.enabled()):
+    if not (_kernel_is_local() and cast_transpose.enabled()):
+        return None  # before any reshape: Explicit mesh axes refuse some
+    if not _as_matrix(value, rows_ndim).tiles_fit():
         return None
     if state is None:
         # Current scaling needs the amax before the cast: take it where value
@@ -155,9 +151,7 @@ def quantize_transposed(
         value, value_amax, scale = _pinned(value, fmt, state, recipe)
     else:
         scale = state.scale
-    matrix = (value.interleaved(rows_ndim) if isinstance(value, SplitGradient)
-              else value.reshape(rows, -1))  # fmt: skip
-    out = cast_transpose.cast_transpose(matrix, scale, fmt)
+    out = cast_transpose.cast_transpose(_as_matrix(value, rows_ndim), scale, fmt)
     if state is not None:
         value_amax = _partitioning.reduce_amax(out.amax, recipe)
     scale_inv = 1.0 / scale.astype(jnp.float32)  # as quantize_with_scale computes it
@@ -165,8 +159,16 @@ def quantize_transposed(
         Fp8Array(out.q.reshape(value.shape), scale_inv, fmt),
         Fp8Array(out.q_t, scale_inv, fmt),
         value_amax,
-        out.column_sums.reshape(columns),
+        out.column_sums.reshape(value.shape[rows_ndim:]),
     )
+
+
+def _as_matrix(value, rows_ndim: int) -> cast_transpose.Interleaved:
+    """``value`` as the (rows, columns) matrix cast_transpose reads: from its pieces, if split."""
+    if isinstance(value, SplitGradient):
+        return value.interleaved(rows_ndim)
+    rows = math.prod(value.shape[:rows_ndim])
+    return cast_transpose.Interleaved((value.reshape(rows, -1),), periods=1)
 
 
 def quantize_output_gradient(
