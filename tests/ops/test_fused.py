@@ -487,6 +487,29 @@ def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_d
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+# The (tokens, features) of _qkv_args(128)'s gradient; its pieces are q's
+# (tokens, 2 * 2 * 128) and k's and v's (tokens, 2 * 128).
+_QKV_TOKENS, _QKV_FEATURES = 2 * 128, 2 * 4 * 128
+
+
+def _qkv_gradient_cast_reads(hlo: str) -> list[tuple[int, ...]]:
+    """Shapes of what the Pallas kernel writing the FP8 QKV gradient reads, sorted."""
+    from fp8jax.verify import _hlo
+
+    entry = _hlo.parse_module(hlo).entry
+    casts = [
+        inst for inst in entry.instructions.values()
+        if inst.custom_call_target == "__gpu$xla.gpu.triton"
+        and ("f8e5m2", (_QKV_TOKENS, _QKV_FEATURES)) in {(t.dtype, t.shape) for t in inst.types}
+    ]  # fmt: skip
+    assert len(casts) == 1
+    return sorted(t.shape for o in casts[0].operands for t in entry.instructions[o].types)
+
+
+# dq, dk, dv as the kernel reads them, then the scale.
+_QKV_PIECES_READ = [(1,), (_QKV_TOKENS, 256), (_QKV_TOKENS, 256), (_QKV_TOKENS, 512)]
+
+
 @pytest.mark.deviceless
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_split_qkv_gradient_is_cast_from_its_pieces(recipe):
@@ -494,37 +517,51 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe):
     # the whole (tokens, 2, 4, 128) gradient, written in bf16 and read again by
     # the FP8 cast (the transformer layer on the H200: 0.27 ms). Split inside
     # the op (ops.split), the cast kernel reads dq, dk and dv themselves.
-    from fp8jax.verify import _hlo, compile_for, gemm_report
+    from fp8jax.verify import compile_for, gemm_report
 
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _qkv_args(128))
-    # Pieces: (tokens, 2 * 2 * 128) of q, (tokens, 2 * 128) of k and of v.
-    tokens, features = 2 * 128, 2 * 4 * 128
 
-    def whole_gradients_written(split):
+    def compiled(split):
         step = jax.grad(_qkv_loss(split, recipe, state), argnums=(0, 1, 2, 3, 4))
         hlo = compile_for(step, *args, target="h100")
         assert len(gemm_report(hlo).fp8_gemms) == 3
+        return hlo
+
+    def whole_gradients_written(hlo):
+        from fp8jax.verify import _hlo
+
         entry = _hlo.parse_module(hlo).entry
-        casts = [
-            inst for inst in entry.instructions.values()
-            if inst.custom_call_target == "__gpu$xla.gpu.triton"
-            and {(t.dtype, t.shape) for t in inst.types} >= {("f8e5m2", (tokens, features))}
-        ]  # fmt: skip
-        assert len(casts) == 1
-        read = [t.shape for o in casts[0].operands for t in entry.instructions[o].types]
-        written = [
+        return [
             shape for name, dtype, shape in _written_results(hlo)
-            if dtype == "bf16" and math.prod(shape) == tokens * features
+            if dtype == "bf16" and math.prod(shape) == _QKV_TOKENS * _QKV_FEATURES
             and "transpose(jvp" in entry.instructions[name].metadata.get("op_name", "")
         ]  # fmt: skip
-        return read, written
 
-    read, written = whole_gradients_written(split=True)
-    assert sorted(read) == [(1,), (tokens, 256), (tokens, 256), (tokens, 512)]  # scale last
-    assert written == []
-    _, written = whole_gradients_written(split=False)
-    assert written  # the pass the split removes
+    split = compiled(split=True)
+    assert _qkv_gradient_cast_reads(split) == _QKV_PIECES_READ
+    assert whole_gradients_written(split) == []
+    assert whole_gradients_written(compiled(split=False))  # the pass the split removes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe):
+    # On the CPU both builds cast the QKV gradient on XLA's path, so only a GPU
+    # runs the kernel that reads the pieces. Same tiles, same arithmetic as the
+    # one-matrix kernel the unsplit op uses on the joined gradient: every
+    # gradient and the loss must agree bit for bit.
+    state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
+    args = _qkv_args(128)
+    steps = {
+        split: jax.jit(jax.value_and_grad(_qkv_loss(split, recipe, state), argnums=(0, 1, 2, 3, 4)))
+        for split in (True, False)
+    }
+    compiled = steps[True].lower(*args).compile()
+    assert _qkv_gradient_cast_reads(compiled.as_text()) == _QKV_PIECES_READ
+    got, want = compiled(*args), steps[False](*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_gelu_stays_within_f32_rounding_of_the_exact_definition():
