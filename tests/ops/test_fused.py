@@ -442,16 +442,24 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
     assert kernels == want
 
 
-def _qkv_loss(split: bool, recipe, state):
-    """A fused QKV (2 key/value heads, 2 query heads each) and a loss on q, k, v apart."""
+def _qkv_loss(split: bool, recipe, state, op="layernorm_dense"):
+    """A fused QKV (2 key/value heads, 2 query heads each) and a loss on q, k, v apart.
+
+    ``op``: ``"layernorm_dense"``, or ``"dense"`` (the norm's parameters unused).
+    """
     f32 = jnp.float32
+
+    def project(x, gamma, beta, kernel, bias, **kw):
+        if op == "dense":
+            return fp8jax.dense(x, kernel, bias, recipe=recipe, state=state, **kw)
+        return fp8jax.layernorm_dense(x, gamma, beta, kernel, bias, recipe=recipe, state=state,
+                                      **kw)  # fmt: skip
 
     def loss(x, gamma, beta, kernel, bias):
         if split:
-            q, k, v = fp8jax.layernorm_dense(x, gamma, beta, kernel, bias, recipe=recipe,
-                                             state=state, split=(2, 1, 1))  # fmt: skip
+            q, k, v = project(x, gamma, beta, kernel, bias, split=(2, 1, 1))
         else:
-            y = fp8jax.layernorm_dense(x, gamma, beta, kernel, bias, recipe=recipe, state=state)
+            y = project(x, gamma, beta, kernel, bias)
             q, k, v = y[..., :2, :], y[..., 2:3, :], y[..., 3:, :]
         q, k, v = (t.astype(f32) for t in (q, k, v))
         return jnp.sum(q * q) + jnp.sum(3 * k) + jnp.sum(v * v * v)
@@ -467,9 +475,10 @@ def _qkv_args(head_dim, hidden=256):
     return x, jnp.ones(hidden), jnp.zeros(hidden), kernel, bias
 
 
+@pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_dim):
+def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_dim, op):
     # layernorm_dense(split=...) must compute exactly what slicing its whole
     # output computes: the same GEMMs on the same FP8 bytes. With head_dim 128
     # every piece's share of a row is whole kernel tiles, so the gradient's cast
@@ -479,7 +488,9 @@ def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_d
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
     args = _qkv_args(head_dim)
     step = {
-        split: jax.jit(jax.value_and_grad(_qkv_loss(split, recipe, state), argnums=(0, 1, 2, 3, 4)))
+        split: jax.jit(
+            jax.value_and_grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
+        )
         for split in (True, False)
     }
     got, want = step[True](*args), step[False](*args)
@@ -511,8 +522,9 @@ _QKV_PIECES_READ = [(1,), (_QKV_TOKENS, 256), (_QKV_TOKENS, 256), (_QKV_TOKENS, 
 
 
 @pytest.mark.deviceless
+@pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_split_qkv_gradient_is_cast_from_its_pieces(recipe):
+def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op):
     # Sliced outside the op, the pieces' gradients are padded and summed into
     # the whole (tokens, 2, 4, 128) gradient, written in bf16 and read again by
     # the FP8 cast (the transformer layer on the H200: 0.27 ms). Split inside
@@ -523,7 +535,7 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe):
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _qkv_args(128))
 
     def compiled(split):
-        step = jax.grad(_qkv_loss(split, recipe, state), argnums=(0, 1, 2, 3, 4))
+        step = jax.grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
         hlo = compile_for(step, *args, target="h100")
         assert len(gemm_report(hlo).fp8_gemms) == 3
         return hlo
@@ -545,8 +557,9 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe):
+def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe, op):
     # On the CPU both builds cast the QKV gradient on XLA's path, so only a GPU
     # runs the kernel that reads the pieces. Same tiles, same arithmetic as the
     # one-matrix kernel the unsplit op uses on the joined gradient: every
@@ -554,7 +567,9 @@ def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe):
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
     args = _qkv_args(128)
     steps = {
-        split: jax.jit(jax.value_and_grad(_qkv_loss(split, recipe, state), argnums=(0, 1, 2, 3, 4)))
+        split: jax.jit(
+            jax.value_and_grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
+        )
         for split in (True, False)
     }
     compiled = steps[True].lower(*args).compile()
@@ -824,6 +839,11 @@ _K2 = jnp.ones((64, 32))
             lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((32, 4, 8)), split=(2, 1)),
             ValueError,
             r"split must be positive integers summing to the output's axis -2 \(4\), got \(2, 1\)",
+        ),
+        (
+            lambda: fp8jax.dense(_X, jnp.ones((32, 4, 8)), split=(3, 2)),
+            ValueError,
+            r"split must be positive integers summing to the output's axis -2 \(4\), got \(3, 2\)",
         ),
         (
             lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((32, 8)), split=(4, 4)),

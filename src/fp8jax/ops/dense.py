@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from jax.sharding import AxisType
 
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.ops import _partitioning, cast_transpose, dimensions
-from fp8jax.ops.split import SplitGradient
+from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, resolve_recipe
 from fp8jax.scaling import DotScaleState, ScaleState, scale_from_amax, update_scale_state
@@ -46,6 +47,7 @@ class DotConfig:
     # Trailing output axes a bias spans (0 without one), and its dtype.
     bias_ndim: int = 0
     bias_dtype: np.dtype | None = None
+    split: Split | None = None  # dense's output returned in pieces
 
 
 def quantize_operand(
@@ -460,6 +462,8 @@ def _fp8_dot_fwd(lhs, rhs, bias, state, config: DotConfig):
                                                       n_contract)  # fmt: skip
     y = scaled_dot(lhs_q, rhs_q, dims, config.out_dtype, recipe.forward_precision, kernel_t=rhs_t)
     y = add_bias(y, bias, config.bias_ndim)
+    if config.split is not None:
+        y = config.split.apply(y)
     amaxes = (lhs_amax, rhs_amax) if state is not None else None
     # The wgrad GEMM reads lhs transposed: where that copy exists, only it is saved.
     lhs_saved = lhs_q if lhs_t is None else None
@@ -471,6 +475,8 @@ def _fp8_dot_bwd(config: DotConfig, residuals, g):
     recipe, dims = config.recipe, config.dimension_numbers
     lhs_ndim, rhs_ndim = config.lhs_ndim, rhs_q.data.ndim
     n_contract = kernel_contraction(dims, lhs_ndim, rhs_ndim)
+    if config.split is not None:
+        g = SplitGradient(tuple(g), config.split.axis)
     g_q, g_t, g_amax, d_bias = quantize_output_gradient(
         g, recipe.formats.backward, state and state.grad, recipe,
         None if n_contract is None else lhs_ndim - n_contract, config.bias_ndim,
@@ -583,7 +589,7 @@ def dot_general(
     return _dot(lhs, rhs, None, dims, recipe, state, out_dtype)
 
 
-def _dot(lhs, rhs, bias, dims, recipe, state, out_dtype):
+def _dot(lhs, rhs, bias, dims, recipe, state, out_dtype, split: Split | None = None):
     """:func:`dot_general` on checked inputs, plus a bias over the output's trailing axes."""
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
@@ -597,6 +603,7 @@ def _dot(lhs, rhs, bias, dims, recipe, state, out_dtype):
         inputs=_partitioning.input_types(lhs, rhs, bias, state),
         bias_ndim=0 if bias is None else bias.ndim,
         bias_dtype=None if bias is None else jnp.dtype(bias.dtype),
+        split=split,
     )
     return _fp8_dot(lhs, rhs, bias, state, config)
 
@@ -609,6 +616,8 @@ def dense(
     *,
     recipe=None,
     state: DotScaleState | None = None,
+    split: Sequence[int] | None = None,
+    split_axis: int = -2,
 ) -> jax.Array:
     """FP8 dense layer: ``x . kernel + bias`` with FP8 GEMMs forward and backward.
 
@@ -619,9 +628,14 @@ def dense(
       contracting_dims: ``(x_axes, kernel_axes)`` to contract.
       recipe: CurrentScaling (default) or DelayedScaling.
       state: DelayedScaling state from ``fp8jax.init_state(recipe)``.
+      split, split_axis: return the output as a tuple of pieces of these
+        sizes along that feature axis, as ``fp8jax.layernorm_dense`` does (a
+        fused QKV projection: the backward casts the pieces' gradients
+        without writing their sum; :mod:`fp8jax.ops.split`).
 
     Returns:
-      ``x``'s batch axes followed by the kernel's free axes, in ``x.dtype``.
+      ``x``'s batch axes followed by the kernel's free axes, in ``x.dtype``
+      (a tuple of pieces with ``split``).
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -635,7 +649,9 @@ def dense(
     dims = dimensions.normalize((contracting_dims, ((), ())), x.shape, kernel.shape)
     free = [d for i, d in enumerate(kernel.shape) if i not in dims[0][1]]
     check_bias(bias, tuple(free))
-    return _dot(x, kernel, bias, dims, recipe, state, x.dtype)
+    batch = [d for i, d in enumerate(x.shape) if i not in dims[0][0]]
+    pieces = make_split(split, split_axis, (*batch, *free), len(free))
+    return _dot(x, kernel, bias, dims, recipe, state, x.dtype, pieces)
 
 
 def check_bias(bias: jax.Array | None, expected: tuple[int, ...]) -> None:

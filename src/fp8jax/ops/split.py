@@ -60,6 +60,14 @@ def make_split(
     return Split(sizes, axis)
 
 
+def split_output(
+    y: jax.Array, sizes: Sequence[int] | None, axis: int, n_features: int
+) -> jax.Array | tuple[jax.Array, ...]:
+    """``y`` cut as the ops cut it (:func:`make_split`), for outputs no op computed."""
+    split = make_split(sizes, axis, y.shape, n_features)
+    return y if split is None else split.apply(y)
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pieces"], meta_fields=["axis"])
 @dataclasses.dataclass(frozen=True)
 class SplitGradient:

@@ -125,7 +125,7 @@ class MultiHeadAttention(nn.Module):
                 **common,
             )(x)
         else:
-            qkv = DenseGeneral(name="qkv", **qkv_shape, **common)(x)
+            qkv = DenseGeneral(name="qkv", split=(group, 1, 1), **qkv_shape, **common)(x)
         qkv, normed = qkv if self.return_layernorm_output else (qkv, None)
         o = _attention.attend(
             qkv,

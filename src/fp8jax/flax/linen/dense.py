@@ -14,6 +14,7 @@ import fp8jax
 from fp8jax.flax import _common
 from fp8jax.flax._common import EMBED
 from fp8jax.flax.linen._base import param, scale_state
+from fp8jax.ops.split import split_output
 
 default_kernel_init = nn.initializers.lecun_normal()
 
@@ -36,6 +37,8 @@ class DenseGeneral(nn.Module):
         the ``"fp8_state"`` collection.
       dot_general: a ``lax.dot_general``-like callable to use instead of FP8
         (a BF16 baseline, say); CurrentScaling only.
+      split, split_axis: return the output as pieces of these sizes along
+        that feature axis, as ``fp8jax.dense`` does (a fused QKV).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -59,6 +62,8 @@ class DenseGeneral(nn.Module):
     bias_axes: Sequence[str | None] | None = None
     recipe: Any = None
     dot_general: Callable | None = None
+    split: Sequence[int] | None = None
+    split_axis: int = -2
 
     def __post_init__(self):
         _common.features(type(self).__name__, self.features)
@@ -86,9 +91,11 @@ class DenseGeneral(nn.Module):
         dims = (axes, tuple(range(len(axes))))
         if self.dot_general is not None:
             y = self.dot_general(x, kernel.astype(x.dtype), (dims, ((), ())))
-            return y if bias is None else y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+            y = y if bias is None else y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+            return split_output(y, self.split, self.split_axis, len(features))
         state = scale_state(self, self.recipe)
-        return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state)
+        return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state,
+                            split=self.split, split_axis=self.split_axis)  # fmt: skip
 
 
 class LayerNormDenseGeneral(nn.Module):

@@ -104,7 +104,7 @@ class MultiHeadAttention(nnx.Module):
                 **common,
             )
         else:
-            self.qkv = DenseGeneral(hidden, **qkv, **common)
+            self.qkv = DenseGeneral(hidden, split=(n // n_kv, 1, 1), **qkv, **common)
         self.out = DenseGeneral(
             (n, d), hidden, axis=(-2, -1), kernel_axes=(HEADS, KV, EMBED), bias_axes=(EMBED,),
             **common,

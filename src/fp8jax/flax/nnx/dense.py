@@ -12,6 +12,7 @@ import fp8jax
 from fp8jax.flax import _common
 from fp8jax.flax._common import EMBED
 from fp8jax.flax.nnx._base import param, scale_state, state_value, value_of
+from fp8jax.ops.split import split_output
 
 default_kernel_init = nnx.initializers.lecun_normal()
 
@@ -33,6 +34,8 @@ class DenseGeneral(nnx.Module):
       recipe: CurrentScaling (None) or DelayedScaling (state in an Fp8State).
       dot_general: a ``lax.dot_general``-like callable instead of FP8;
         CurrentScaling only.
+      split, split_axis: return the output as pieces of these sizes along
+        that feature axis, as ``fp8jax.dense`` does (a fused QKV).
       rngs: ``nnx.Rngs`` for the initializers.
 
     Example:
@@ -59,6 +62,8 @@ class DenseGeneral(nnx.Module):
         bias_axes: Sequence[str | None] | None = None,
         recipe=None,
         dot_general: Callable | None = None,
+        split: Sequence[int] | None = None,
+        split_axis: int = -2,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
@@ -83,6 +88,8 @@ class DenseGeneral(nnx.Module):
         self.bias = param(bias_init, rngs, features, param_dtype, names, enabled=use_bias)
         self.dtype, self.recipe, self.dot_general = dtype, recipe, dot_general
         self.scales = scale_state(recipe)
+        self.split = None if split is None else tuple(split)
+        self.split_axis = split_axis
 
     def __call__(self, x: jax.Array) -> jax.Array:
         owner = type(self).__name__
@@ -93,9 +100,11 @@ class DenseGeneral(nnx.Module):
         dims = (axes, tuple(range(len(axes))))
         if self.dot_general is not None:
             y = self.dot_general(x, kernel.astype(x.dtype), (dims, ((), ())))
-            return y if bias is None else y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+            y = y if bias is None else y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
+            return split_output(y, self.split, self.split_axis, kernel.ndim - len(axes))
         state = state_value(self.scales)
-        return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state)
+        return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state,
+                            split=self.split, split_axis=self.split_axis)  # fmt: skip
 
 
 class LayerNormDenseGeneral(nnx.Module):
