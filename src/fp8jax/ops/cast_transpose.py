@@ -114,6 +114,11 @@ class Interleaved:
         return tiles_fit(self.shape) and all(w % BLOCK_COLS == 0 for w in self.widths)
 
 
+def fits(g: jax.Array | Interleaved) -> bool:
+    """Whether :func:`cast_transpose` takes ``g``: whole tiles, within one piece each."""
+    return g.tiles_fit() if isinstance(g, Interleaved) else tiles_fit(g.shape)
+
+
 class CastTransposed(NamedTuple):
     """What :func:`cast_transpose` returns for a (rows, columns) array ``g``."""
 
@@ -223,15 +228,12 @@ def cast_transpose(g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format)
     With the kernel switched off (:func:`enabled`) XLA computes the same
     values on every platform.
     """
-    if isinstance(g, Interleaved) and len(g.pieces) == 1:
-        (g,) = g.pieces  # one piece is the whole matrix
-    if isinstance(g, Interleaved):
-        if not g.tiles_fit():
+    if not fits(g):
+        if isinstance(g, Interleaved):
             raise ValueError(
                 f"g's pieces must have rows a multiple of {BLOCK_ROWS} and widths (columns per "
                 f"period) multiples of {BLOCK_COLS}, got {g.shape[0]} rows and widths {g.widths}."
             )
-    elif not tiles_fit(g.shape):
         raise ValueError(
             f"g must be 2-D with rows a multiple of {BLOCK_ROWS} and columns a multiple of "
             f"{BLOCK_COLS}, got shape {g.shape}."

@@ -145,7 +145,7 @@ def quantize_transposed(
     """
     if not (_kernel_is_local() and cast_transpose.enabled()):
         return None  # before any reshape: Explicit mesh axes refuse some
-    if not _as_matrix(value, rows_ndim).tiles_fit():
+    if not cast_transpose.fits(_as_matrix(value, rows_ndim)):
         return None
     if state is None:
         # Current scaling needs the amax before the cast: take it where value
@@ -165,12 +165,11 @@ def quantize_transposed(
     )
 
 
-def _as_matrix(value, rows_ndim: int) -> cast_transpose.Interleaved:
+def _as_matrix(value, rows_ndim: int) -> jax.Array | cast_transpose.Interleaved:
     """``value`` as the (rows, columns) matrix cast_transpose reads: from its pieces, if split."""
     if isinstance(value, SplitGradient):
         return value.interleaved(rows_ndim)
-    rows = math.prod(value.shape[:rows_ndim])
-    return cast_transpose.Interleaved((value.reshape(rows, -1),), periods=1)
+    return value.reshape(math.prod(value.shape[:rows_ndim]), -1)
 
 
 def quantize_output_gradient(

@@ -113,19 +113,19 @@ class MultiHeadAttention(nn.Module):
         }
         qkv_shape = {"features": (n_kv, group + 2, d), "kernel_axes": (EMBED, HEADS, QKV, KV)}
         qkv_shape["bias_axes"] = (HEADS, QKV, KV)
+        qkv_shape["split"] = (group, 1, 1)  # q, k, v as pieces (fp8jax.ops.split)
         if self.input_layernorm:
             qkv = LayerNormDenseGeneral(
                 norm_type=self.norm_type,
                 epsilon=self.epsilon,
                 zero_centered_gamma=self.zero_centered_gamma,
                 return_layernorm_output=self.return_layernorm_output,
-                split=(group, 1, 1),
                 name="qkv",
                 **qkv_shape,
                 **common,
             )(x)
         else:
-            qkv = DenseGeneral(name="qkv", split=(group, 1, 1), **qkv_shape, **common)(x)
+            qkv = DenseGeneral(name="qkv", **qkv_shape, **common)(x)
         qkv, normed = qkv if self.return_layernorm_output else (qkv, None)
         o = _attention.attend(
             qkv,

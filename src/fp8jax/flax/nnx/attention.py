@@ -91,6 +91,7 @@ class MultiHeadAttention(nnx.Module):
             "out_features": (n_kv, n // n_kv + 2, d),
             "kernel_axes": (EMBED, HEADS, QKV, KV),
             "bias_axes": (HEADS, QKV, KV),
+            "split": (n // n_kv, 1, 1),  # q, k, v as pieces (fp8jax.ops.split)
         }
         if input_layernorm:
             self.qkv = LayerNormDenseGeneral(
@@ -99,12 +100,11 @@ class MultiHeadAttention(nnx.Module):
                 epsilon=epsilon,
                 zero_centered_gamma=zero_centered_gamma,
                 return_layernorm_output=return_layernorm_output,
-                split=(n // n_kv, 1, 1),
                 **qkv,
                 **common,
             )
         else:
-            self.qkv = DenseGeneral(hidden, split=(n // n_kv, 1, 1), **qkv, **common)
+            self.qkv = DenseGeneral(hidden, **qkv, **common)
         self.out = DenseGeneral(
             (n, d), hidden, axis=(-2, -1), kernel_axes=(HEADS, KV, EMBED), bias_axes=(EMBED,),
             **common,
