@@ -15,6 +15,8 @@ described:
 * :func:`make_mesh`, :func:`variable_shardings`, :func:`logical_spec` build
   the mesh and the ``NamedSharding``s; :func:`use_mesh` activates both for the
   modules' activation constraints (:func:`constrain`).
+* :func:`data_parallel_axes` tells the ops when the token rows alone are
+  split, so that they can run their kernels per device.
 * :func:`global_amax` is the amax of a tensor sharded inside ``shard_map``;
   the ops do the same when a recipe sets ``amax_reduction_axes``.
 
@@ -384,6 +386,44 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     # Explicit axes live in the type: reshard changes it; Auto axes are left to the partitioner.
     spec = P(*(tuple(a for a in _as_axes(e) if a in explicit) or None for e in spec))
     return jax.sharding.reshard(x, spec)
+
+
+def data_parallel_axes() -> tuple[str, ...] | None:
+    """The mesh axes that split the batch, when the mesh in context splits nothing else.
+
+    Under :func:`use_mesh` with only batch axes (``dp``, ``fsdp``) of size > 1,
+    all ``Auto``, every activation and its gradient is split along its
+    leading (token) axes over them and whole along the rest: the ops then run
+    per-device kernels on the token rows (:mod:`fp8jax.ops.cast_transpose`)
+    without moving data. None without a mesh or logical rules, or when
+    another axis (``tp``, ``sp``) splits, or an axis is ``Explicit`` or manual.
+
+    Example:
+      >>> import fp8jax.sharding as fs
+      >>> with fs.use_mesh(fs.make_mesh(dp=2, fsdp=4)):
+      ...     fs.data_parallel_axes()
+      ('dp', 'fsdp')
+      >>> with fs.use_mesh(fs.make_mesh(fsdp=4, tp=2)):
+      ...     fs.data_parallel_axes() is None
+      True
+    """
+    from flax.core import spmd
+
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return None
+    split = [
+        (name, kind)
+        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
+        if size > 1
+    ]  # fmt: skip
+    (batch,) = logical_spec((BATCH,), rules=rules, mesh=mesh)
+    batch_axes = _as_axes(batch)
+    if not split or any(kind != AxisType.Auto or name not in batch_axes for name, kind in split):
+        return None
+    names = {name for name, _ in split}
+    return tuple(a for a in batch_axes if a in names)
 
 
 def global_amax(x: jax.Array, axis_names: str | Sequence[str] = ()) -> jax.Array:

@@ -14,11 +14,13 @@ bias's gradient) and per-tile maxima (delayed scaling's amax). On the H200 a
 (16384, 32768) bf16 gradient took 0.63 ms where XLA's two kernels took
 0.78 + 0.46 ms. Elsewhere (the CPU tests) XLA computes the same values.
 
-The kernel sees whole arrays: call it only where the operand is local to
-each device (no mesh axis splits it, or inside ``shard_map``). A
-``pallas_call`` has no partitioning rule, so under a sharded ``jit`` XLA
-would gather its operands in high precision; the callers keep XLA's path
-there (``fp8jax.ops.dense._kernel_is_local``).
+The kernel sees whole arrays. A ``pallas_call`` has no partitioning rule,
+so under a sharded ``jit`` XLA would gather its operands in high precision.
+Where the operand is local to each device (no mesh axis splits it, or
+inside ``shard_map``) it runs as is. Where data parallelism alone splits the
+operand's rows (``row_axes``, from ``fp8jax.sharding.data_parallel_axes``)
+it runs on each device's rows inside ``shard_map``. Elsewhere the callers
+keep XLA's path (``fp8jax.ops.dense._cast_kernel_row_axes``).
 
 A gradient that arrives in pieces (a fused QKV projection's, as cuDNN's
 attention backward writes dq, dk and dv apart) is read from its pieces
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import warnings
 from typing import NamedTuple
@@ -46,6 +49,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from fp8jax.formats import Fp8Format
 from fp8jax.quantize import quantize_with_scale
@@ -114,8 +118,14 @@ class Interleaved:
         return tiles_fit(self.shape) and all(w % BLOCK_COLS == 0 for w in self.widths)
 
 
-def fits(g: jax.Array | Interleaved) -> bool:
-    """Whether :func:`cast_transpose` takes ``g``: whole tiles, within one piece each."""
+def fits(g: jax.Array | Interleaved, row_shards: int = 1) -> bool:
+    """Whether :func:`cast_transpose` takes ``g``: whole tiles, within one piece each.
+
+    ``row_shards``: the devices ``g``'s rows are split over; each one's block
+    of rows must fill whole tiles too.
+    """
+    if g.shape[0] % (row_shards * BLOCK_ROWS):
+        return False
     return g.tiles_fit() if isinstance(g, Interleaved) else tiles_fit(g.shape)
 
 
@@ -166,7 +176,8 @@ def _piece_index_map(start: int, count: int, per_period: int):
     return index
 
 
-def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
+def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
+    """The kernel: q, q_t and the per-tile-row column sums and maxima, (rows / BLOCK_ROWS, cols)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
@@ -186,7 +197,7 @@ def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
         kernel, operands = functools.partial(_kernel, fmt), (g,)
         piece_specs = [pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS), lambda i, j: (i, j))]
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
-    q, qt, partial_sums, partial_maxima = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[*piece_specs, pl.BlockSpec((1,), lambda i, j: (0,))],
@@ -206,6 +217,10 @@ def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
         name="fp8jax_cast_transpose",
         **params,
     )(*operands, scale.astype(jnp.float32).reshape(1))
+
+
+def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
+    q, qt, partial_sums, partial_maxima = _pallas_partials(g, scale, fmt, interpret)
     return q, qt, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima)
 
 
@@ -217,7 +232,44 @@ def _xla(g, scale, fmt: Fp8Format):
     return q, q.T, jnp.sum(g32, axis=0), jnp.max(jnp.abs(g32))
 
 
-def cast_transpose(g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format) -> CastTransposed:
+def _xla_partials(g, scale, fmt: Fp8Format):
+    """:func:`_pallas_partials`'s values from XLA: sums and maxima per BLOCK_ROWS rows."""
+    if isinstance(g, Interleaved):
+        g = g.joined()
+    q = quantize_with_scale(g, fmt, scale).data
+    g32 = g.astype(jnp.float32).reshape(g.shape[0] // BLOCK_ROWS, BLOCK_ROWS, g.shape[1])
+    return q, q.T, jnp.sum(g32, axis=1), jnp.max(jnp.abs(g32), axis=1)
+
+
+def _per_shard(g, scale, fmt: Fp8Format):
+    """:func:`_pallas_partials` on one device's rows, inside ``shard_map``."""
+    return lax.platform_dependent(
+        g, scale, cuda=functools.partial(_pallas_partials, fmt=fmt),
+        default=functools.partial(_xla_partials, fmt=fmt),
+    )  # fmt: skip
+
+
+def _split_rows(g, scale, fmt: Fp8Format, row_axes: tuple[str, ...]):
+    """The kernel on each device's block of rows, ``g``'s rows split over ``row_axes``.
+
+    ``shard_map`` over the mesh in context: the outputs stay split as ``g``
+    is (``q_t`` along its columns), so no data moves, and the sums and maxima
+    of the per-tile partials become small all-reduces.
+    """
+    rows, columns = P(row_axes, None), P(None, row_axes)
+    q, q_t, partial_sums, partial_maxima = jax.shard_map(
+        functools.partial(_per_shard, fmt=fmt),
+        in_specs=(jax.tree.map(lambda _: rows, g), P()),
+        out_specs=(rows, columns, rows, rows),
+        # pallas_call does not type its outputs by the manual axes they vary along.
+        check_vma=False,
+    )(g, scale.astype(jnp.float32))
+    return q, q_t, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima)
+
+
+def cast_transpose(
+    g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format, row_axes: tuple[str, ...] = ()
+) -> CastTransposed:
     """The saturating FP8 cast of a 2-D ``g`` at ``scale``, its transpose, column sums and amax.
 
     ``q`` holds exactly the bytes of ``quantize_with_scale(g, fmt, scale).data``;
@@ -225,10 +277,18 @@ def cast_transpose(g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format)
     (delayed scaling's history entry, taken in the same pass). ``g``'s shape
     must split into whole tiles (:func:`tiles_fit`); an :class:`Interleaved`
     ``g`` is read from its pieces, each of whose widths must be whole tiles.
+    ``row_axes``: mesh axes (of the mesh in context, ``Auto``) that split
+    ``g``'s rows and nothing else: each device then casts its own rows.
     With the kernel switched off (:func:`enabled`) XLA computes the same
     values on every platform.
     """
-    if not fits(g):
+    shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in row_axes)
+    if not fits(g, shards):
+        if row_axes and fits(g):
+            raise ValueError(
+                f"g's {g.shape[0]} rows split over mesh axes {tuple(row_axes)} ({shards} "
+                f"devices) must leave each device a multiple of {BLOCK_ROWS} rows."
+            )
         if isinstance(g, Interleaved):
             raise ValueError(
                 f"g's pieces must have rows a multiple of {BLOCK_ROWS} and widths (columns per "
@@ -240,6 +300,8 @@ def cast_transpose(g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format)
         )
     if not enabled():
         return CastTransposed(*_xla(g, scale, fmt))
+    if row_axes:
+        return CastTransposed(*_split_rows(g, scale, fmt, tuple(row_axes)))
     return CastTransposed(*lax.platform_dependent(
         g, scale, cuda=functools.partial(_pallas, fmt=fmt), default=functools.partial(_xla, fmt=fmt)
     ))  # fmt: skip

@@ -116,8 +116,9 @@ def _pinned(value, fmt: Fp8Format, state: ScaleState | None, recipe):
 
 
 def quantize_transposed(
-    value: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int
-) -> tuple[Fp8Array, Fp8Array, jax.Array, jax.Array] | None:
+    value: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int,
+    *, rows_are_tokens: bool = False,
+) -> tuple[Fp8Array, Fp8Array, jax.Array, jax.Array] | None:  # fmt: skip
     """Quantizes ``value`` in one pass that also writes its transposed FP8 copy and column sums.
 
     ``value``'s leading ``rows_ndim`` axes are its rows, the rest its
@@ -128,14 +129,20 @@ def quantize_transposed(
     are two kernels (with the bias sums and amax in a third or in the cast's);
     here they are one (:func:`fp8jax.ops.cast_transpose.cast_transpose`),
     which under delayed scaling also takes the amax. That kernel needs whole
-    arrays on each device and whole tiles, and can be switched off
-    (``FP8JAX_PALLAS=0``); where it does not run this returns None and the
-    caller quantizes with XLA. Measured on the H200, same process,
-    alternating: for the MLP's pre-activation gradient alone, GeGLU's block
+    tiles, and can be switched off (``FP8JAX_PALLAS=0``); where it does not
+    run this returns None and the caller quantizes with XLA. Measured on the
+    H200, same process, alternating: for the MLP's pre-activation gradient alone, GeGLU's block
     went from 16.79-16.87 to 16.44-16.50 ms (bench/results/h200-2026-11-30-e,
     run L); for every kernel, output gradient and dense input too, the
     transformer layer went from 19.64 to 18.84-19.19 ms, 18.9 to 18.1-18.2 ms
     pipelined (bench/results/h200-2026-11-30-f, runs B and C).
+
+    ``rows_are_tokens``: ``value`` is an activation or its gradient, whose
+    token rows data parallelism splits. Where only data parallelism splits
+    arrays (:func:`fp8jax.sharding.data_parallel_axes`), the kernel then
+    runs on each device's rows. A kernel's
+    transposed copy is only read where arrays are whole on each device
+    (:func:`_as_kernel_matrices`), so for a kernel it runs only there.
 
     A :class:`~fp8jax.ops.split.SplitGradient` ``value`` is read from its
     pieces, where every piece's share of a row fills whole kernel tiles.
@@ -143,9 +150,11 @@ def quantize_transposed(
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
     as (columns, rows), ``column_sums`` (f32) in the columns' shape.
     """
-    if not (_kernel_is_local() and cast_transpose.enabled()):
+    row_axes = _cast_kernel_row_axes(rows_are_tokens)
+    if row_axes is None:
         return None  # before any reshape: Explicit mesh axes refuse some
-    if not cast_transpose.fits(_as_matrix(value, rows_ndim)):
+    shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in row_axes)
+    if not cast_transpose.fits(_as_matrix(value, rows_ndim), shards):
         return None
     if state is None:
         # Current scaling needs the amax before the cast: take it where value
@@ -153,7 +162,7 @@ def quantize_transposed(
         value, value_amax, scale = _pinned(value, fmt, state, recipe)
     else:
         scale = state.scale
-    out = cast_transpose.cast_transpose(_as_matrix(value, rows_ndim), scale, fmt)
+    out = cast_transpose.cast_transpose(_as_matrix(value, rows_ndim), scale, fmt, row_axes)
     if state is not None:
         value_amax = _partitioning.reduce_amax(out.amax, recipe)
     scale_inv = 1.0 / scale.astype(jnp.float32)  # as quantize_with_scale computes it
@@ -163,6 +172,23 @@ def quantize_transposed(
         value_amax,
         out.column_sums.reshape(value.shape[rows_ndim:]),
     )
+
+
+def _cast_kernel_row_axes(rows_are_tokens: bool) -> tuple[str, ...] | None:
+    """The mesh axes the cast kernel splits its rows over here: () for whole arrays, None for none.
+
+    Token rows split by data parallelism alone
+    (:func:`fp8jax.sharding.data_parallel_axes`) go to one kernel per device.
+    """
+    if not cast_transpose.enabled():
+        return None
+    if _kernel_is_local():
+        return ()
+    if not rows_are_tokens:
+        return None
+    from fp8jax.sharding import data_parallel_axes  # fp8jax.sharding imports the ops
+
+    return data_parallel_axes()
 
 
 def _as_matrix(value, rows_ndim: int) -> jax.Array | cast_transpose.Interleaved:
@@ -189,7 +215,7 @@ def quantize_output_gradient(
     Returns ``(g_q, g_t or None, amax, bias_gradient or None)``, the last in f32.
     """
     if rows_ndim is not None and bias_ndim in (0, g.ndim - rows_ndim):
-        transposed = quantize_transposed(g, fmt, state, recipe, rows_ndim)
+        transposed = quantize_transposed(g, fmt, state, recipe, rows_ndim, rows_are_tokens=True)
         if transposed is not None:
             g_q, g_t, g_amax, sums = transposed
             return g_q, g_t, g_amax, sums if bias_ndim else None
@@ -253,8 +279,9 @@ def backward_dots(
 
 
 def quantize_in_both_layouts(
-    value: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int | None
-) -> tuple[Fp8Array, Fp8Array | None, jax.Array]:
+    value: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int | None,
+    *, rows_are_tokens: bool = False,
+) -> tuple[Fp8Array, Fp8Array | None, jax.Array]:  # fmt: skip
     """Quantizes a GEMM operand that its two GEMMs read in different layouts.
 
     A kernel contracted on its leading axes (``rows_ndim`` of them) is read
@@ -262,7 +289,8 @@ def quantize_in_both_layouts(
     contracted on its trailing axes (``rows_ndim`` the leading, token axes)
     as itself by the forward GEMM and transposed by the wgrad GEMM.
     ``rows_ndim`` None: the operand is contracted otherwise
-    (:func:`kernel_contraction`).
+    (:func:`kernel_contraction`). ``rows_are_tokens``: the input's case
+    (:func:`quantize_transposed`).
 
     Returns ``(q, q_t, amax)``: ``q_t`` the (columns, rows) copy from
     :func:`quantize_transposed`'s kernel, or None where it does not run; a
@@ -270,7 +298,8 @@ def quantize_in_both_layouts(
     """
     transposed = None
     if rows_ndim is not None:
-        transposed = quantize_transposed(value, fmt, state, recipe, rows_ndim)
+        transposed = quantize_transposed(value, fmt, state, recipe, rows_ndim,
+                                         rows_are_tokens=rows_are_tokens)  # fmt: skip
     if transposed is None:
         q, value_amax = quantize_operand(value, fmt, state, recipe)
         return q, None, value_amax
@@ -427,7 +456,8 @@ def _kernel_is_local() -> bool:
     (``tests/test_train.py``). A ``pallas_call``
     (:mod:`fp8jax.ops.cast_transpose`) has no partitioning rule at all: XLA
     gathers its operands in high precision (the FSDP dense of
-    ``tests/verify``). Inside ``shard_map`` every array is local.
+    ``tests/verify``), unless it runs inside ``shard_map``
+    (:func:`_cast_kernel_row_axes`). Inside ``shard_map`` every array is local.
 
     With no mesh in context (``jax.set_mesh``, :func:`fp8jax.sharding.use_mesh`),
     a ``jit`` may still get sharded inputs, which tracing cannot see; then
@@ -455,8 +485,9 @@ def _fp8_dot_fwd(lhs, rhs, bias, state, config: DotConfig):
     dims = config.dimension_numbers
     n_contract = kernel_contraction(dims, lhs.ndim, rhs.ndim)
     tokens_ndim = None if n_contract is None else lhs.ndim - n_contract
-    lhs_q, lhs_t, lhs_amax = quantize_in_both_layouts(lhs, fmt, state and state.x, recipe,
-                                                      tokens_ndim)  # fmt: skip
+    lhs_q, lhs_t, lhs_amax = quantize_in_both_layouts(
+        lhs, fmt, state and state.x, recipe, tokens_ndim, rows_are_tokens=True
+    )
     rhs_q, rhs_t, rhs_amax = quantize_in_both_layouts(rhs, fmt, state and state.kernel, recipe,
                                                       n_contract)  # fmt: skip
     y = scaled_dot(lhs_q, rhs_q, dims, config.out_dtype, recipe.forward_precision, kernel_t=rhs_t)

@@ -357,7 +357,8 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     # computed from dh and pre took 1.06 ms alone, against 0.81 ms for the
     # bf16 write (with the amax) and 0.63 ms for the cast with the sum; one
     # kernel doing all of it took 5.3 ms (bench/results/h200-2026-11-30-e).
-    transposed = quantize_transposed(dpre, bwd, fc1 and fc1.grad, recipe, x.ndim - 1)
+    transposed = quantize_transposed(dpre, bwd, fc1 and fc1.grad, recipe, x.ndim - 1,
+                                     rows_are_tokens=True)  # fmt: skip
     if transposed is None:
         dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
         dpre_t = None

@@ -1,0 +1,186 @@
+"""The FP8 cast kernel per device where data parallelism alone splits the arrays.
+
+Under ``fp8jax.sharding.use_mesh`` with only batch axes (``dp``, ``fsdp``)
+splitting, an activation's or a gradient's token rows are split and its
+columns whole, so each device can cast its own rows with its transposed copy
+in one kernel (``fp8jax.ops.cast_transpose``, inside ``shard_map``). On the
+CPU the same per-device code computes the values with XLA; the deviceless
+H100 compiles check that the GPU program runs the Pallas kernel on each
+device's rows and gathers nothing in high precision.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+import fp8jax.sharding as fs
+from fp8jax.ops import cast_transpose as ct
+
+DP_FSDP = {"dp": 2, "fsdp": 4}
+ROW_AXES = ("dp", "fsdp")
+
+
+def _g(rows, cols, seed=0):
+    return (jax.random.normal(jax.random.key(seed), (rows, cols)) * 4).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", [fp8jax.E5M2, fp8jax.E4M3], ids=lambda f: f.name)
+def test_rows_cast_per_device_match_the_whole_cast(fmt):
+    # The FP8 bytes and the amax are elementwise and a maximum: exact either
+    # way. Column sums add the same f32 terms in another order (per device,
+    # then across devices): any order of n f32 additions errs by at most
+    # n * 2**-24 * sum(|g|) from the exact sum.
+    rows, cols = 8 * 2 * ct.BLOCK_ROWS, 3 * ct.BLOCK_COLS
+    g, scale = _g(rows, cols), jnp.float32(fmt.max / 8)
+    whole = jax.jit(ct.cast_transpose, static_argnums=2)(g, scale, fmt)
+    mesh = fs.make_mesh(**DP_FSDP)
+    with fs.use_mesh(mesh):
+        g_split = jax.device_put(g, NamedSharding(mesh, P(ROW_AXES)))
+        split = jax.jit(ct.cast_transpose, static_argnums=(2, 3))(g_split, scale, fmt, ROW_AXES)
+    assert split.q.sharding.is_equivalent_to(NamedSharding(mesh, P(ROW_AXES, None)), 2)
+    assert split.q_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, ROW_AXES)), 2)
+    np.testing.assert_array_equal(split.q.astype(jnp.float32), whole.q.astype(jnp.float32))
+    np.testing.assert_array_equal(split.q_t.astype(jnp.float32), whole.q_t.astype(jnp.float32))
+    assert float(split.amax) == float(whole.amax)
+    g64 = np.asarray(g, np.float64)
+    bound = rows * 2.0**-24 * np.abs(g64).sum(axis=0)
+    np.testing.assert_array_less(
+        np.abs(np.asarray(split.column_sums, np.float64) - g64.sum(axis=0)), bound
+    )
+
+
+def test_pieces_cast_per_device_match_the_joined_cast():
+    # A fused QKV gradient arrives as dq, dk, dv (ct.Interleaved); each
+    # device reads its rows of every piece.
+    rows, periods, widths = 8 * ct.BLOCK_ROWS, 2, (256, 128, 128)
+    keys = jax.random.split(jax.random.key(3), len(widths))
+    pieces = tuple(
+        (jax.random.normal(k, (rows, periods * w)) * 4).astype(jnp.bfloat16)
+        for k, w in zip(keys, widths, strict=True)
+    )
+    g, scale = ct.Interleaved(pieces, periods), jnp.float32(7.0)
+    whole = jax.jit(ct.cast_transpose, static_argnums=2)(g.joined(), scale, fp8jax.E5M2)
+    mesh = fs.make_mesh(fsdp=8)
+    with fs.use_mesh(mesh):
+        split = jax.jit(ct.cast_transpose, static_argnums=(2, 3))(g, scale, fp8jax.E5M2, ("fsdp",))
+    np.testing.assert_array_equal(split.q.astype(jnp.float32), whole.q.astype(jnp.float32))
+    np.testing.assert_array_equal(split.q_t.astype(jnp.float32), whole.q_t.astype(jnp.float32))
+    assert float(split.amax) == float(whole.amax)
+
+
+def test_rows_that_leave_a_device_part_of_a_tile_are_refused():
+    g = _g(4 * ct.BLOCK_ROWS, ct.BLOCK_COLS)  # 32 rows a device over 8
+    with fs.use_mesh(fs.make_mesh(fsdp=8)), pytest.raises(ValueError, match="multiple of 64 rows"):
+        ct.cast_transpose(g, jnp.float32(1.0), fp8jax.E5M2, ("fsdp",))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "want"),
+    [
+        ({"fsdp": 8}, ("fsdp",)),
+        ({"dp": 2, "fsdp": 4}, ("dp", "fsdp")),
+        ({"dp": 8, "tp": 1}, ("dp",)),  # an axis of size 1 splits nothing
+        ({"fsdp": 4, "tp": 2}, None),  # tensor parallelism splits columns
+        ({"dp": 4, "sp": 2}, None),
+    ],
+    ids=str,
+)
+def test_data_parallel_axes_names_the_batch_axes_when_only_they_split(sizes, want):
+    config = fs.ShardingConfig(sp="sp") if "sp" in sizes else fs.DEFAULT
+    with fs.use_mesh(fs.make_mesh(**sizes, config=config), config):
+        assert fs.data_parallel_axes() == want
+
+
+def test_data_parallel_axes_needs_the_rules_and_auto_axes():
+    assert fs.data_parallel_axes() is None  # no mesh
+    with jax.set_mesh(fs.make_mesh(fsdp=8)):  # a mesh, but no logical rules: roles unknown
+        assert fs.data_parallel_axes() is None
+    explicit = fs.make_mesh(fsdp=8, axis_types=AxisType.Explicit)
+    with fs.use_mesh(explicit):
+        assert fs.data_parallel_axes() is None
+
+
+def _mlp_step_hlo(sizes, activations=("gelu", "linear"), recipe=None, tokens=8 * 128):
+    """layernorm_mlp's train step over 8 H100s (deviceless), tokens split as ``sizes`` say."""
+    from fp8jax import verify
+
+    hidden, ffn, n, bf16 = 256, 512, len(activations), jnp.bfloat16
+    mesh = fs.make_mesh(**sizes)
+    rows = NamedSharding(mesh, fs.logical_spec(("batch", None), mesh=mesh))
+    args = (
+        jax.ShapeDtypeStruct((tokens, hidden), bf16, sharding=rows),
+        jax.ShapeDtypeStruct((hidden,), jnp.float32),
+        jax.ShapeDtypeStruct((hidden, n, ffn), bf16),
+        jax.ShapeDtypeStruct((ffn, hidden), bf16),
+        jax.ShapeDtypeStruct((n, ffn), bf16),
+    )
+    state = None
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+
+    def loss(x, gamma, k1, k2, b1, state):
+        y = fp8jax.layernorm_mlp(
+            x, gamma, None, k1, k2, b1, activations=activations, recipe=recipe, state=state
+        )
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    with fs.use_mesh(mesh):
+        return verify.compile_for(
+            jax.grad(loss, argnums=tuple(range(6))), *args, state, target="h100", devices=8
+        )
+
+
+def _cast_kernel_outputs(hlo) -> list[frozenset]:
+    """The FP8 (dtype, shape) pairs each Pallas cast kernel of ``hlo`` writes."""
+    from fp8jax.verify import _hlo
+
+    return sorted(
+        (
+            frozenset((t.dtype, t.shape) for t in inst.types if t.dtype.startswith("f8"))
+            for comp in _hlo.parse_module(hlo).computations.values()
+            for inst in comp.instructions.values()
+            if "fp8jax_cast_transpose" in inst.metadata.get("op_name", "")
+            and inst.custom_call_target == "__gpu$xla.gpu.triton"
+        ),
+        key=sorted,
+    )
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()],
+                         ids=lambda r: type(r).__name__)  # fmt: skip
+def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe):
+    # 1024 tokens over dp=2 x fsdp=4: 128 rows a device. The pre-activation
+    # gradient (tokens, 2 * ffn) and the output gradient (tokens, hidden) are
+    # cast with their transposed copies by the Pallas kernel on each device's
+    # rows; nothing is gathered in high precision and all six GEMMs are FP8.
+    from fp8jax import verify
+
+    hlo = _mlp_step_hlo(DP_FSDP, recipe=recipe)
+    local = 1024 // 8
+    want = [
+        frozenset({("f8e5m2", (local, 1024)), ("f8e5m2", (1024, local))}),
+        frozenset({("f8e5m2", (local, 256)), ("f8e5m2", (256, local))}),
+    ]
+    assert _cast_kernel_outputs(hlo) == sorted(want, key=sorted)
+    report = verify.gemm_report(hlo)
+    assert report.num_partitions == 8
+    assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    high = [c for c in gathers if not c.dtype.startswith("f8")]
+    assert all(c.bytes < 4096 for c in high), high  # vectors at most, never token rows
+
+
+@pytest.mark.deviceless
+def test_tensor_parallel_mlp_step_keeps_xla_cast():
+    # With tp splitting the MLP width the gradient's columns are split too;
+    # the kernel is not used (fs.data_parallel_axes() is None) and XLA casts.
+    from fp8jax import verify
+
+    hlo = _mlp_step_hlo({"fsdp": 4, "tp": 2}, recipe=fp8jax.DelayedScaling())
+    assert _cast_kernel_outputs(hlo) == []
+    assert len(verify.gemm_report(hlo).fp8_gemms) == 6
