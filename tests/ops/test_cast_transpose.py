@@ -92,12 +92,42 @@ def test_off_gpu_pieces_are_joined_by_xla():
     assert float(g_amax) == max(float(jnp.max(jnp.abs(p.astype(jnp.float32)))) for p in g.pieces)
 
 
-def test_pieces_whose_widths_split_tiles_are_refused():
-    g = _interleaved(ct.BLOCK_ROWS, 2, (64, 64, 128))
+@pytest.mark.parametrize(
+    ("rows", "widths", "message"),
+    [
+        (ct.BLOCK_ROWS, (32, 96, 128), r"multiples of 64 and rows a multiple of 128, got 64 rows"),
+        (ct.BLOCK_ROWS, (64, 64, 128), r"multiples of 64 and rows a multiple of 128, got 64 rows"),
+    ],
+    ids=["widths", "rows"],
+)
+def test_pieces_that_split_tiles_are_refused(rows, widths, message):
+    # Pieces 64 wide get tiles half as wide and twice as tall (ct._tile).
+    g = _interleaved(rows, 2, widths)
     assert not g.tiles_fit()
-    with pytest.raises(ValueError, match=r"widths \(columns per period\) multiples of 128, got "
-                       r"64 rows and widths \(64, 64, 128\)"):  # fmt: skip
+    with pytest.raises(ValueError, match=message):
         ct.cast_transpose(g, jnp.float32(1), fp8jax.E5M2)
+
+
+@pytest.mark.parametrize(("periods", "widths"), [(2, (128, 64, 64)), (16, (64, 64, 64))], ids=str)
+def test_pieces_64_wide_are_cast_in_narrow_tiles(periods, widths):
+    # A head_dim of 64 (the small and medium presets) makes every piece's share
+    # of a period 64 columns wide: the kernel reads 128 x 64 tiles. Bytes and
+    # amax are exactly quantize_with_scale's and the maximum; the column sums
+    # add the same terms as the one-matrix kernel in another grouping, so they
+    # are held to the f32 bound of the first test.
+    g = _interleaved(2 * 128, periods, widths)
+    assert ct._tile(g) == (128, 64)
+    fmt, scale = fp8jax.E5M2, jnp.float32(fp8jax.E5M2.max / 8)
+    q, q_t, sums, g_amax = jax.jit(ct._pallas, static_argnames=("fmt", "interpret"))(
+        g, scale, fmt=fmt, interpret=True
+    )
+    want = quantize_with_scale(g.joined(), fmt, scale).data.astype(jnp.float32)
+    np.testing.assert_array_equal(q.astype(jnp.float32), want)
+    np.testing.assert_array_equal(q_t.astype(jnp.float32), want.T)
+    g64 = np.asarray(g.joined(), np.float64)
+    bound = g64.shape[0] * 2.0**-24 * np.abs(g64).sum(axis=0)
+    np.testing.assert_array_less(np.abs(np.asarray(sums, np.float64) - g64.sum(axis=0)), bound)
+    assert float(g_amax) == np.abs(g64).max()
 
 
 @pytest.mark.parametrize("shape", [(65, 128), (64, 96), (2, 64, 128)], ids=str)

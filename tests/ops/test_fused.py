@@ -480,10 +480,9 @@ def _qkv_args(head_dim, hidden=256):
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_dim, op):
     # layernorm_dense(split=...) must compute exactly what slicing its whole
-    # output computes: the same GEMMs on the same FP8 bytes. With head_dim 128
-    # every piece's share of a row is whole kernel tiles, so the gradient's cast
-    # reads the pieces (ops.cast_transpose.Interleaved; on the CPU XLA joins
-    # them); with 64 the pieces are joined first and cast by quantize_gradient.
+    # output computes: the same GEMMs on the same FP8 bytes. The gradient's
+    # cast reads the pieces (ops.cast_transpose.Interleaved; on the CPU XLA
+    # joins them), in 64 x 128 tiles for head_dim 128 and 128 x 64 for 64.
     # Both must match the unsplit op bit for bit.
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
     args = _qkv_args(head_dim)
@@ -498,12 +497,12 @@ def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_d
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-# The (tokens, features) of _qkv_args(128)'s gradient; its pieces are q's
-# (tokens, 2 * 2 * 128) and k's and v's (tokens, 2 * 128).
-_QKV_TOKENS, _QKV_FEATURES = 2 * 128, 2 * 4 * 128
+# The tokens of _qkv_args's gradient; its pieces are q's (tokens, 2 * 2 *
+# head_dim) and k's and v's (tokens, 2 * head_dim).
+_QKV_TOKENS = 2 * 128
 
 
-def _qkv_gradient_cast_reads(hlo: str) -> list[tuple[int, ...]]:
+def _qkv_gradient_cast_reads(hlo: str, head_dim: int = 128) -> list[tuple[int, ...]]:
     """Shapes of what the Pallas kernel writing the FP8 QKV gradient reads, sorted."""
     from fp8jax.verify import _hlo
 
@@ -511,28 +510,32 @@ def _qkv_gradient_cast_reads(hlo: str) -> list[tuple[int, ...]]:
     casts = [
         inst for inst in entry.instructions.values()
         if inst.custom_call_target == "__gpu$xla.gpu.triton"
-        and ("f8e5m2", (_QKV_TOKENS, _QKV_FEATURES)) in {(t.dtype, t.shape) for t in inst.types}
+        and ("f8e5m2", (_QKV_TOKENS, 8 * head_dim)) in {(t.dtype, t.shape) for t in inst.types}
     ]  # fmt: skip
     assert len(casts) == 1
     return sorted(t.shape for o in casts[0].operands for t in entry.instructions[o].types)
 
 
-# dq, dk, dv as the kernel reads them, then the scale.
-_QKV_PIECES_READ = [(1,), (_QKV_TOKENS, 256), (_QKV_TOKENS, 256), (_QKV_TOKENS, 512)]
+def _qkv_pieces_read(head_dim: int = 128) -> list[tuple[int, ...]]:
+    """dq, dk, dv as the kernel reads them, then the scale."""
+    return [(1,), (_QKV_TOKENS, 2 * head_dim), (_QKV_TOKENS, 2 * head_dim),
+            (_QKV_TOKENS, 4 * head_dim)]  # fmt: skip
 
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
     # Sliced outside the op, the pieces' gradients are padded and summed into
-    # the whole (tokens, 2, 4, 128) gradient, written in bf16 and read again by
-    # the FP8 cast (the transformer layer on the H200: 0.27 ms). Split inside
-    # the op (ops.split), the cast kernel reads dq, dk and dv themselves.
+    # the whole (tokens, 2, 4, head_dim) gradient, written in bf16 and read
+    # again by the FP8 cast (the transformer layer on the H200: 0.27 ms). Split
+    # inside the op (ops.split), the cast kernel reads dq, dk and dv
+    # themselves; with head_dim 64 in tiles half as wide (ops.cast_transpose).
     from fp8jax.verify import compile_for, gemm_report
 
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
-    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _qkv_args(128))
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _qkv_args(head_dim))
 
     def compiled(split):
         step = jax.grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
@@ -546,12 +549,12 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op):
         entry = _hlo.parse_module(hlo).entry
         return [
             shape for name, dtype, shape in _written_results(hlo)
-            if dtype == "bf16" and math.prod(shape) == _QKV_TOKENS * _QKV_FEATURES
+            if dtype == "bf16" and math.prod(shape) == _QKV_TOKENS * 8 * head_dim
             and "transpose(jvp" in entry.instructions[name].metadata.get("op_name", "")
         ]  # fmt: skip
 
     split = compiled(split=True)
-    assert _qkv_gradient_cast_reads(split) == _QKV_PIECES_READ
+    assert _qkv_gradient_cast_reads(split, head_dim) == _qkv_pieces_read(head_dim)
     assert whole_gradients_written(split) == []
     assert whole_gradients_written(compiled(split=False))  # the pass the split removes
 
@@ -573,10 +576,52 @@ def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe, op)
         for split in (True, False)
     }
     compiled = steps[True].lower(*args).compile()
-    assert _qkv_gradient_cast_reads(compiled.as_text()) == _QKV_PIECES_READ
+    assert _qkv_gradient_cast_reads(compiled.as_text()) == _qkv_pieces_read()
     got, want = compiled(*args), steps[False](*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_live_narrow_pieces_cast_matches_the_joined_one(recipe, op):
+    # head_dim 64: the kernel reads dq, dk, dv in 128 x 64 tiles, the unsplit
+    # op's kernel the joined gradient in 64 x 128. The FP8 bytes and amax do not
+    # depend on the tiles, so the loss and every gradient but the bias's agree
+    # bit for bit. The bias gradient is a column sum of the bf16 output
+    # gradient, added in another grouping: each must be within n * 2**-24 *
+    # sum(|g|) of the f64 sum (n tokens), g being 2q, 3 and 3v^2 in bf16.
+    state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
+    args = _qkv_args(64)
+    steps = {
+        split: jax.jit(
+            jax.value_and_grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
+        )
+        for split in (True, False)
+    }
+    compiled = steps[True].lower(*args).compile()
+    assert _qkv_gradient_cast_reads(compiled.as_text(), 64) == _qkv_pieces_read(64)
+    got, want = compiled(*args), steps[False](*args)
+    (loss, (*grads, d_bias)), (want_loss, (*want_grads, want_d_bias)) = got, want
+    for a, b in zip(jax.tree.leaves((loss, grads)), jax.tree.leaves((want_loss, want_grads)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    x, gamma, beta, kernel, bias = args
+    if op == "dense":
+        y = fp8jax.dense(x, kernel, bias, recipe=recipe, state=state)
+    else:
+        y = fp8jax.layernorm_dense(x, gamma, beta, kernel, bias, recipe=recipe, state=state)
+    y = np.asarray(y, np.float32)
+    g = np.concatenate([2 * y[..., :2, :], np.full_like(y[..., 2:3, :], 3.0),
+                        3 * y[..., 3:, :] ** 2], axis=-2)  # fmt: skip
+    g = np.asarray(jnp.asarray(g).astype(jnp.bfloat16), np.float64)
+    exact, bound = (
+        g.sum(axis=(0, 1)),
+        g.shape[0] * g.shape[1] * 2.0**-24 * np.abs(g).sum(axis=(0, 1)),
+    )
+    for d in (d_bias, want_d_bias):
+        np.testing.assert_array_less(np.abs(np.asarray(d, np.float64) - exact), bound)
 
 
 def test_gelu_stays_within_f32_rounding_of_the_exact_definition():

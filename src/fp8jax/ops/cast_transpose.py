@@ -79,9 +79,9 @@ def _triton_backend_available() -> bool:
     return True
 
 
-def tiles_fit(shape: tuple[int, ...]) -> bool:
-    """Whether ``shape`` is 2-D and splits into whole kernel tiles."""
-    return len(shape) == 2 and shape[0] % BLOCK_ROWS == 0 and shape[1] % BLOCK_COLS == 0
+def tiles_fit(shape: tuple[int, ...], tile: tuple[int, int] = (BLOCK_ROWS, BLOCK_COLS)) -> bool:
+    """Whether ``shape`` is 2-D and splits into whole kernel tiles of ``tile``."""
+    return len(shape) == 2 and shape[0] % tile[0] == 0 and shape[1] % tile[1] == 0
 
 
 @functools.partial(
@@ -115,7 +115,21 @@ class Interleaved:
 
     def tiles_fit(self) -> bool:
         """Whether every tile of the whole lies in one piece (and the whole fits tiles)."""
-        return tiles_fit(self.shape) and all(w % BLOCK_COLS == 0 for w in self.widths)
+        tile = _tile(self)
+        return tiles_fit(self.shape, tile) and all(w % tile[1] == 0 for w in self.widths)
+
+
+def _tile(g: jax.Array | Interleaved) -> tuple[int, int]:
+    """The kernel's (rows, columns) tile for ``g``.
+
+    BLOCK_ROWS x BLOCK_COLS, but half as wide and twice as tall where pieces
+    are not whole tiles wide: a head_dim of 64 (the ``small`` and ``medium``
+    presets) puts 64 columns of dq, dk and dv in turn in each row of the QKV
+    gradient. The tile keeps its size; a tile must lie in one piece.
+    """
+    if isinstance(g, Interleaved) and any(w % BLOCK_COLS for w in g.widths):
+        return 2 * BLOCK_ROWS, BLOCK_COLS // 2
+    return BLOCK_ROWS, BLOCK_COLS
 
 
 def fits(g: jax.Array | Interleaved, row_shards: int = 1) -> bool:
@@ -124,7 +138,7 @@ def fits(g: jax.Array | Interleaved, row_shards: int = 1) -> bool:
     ``row_shards``: the devices ``g``'s rows are split over; each one's block
     of rows must fill whole tiles too.
     """
-    if g.shape[0] % (row_shards * BLOCK_ROWS):
+    if g.shape[0] % (row_shards * _tile(g)[0]):
         return False
     return g.tiles_fit() if isinstance(g, Interleaved) else tiles_fit(g.shape)
 
@@ -182,30 +196,31 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
     from jax.experimental.pallas import triton as pallas_triton
 
     rows, cols = g.shape
-    grid = (rows // BLOCK_ROWS, cols // BLOCK_COLS)
+    tile_rows, tile_cols = _tile(g)
+    grid = (rows // tile_rows, cols // tile_cols)
     if isinstance(g, Interleaved):
-        tiles_per_piece = tuple(w // BLOCK_COLS for w in g.widths)
+        tiles_per_piece = tuple(w // tile_cols for w in g.widths)
         kernel = functools.partial(_pieces_kernel, fmt, tiles_per_piece)
         operands = g.pieces
         starts = [sum(tiles_per_piece[:k]) for k in range(len(tiles_per_piece))]
         piece_specs = [
-            pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS),
+            pl.BlockSpec((tile_rows, tile_cols),
                          _piece_index_map(start, count, sum(tiles_per_piece)))
             for start, count in zip(starts, tiles_per_piece, strict=True)
         ]  # fmt: skip
     else:
         kernel, operands = functools.partial(_kernel, fmt), (g,)
-        piece_specs = [pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS), lambda i, j: (i, j))]
+        piece_specs = [pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j))]
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
     return pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[*piece_specs, pl.BlockSpec((1,), lambda i, j: (0,))],
         out_specs=[
-            pl.BlockSpec((BLOCK_ROWS, BLOCK_COLS), lambda i, j: (i, j)),
-            pl.BlockSpec((BLOCK_COLS, BLOCK_ROWS), lambda i, j: (j, i)),
-            pl.BlockSpec((1, BLOCK_COLS), lambda i, j: (i, j)),
-            pl.BlockSpec((1, BLOCK_COLS), lambda i, j: (i, j)),
+            pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j)),
+            pl.BlockSpec((tile_cols, tile_rows), lambda i, j: (j, i)),
+            pl.BlockSpec((1, tile_cols), lambda i, j: (i, j)),
+            pl.BlockSpec((1, tile_cols), lambda i, j: (i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
@@ -233,11 +248,12 @@ def _xla(g, scale, fmt: Fp8Format):
 
 
 def _xla_partials(g, scale, fmt: Fp8Format):
-    """:func:`_pallas_partials`'s values from XLA: sums and maxima per BLOCK_ROWS rows."""
+    """:func:`_pallas_partials`'s values from XLA: sums and maxima per tile of rows."""
+    tile_rows = _tile(g)[0]
     if isinstance(g, Interleaved):
         g = g.joined()
     q = quantize_with_scale(g, fmt, scale).data
-    g32 = g.astype(jnp.float32).reshape(g.shape[0] // BLOCK_ROWS, BLOCK_ROWS, g.shape[1])
+    g32 = g.astype(jnp.float32).reshape(g.shape[0] // tile_rows, tile_rows, g.shape[1])
     return q, q.T, jnp.sum(g32, axis=1), jnp.max(jnp.abs(g32), axis=1)
 
 
@@ -284,15 +300,17 @@ def cast_transpose(
     """
     shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in row_axes)
     if not fits(g, shards):
+        tile_rows, tile_cols = _tile(g)
         if row_axes and fits(g):
             raise ValueError(
                 f"g's {g.shape[0]} rows split over mesh axes {tuple(row_axes)} ({shards} "
-                f"devices) must leave each device a multiple of {BLOCK_ROWS} rows."
+                f"devices) must leave each device a multiple of {tile_rows} rows."
             )
         if isinstance(g, Interleaved):
             raise ValueError(
-                f"g's pieces must have rows a multiple of {BLOCK_ROWS} and widths (columns per "
-                f"period) multiples of {BLOCK_COLS}, got {g.shape[0]} rows and widths {g.widths}."
+                f"g's pieces must have widths (columns per period) multiples of {tile_cols} "
+                f"and rows a multiple of {tile_rows}, got {g.shape[0]} rows and widths "
+                f"{g.widths}."
             )
         raise ValueError(
             f"g must be 2-D with rows a multiple of {BLOCK_ROWS} and columns a multiple of "
