@@ -559,7 +559,26 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
     assert whole_gradients_written(compiled(split=False))  # the pass the split removes
 
 
+@pytest.fixture
+def one_device():
+    """A one-device mesh as context, for the live single-GPU tests.
+
+    With several GPUs visible and no mesh, the ops cannot tell a one-device
+    ``jit`` from a sharded one and keep XLA's cast (ops.dense._kernel_is_local);
+    on 2 H200s the kernel assertions below then failed (run 8A).
+    """
+    with jax.set_mesh(jax.make_mesh((1,), ("one",), devices=jax.devices()[:1])) as mesh:
+        yield mesh
+
+
+def test_one_device_mesh_lets_the_kernel_run(one_device):
+    from fp8jax.ops import dense
+
+    assert jax.device_count() > 1 and dense._kernel_is_local()
+
+
 @pytest.mark.gpu
+@pytest.mark.usefixtures("one_device")
 @pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe, op):
@@ -583,6 +602,7 @@ def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe, op)
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("one_device")
 @pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_live_narrow_pieces_cast_matches_the_joined_one(recipe, op):
