@@ -577,6 +577,24 @@ def test_one_device_mesh_lets_the_kernel_run(one_device):
     assert jax.device_count() > 1 and dense._kernel_is_local()
 
 
+def _live_split_and_unsplit_steps(recipe, op, head_dim):
+    """The QKV train step's results split and unsplit, after checking the split one's cast.
+
+    Returns ``(split results, unsplit results, (args, state))``.
+    """
+    state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
+    args = _qkv_args(head_dim)
+    steps = {
+        split: jax.jit(
+            jax.value_and_grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
+        )
+        for split in (True, False)
+    }
+    compiled = steps[True].lower(*args).compile()
+    assert _qkv_gradient_cast_reads(compiled.as_text(), head_dim) == _qkv_pieces_read(head_dim)
+    return compiled(*args), steps[False](*args), (args, state)
+
+
 @pytest.mark.gpu
 @pytest.mark.usefixtures("one_device")
 @pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
@@ -586,17 +604,7 @@ def test_live_split_gradient_cast_from_pieces_matches_the_joined_one(recipe, op)
     # runs the kernel that reads the pieces. Same tiles, same arithmetic as the
     # one-matrix kernel the unsplit op uses on the joined gradient: every
     # gradient and the loss must agree bit for bit.
-    state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
-    args = _qkv_args(128)
-    steps = {
-        split: jax.jit(
-            jax.value_and_grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
-        )
-        for split in (True, False)
-    }
-    compiled = steps[True].lower(*args).compile()
-    assert _qkv_gradient_cast_reads(compiled.as_text()) == _qkv_pieces_read()
-    got, want = compiled(*args), steps[False](*args)
+    got, want, _ = _live_split_and_unsplit_steps(recipe, op, head_dim=128)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -612,17 +620,7 @@ def test_live_narrow_pieces_cast_matches_the_joined_one(recipe, op):
     # bit for bit. The bias gradient is a column sum of the bf16 output
     # gradient, added in another grouping: each must be within n * 2**-24 *
     # sum(|g|) of the f64 sum (n tokens), g being 2q, 3 and 3v^2 in bf16.
-    state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
-    args = _qkv_args(64)
-    steps = {
-        split: jax.jit(
-            jax.value_and_grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
-        )
-        for split in (True, False)
-    }
-    compiled = steps[True].lower(*args).compile()
-    assert _qkv_gradient_cast_reads(compiled.as_text(), 64) == _qkv_pieces_read(64)
-    got, want = compiled(*args), steps[False](*args)
+    got, want, (args, state) = _live_split_and_unsplit_steps(recipe, op, head_dim=64)
     (loss, (*grads, d_bias)), (want_loss, (*want_grads, want_d_bias)) = got, want
     for a, b in zip(jax.tree.leaves((loss, grads)), jax.tree.leaves((want_loss, want_grads)),
                     strict=True):  # fmt: skip

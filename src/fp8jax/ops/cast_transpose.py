@@ -191,7 +191,7 @@ def _piece_index_map(start: int, count: int, per_period: int):
 
 
 def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
-    """The kernel: q, q_t and the per-tile-row column sums and maxima, (rows / BLOCK_ROWS, cols)."""
+    """The kernel: q, q_t, and column sums and maxima per tile of rows (:func:`_tile`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 

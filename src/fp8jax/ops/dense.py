@@ -131,18 +131,18 @@ def quantize_transposed(
     which under delayed scaling also takes the amax. That kernel needs whole
     tiles, and can be switched off (``FP8JAX_PALLAS=0``); where it does not
     run this returns None and the caller quantizes with XLA. Measured on the
-    H200, same process, alternating: for the MLP's pre-activation gradient alone, GeGLU's block
-    went from 16.79-16.87 to 16.44-16.50 ms (bench/results/h200-2026-11-30-e,
+    H200, same process, alternating: for the MLP's pre-activation gradient
+    alone, GeGLU's block went from 16.79-16.87 to 16.44-16.50 ms (bench/results/h200-2026-11-30-e,
     run L); for every kernel, output gradient and dense input too, the
     transformer layer went from 19.64 to 18.84-19.19 ms, 18.9 to 18.1-18.2 ms
     pipelined (bench/results/h200-2026-11-30-f, runs B and C).
 
     ``rows_are_tokens``: ``value`` is an activation or its gradient, whose
     token rows data parallelism splits. Where only data parallelism splits
-    arrays (:func:`fp8jax.sharding.data_parallel_axes`), the kernel then
-    runs on each device's rows. A kernel's
-    transposed copy is only read where arrays are whole on each device
-    (:func:`_as_kernel_matrices`), so for a kernel it runs only there.
+    arrays (:func:`fp8jax.sharding.data_parallel_axes`), the kernel then runs
+    on each device's rows. A kernel's transposed copy is only read where
+    arrays are whole on each device (:func:`_as_kernel_matrices`), so for a
+    kernel it runs only there.
 
     A :class:`~fp8jax.ops.split.SplitGradient` ``value`` is read from its
     pieces, where every piece's share of a row fills whole kernel tiles.
