@@ -132,6 +132,11 @@ def _tile(g: jax.Array | Interleaved) -> tuple[int, int]:
     return BLOCK_ROWS, BLOCK_COLS
 
 
+def devices_along(row_axes: tuple[str, ...]) -> int:
+    """How many devices the mesh in context has along ``row_axes``."""
+    return math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in row_axes)
+
+
 def fits(g: jax.Array | Interleaved, row_shards: int = 1) -> bool:
     """Whether :func:`cast_transpose` takes ``g``: whole tiles, within one piece each.
 
@@ -298,7 +303,7 @@ def cast_transpose(
     With the kernel switched off (:func:`enabled`) XLA computes the same
     values on every platform.
     """
-    shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in row_axes)
+    shards = devices_along(row_axes)
     if not fits(g, shards):
         tile_rows, tile_cols = _tile(g)
         if row_axes and fits(g):

@@ -132,10 +132,11 @@ def quantize_transposed(
     tiles, and can be switched off (``FP8JAX_PALLAS=0``); where it does not
     run this returns None and the caller quantizes with XLA. Measured on the
     H200, same process, alternating: for the MLP's pre-activation gradient
-    alone, GeGLU's block went from 16.79-16.87 to 16.44-16.50 ms (bench/results/h200-2026-11-30-e,
-    run L); for every kernel, output gradient and dense input too, the
-    transformer layer went from 19.64 to 18.84-19.19 ms, 18.9 to 18.1-18.2 ms
-    pipelined (bench/results/h200-2026-11-30-f, runs B and C).
+    alone, GeGLU's block went from 16.79-16.87 to 16.44-16.50 ms
+    (bench/results/h200-2026-11-30-e, run L); for every kernel, output
+    gradient and dense input too, the transformer layer went from 19.64 to
+    18.84-19.19 ms, 18.9 to 18.1-18.2 ms pipelined
+    (bench/results/h200-2026-11-30-f, runs B and C).
 
     ``rows_are_tokens``: ``value`` is an activation or its gradient, whose
     token rows data parallelism splits. Where only data parallelism splits
@@ -153,7 +154,7 @@ def quantize_transposed(
     row_axes = _cast_kernel_row_axes(rows_are_tokens)
     if row_axes is None:
         return None  # before any reshape: Explicit mesh axes refuse some
-    shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in row_axes)
+    shards = cast_transpose.devices_along(row_axes)
     if not cast_transpose.fits(_as_matrix(value, rows_ndim), shards):
         return None
     if state is None:
