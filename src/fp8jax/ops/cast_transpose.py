@@ -20,7 +20,7 @@ Where the operand is local to each device (no mesh axis splits it, or
 inside ``shard_map``) it runs as is. Where data parallelism alone splits the
 operand's rows (``row_axes``, from ``fp8jax.sharding.data_parallel_axes``)
 it runs on each device's rows inside ``shard_map``. Elsewhere the callers
-keep XLA's path (``fp8jax.ops.dense._cast_kernel_row_axes``).
+keep XLA's path (``fp8jax.ops.dense.cast_kernel_row_axes``).
 
 A gradient that arrives in pieces (a fused QKV projection's, as cuDNN's
 attention backward writes dq, dk and dv apart) is read from its pieces

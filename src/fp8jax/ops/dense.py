@@ -151,7 +151,7 @@ def quantize_transposed(
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
     as (columns, rows), ``column_sums`` (f32) in the columns' shape.
     """
-    row_axes = _cast_kernel_row_axes(rows_are_tokens)
+    row_axes = cast_kernel_row_axes(rows_are_tokens)
     if row_axes is None:
         return None  # before any reshape: Explicit mesh axes refuse some
     shards = cast_transpose.devices_along(row_axes)
@@ -175,7 +175,7 @@ def quantize_transposed(
     )
 
 
-def _cast_kernel_row_axes(rows_are_tokens: bool) -> tuple[str, ...] | None:
+def cast_kernel_row_axes(rows_are_tokens: bool) -> tuple[str, ...] | None:
     """The mesh axes the cast kernel splits its rows over here: () for whole arrays, None for none.
 
     Token rows split by data parallelism alone
@@ -264,9 +264,8 @@ def backward_dots(
     ones (:func:`kernel_contraction`). The wgrad GEMM then reads them as
     they are (:func:`wgrad_over_tokens`); with ``lhs_t``, ``lhs_q`` may be None.
     """
-    dg = dimensions.dgrad(dims, lhs_ndim, rhs_q.data.ndim)
-    d_lhs = scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
-                       dg.permutation, like=None if lhs_q is None else lhs_q.data)  # fmt: skip
+    d_lhs = dgrad_dot(dims, lhs_ndim, rhs_q, g_q, lhs_dtype, recipe,
+                      like=None if lhs_q is None else lhs_q.data)  # fmt: skip
     if lhs_t is None and g_t is None:
         wg = dimensions.wgrad(dims, lhs_ndim, rhs_q.data.ndim)
         d_rhs = scaled_dot(lhs_q, g_q, wg.dimension_numbers, rhs_dtype, recipe.wgrad_precision,
@@ -277,6 +276,13 @@ def backward_dots(
         recipe, lhs_transposed=lhs_t is not None, g_transposed=g_t is not None,
     )  # fmt: skip
     return d_lhs, d_rhs
+
+
+def dgrad_dot(dims, lhs_ndim: int, rhs_q: Fp8Array, g_q: Fp8Array, lhs_dtype, recipe, like=None):
+    """The dgrad GEMM of ``dot_general(lhs, rhs, dims)``: lhs's gradient, in ``lhs_dtype``."""
+    dg = dimensions.dgrad(dims, lhs_ndim, rhs_q.data.ndim)
+    return scaled_dot(g_q, rhs_q, dg.dimension_numbers, lhs_dtype, recipe.dgrad_precision,
+                      dg.permutation, like=like)  # fmt: skip
 
 
 def quantize_in_both_layouts(
@@ -458,7 +464,7 @@ def _kernel_is_local() -> bool:
     (:mod:`fp8jax.ops.cast_transpose`) has no partitioning rule at all: XLA
     gathers its operands in high precision (the FSDP dense of
     ``tests/verify``), unless it runs inside ``shard_map``
-    (:func:`_cast_kernel_row_axes`). Inside ``shard_map`` every array is local.
+    (:func:`cast_kernel_row_axes`). Inside ``shard_map`` every array is local.
 
     With no mesh in context (``jax.set_mesh``, :func:`fp8jax.sharding.use_mesh`),
     a ``jit`` may still get sharded inputs, which tracing cannot see; then
