@@ -319,6 +319,49 @@ def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, 
 
 
 @pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_ungated_activation_and_its_gradient_are_computed_in_the_cast_kernels(recipe):
+    # fp8jax.ops.activation_cast: under delayed scaling one Pallas kernel reads
+    # pre and writes h in FP8; another reads pre and dh and writes pre's
+    # gradient in FP8 in both layouts and h again, transposed, for kernel_2's
+    # wgrad. No bf16 (tokens, ffn) array is written but the GEMMs' outputs.
+    # XLA's path took 0.63 (h) + 0.54 (gradient in bf16) + 0.32 (its cast) +
+    # 0.22 ms (h's FP8 transpose) on the H200's transformer layer, the kernels
+    # 0.30 + 0.78 (bench/results/h200-2026-11-30-i, run 9C). Current scaling
+    # needs each amax before its cast: XLA's path, which writes h and the
+    # gradient in bf16. All six GEMMs are FP8 either way.
+    from fp8jax.verify import _hlo, gemm_report
+
+    hlo = _mlp_step_hlo(("gelu_tanh",), recipe, TOKENS, HIDDEN, FFN)
+    report = gemm_report(hlo)
+    assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
+    gemms = {g.name for g in report.gemms}
+    activation_kernels = {
+        inst.metadata["op_name"].rsplit("/", 2)[-2]: sorted(
+            (t.dtype, t.shape) for t in inst.types if t.dtype.startswith("f8")
+        )
+        for inst in _hlo.parse_module(hlo).entry.instructions.values()
+        if inst.custom_call_target == "__gpu$xla.gpu.triton"
+        and "activation" in inst.metadata.get("op_name", "")
+    }
+    bf16_written = [
+        name for name, dtype, shape in _written_results(hlo)
+        if (dtype, shape) == ("bf16", (TOKENS, FFN)) and name not in gemms
+    ]  # fmt: skip
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        assert activation_kernels == {
+            "fp8jax_cast_activation": [("f8e4m3fn", (TOKENS, FFN))],
+            "fp8jax_cast_activation_gradient": sorted([
+                ("f8e4m3fn", (FFN, TOKENS)), ("f8e5m2", (FFN, TOKENS)), ("f8e5m2", (TOKENS, FFN))
+            ]),
+        }  # fmt: skip
+        assert bf16_written == []
+    else:
+        assert activation_kernels == {}
+        assert len(bf16_written) == 2
+
+
+@pytest.mark.deviceless
 def test_fp8jax_pallas_0_keeps_xla_cast_and_transpose(monkeypatch):
     # The documented switch (fp8jax.ops.cast_transpose.enabled), read when the
     # op is traced.

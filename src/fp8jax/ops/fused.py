@@ -7,7 +7,10 @@ and the activation itself under current scaling or without a bias, cost too
 much to compute twice; each is written once, in the activations' dtype, and
 read back by its quantize pass (:func:`~fp8jax.ops.dense.quantize_stored`).
 Under delayed scaling a biased activation is cast to FP8 where it is
-computed (:func:`~fp8jax.ops.dense.quantize_recomputed`). Biases are inputs
+computed (:func:`~fp8jax.ops.dense.quantize_recomputed`); one activation
+(not gated) that a Pallas kernel computes, gelu_tanh, relu or silu, and its
+gradient are computed inside the FP8 cast kernels on the GPU
+(:mod:`fp8jax.ops.activation_cast`). Biases are inputs
 of the custom_vjps: their gradients come out of the pass that quantizes the
 output gradient (:func:`~fp8jax.ops.dense.quantize_gradient`). The ops save
 only FP8 GEMM operands, the input, the per-row statistics and, for the MLP,
@@ -24,12 +27,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.ops import _partitioning
+from fp8jax.ops import _partitioning, activation_cast, cast_transpose
 from fp8jax.ops.dense import (
     add_bias,
     backward_dots,
+    cast_kernel_row_axes,
     check_bias,
     check_state,
+    dgrad_dot,
     quantize_computed,
     quantize_in_both_layouts,
     quantize_output_gradient,
@@ -37,10 +42,11 @@ from fp8jax.ops.dense import (
     quantize_stored,
     quantize_transposed,
     scaled_dot,
+    wgrad_over_tokens,
 )
 from fp8jax.ops.norm import NormConfig, check_norm_args, normalize, normalize_backward
 from fp8jax.ops.split import Split, SplitGradient, make_split
-from fp8jax.quantize import check_high_precision
+from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import resolve_recipe
 from fp8jax.scaling import DotScaleState, MlpScaleState, update_scale_state
 
@@ -286,7 +292,10 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     pre = scaled_dot(normed_q, k1_q, _contract_last(x.ndim), config.x_dtype,
                      recipe.forward_precision, kernel_t=k1_t)  # fmt: skip
     activation = functools.partial(_activation, activations=config.activations)
-    if fc2 is not None and b1 is not None:
+    kernel_axes = _activation_kernel_axes(pre, config, delayed=state is not None)
+    if kernel_axes is not None:
+        h_q, h_amax = _cast_activation(pre, b1, fc2.x.scale, config, kernel_axes)
+    elif fc2 is not None and b1 is not None:
         h_q, h_amax = quantize_recomputed(activation, pre, (b1,), fwd, fc2.x, recipe,
                                           config.x_dtype)  # fmt: skip
     else:
@@ -336,13 +345,24 @@ def _activation_grad(dh, pre, bias, activations):
 
 
 def _mlp_bwd(config: FusedConfig, saved, g):
-    (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state), amaxes = saved
-    normed_amax, k1_amax, h_amax, k2_amax = amaxes
+    (x, *_, b1, pre, h_q, k2_q, b2, state), _ = saved
     recipe, bwd = config.recipe, config.recipe.formats.backward
     fc1, fc2 = (None, None) if state is None else state
     g_q, g_t, g_amax, db2 = quantize_output_gradient(
         g, bwd, fc2 and fc2.grad, recipe, x.ndim - 1, bias_ndim=0 if b2 is None else 1
     )
+    kernel_axes = _activation_kernel_axes(pre, config, delayed=state is not None)
+    if kernel_axes is not None:
+        dh = dgrad_dot(_contract_last(x.ndim), x.ndim, k2_q, g_q, config.x_dtype, recipe,
+                       like=h_q.data)  # fmt: skip
+        dpre_q, dpre_t, dpre_amax, db1, h_t = _cast_activation_gradient(
+            dh, pre, b1, fc1.grad.scale, fc2.x.scale, config, kernel_axes
+        )
+        dk2 = wgrad_over_tokens(h_t, g_q if g_t is None else g_t, k2_q.shape,
+                                config.kernel_dtypes[1], recipe, lhs_transposed=True,
+                                g_transposed=g_t is not None)  # fmt: skip
+        return _mlp_bwd_after_activation(config, saved, dpre_q, dpre_t, dpre_amax, db1, dk2,
+                                         db2, g_amax)  # fmt: skip
     dh, dk2 = _backward_dots(x.ndim, h_q, k2_q, g_q, config.x_dtype,
                              config.kernel_dtypes[1], recipe, g_t=g_t)  # fmt: skip
     # Without the barrier XLA shares the activation's f32 math between the
@@ -366,6 +386,17 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     else:
         dpre_q, dpre_t, dpre_amax, column_sums = transposed
         db1 = None if b1 is None else column_sums.astype(b1.dtype)
+    return _mlp_bwd_after_activation(config, saved, dpre_q, dpre_t, dpre_amax, db1, dk2, db2,
+                                     g_amax)  # fmt: skip
+
+
+def _mlp_bwd_after_activation(config: FusedConfig, saved, dpre_q, dpre_t, dpre_amax, db1, dk2,
+                              db2, g_amax):  # fmt: skip
+    """The MLP's backward from its activation's FP8 gradient on: kernel_1's GEMMs, the norm."""
+    (x, gamma, beta, mean, rstd, normed_q, k1_q, _, _, _, _, b2, state), amaxes = saved
+    normed_amax, k1_amax, h_amax, k2_amax = amaxes
+    recipe = config.recipe
+    fc1, fc2 = (None, None) if state is None else state
     dnormed, dk1 = _backward_dots(x.ndim, normed_q, k1_q, dpre_q, x.dtype,
                                   config.kernel_dtypes[0], recipe, g_t=dpre_t)  # fmt: skip
     dk1 = _interleave(dk1)
@@ -383,6 +414,55 @@ def _mlp_bwd(config: FusedConfig, saved, g):
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def _activation_kernel_axes(pre, config: FusedConfig, delayed: bool) -> tuple[str, ...] | None:
+    """The mesh axes splitting the rows the activation kernels run on, or None for XLA's path.
+
+    The kernels (:mod:`fp8jax.ops.activation_cast`) compute one activation
+    and need its scale before its value: delayed scaling. They run where the
+    cast kernel runs on token rows (:func:`~fp8jax.ops.dense.cast_kernel_row_axes`).
+    """
+    if not delayed or len(config.activations) != 1:
+        return None
+    if config.activations[0] not in activation_cast.KERNEL_ACTIVATIONS:
+        return None
+    row_axes = cast_kernel_row_axes(rows_are_tokens=True)
+    if row_axes is None:
+        return None
+    rows_by_ffn = jax.ShapeDtypeStruct((pre.size // pre.shape[-2], pre.shape[-2]), pre.dtype)
+    if not activation_cast.fits(rows_by_ffn, cast_transpose.devices_along(row_axes)):
+        return None
+    return row_axes
+
+
+def _cast_activation(pre, b1, scale, config: FusedConfig, row_axes):
+    """``h`` in FP8 from the forward activation kernel, and its amax."""
+    fmt = config.recipe.formats.forward
+    rows_by_ffn = pre.reshape(-1, pre.shape[-2])
+    bias = None if b1 is None else b1.reshape(-1)
+    data, h_amax = activation_cast.cast_activation(rows_by_ffn, bias, config.activations[0],
+                                                   scale, fmt, row_axes)  # fmt: skip
+    h_amax = _partitioning.reduce_amax(h_amax, config.recipe)
+    return Fp8Array(data.reshape(pre.shape[:-1]), 1.0 / scale.astype(jnp.float32), fmt), h_amax
+
+
+def _cast_activation_gradient(dh, pre, b1, scale, h_scale, config: FusedConfig, row_axes):
+    """The backward activation kernel: pre's gradient as quantize_transposed gives it, and h_t."""
+    recipe = config.recipe
+    fmt, h_fmt = recipe.formats.backward, recipe.formats.forward
+    rows_by_ffn = pre.reshape(-1, pre.shape[-2])
+    bias = None if b1 is None else b1.reshape(-1)
+    out, h_t = activation_cast.cast_activation_gradient(
+        dh.reshape(rows_by_ffn.shape), rows_by_ffn, bias, config.activations[0], scale, fmt,
+        h_scale, h_fmt, row_axes,
+    )  # fmt: skip
+    scale_inv = 1.0 / scale.astype(jnp.float32)
+    dpre_q = Fp8Array(out.q.reshape(pre.shape), scale_inv, fmt)
+    dpre_t = Fp8Array(out.q_t, scale_inv, fmt)
+    db1 = None if b1 is None else out.column_sums.reshape(pre.shape[-2:]).astype(b1.dtype)
+    h_t = Fp8Array(h_t, 1.0 / h_scale.astype(jnp.float32), h_fmt)
+    return dpre_q, dpre_t, _partitioning.reduce_amax(out.amax, recipe), db1, h_t
 
 
 def _check_activations(activations) -> tuple[str, ...]:
