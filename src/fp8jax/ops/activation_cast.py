@@ -1,12 +1,13 @@
 """An MLP's activation, and its gradient, computed inside FP8 cast kernels.
 
-Under delayed scaling the scale of the activation ``h = act(pre + bias)``
-and of its gradient is known before either is computed, so each can be
-computed where it is cast. XLA does so for the forward
+Under delayed scaling the scale of the activation ``h`` (one activation of
+``pre + bias``, or a gated pair's product: GeGLU, SwiGLU) and of its
+gradient is known before either is computed, so each can be computed where
+it is cast. XLA does so for the forward
 (:func:`~fp8jax.ops.dense.quantize_recomputed`), but writes the gradient in
 bf16 for the cast kernel to read back, and transposes the FP8 ``h`` for the
-second GEMM's wgrad in a kernel of its own. Here two Pallas (Triton) kernels
-do it all:
+second GEMM's wgrad in a kernel of its own. Here two Pallas (Triton)
+kernels do it all:
 
 - :func:`cast_activation` reads ``pre`` once and writes ``h`` in FP8 with
   per-tile maxima (its amax);
@@ -18,24 +19,32 @@ do it all:
   copy would hold another FP8 ``(tokens, ffn)`` array from forward to
   backward.
 
-The activations are written through the logistic function (gelu_tanh's
-``0.5 * (1 + tanh(u))`` as ``sigmoid(2u)``), which the kernels compute with
-the GPU's approximate ``ex2`` and ``rcp`` instructions, each within about
-2**-22 relative: a Triton kernel with libdevice's ``tanhf`` took 0.875 ms
-for the transformer layer's forward activation, where XLA's two kernels
-took about 0.75 ms (bench/results/h200-2026-11-30-f). Off the GPU, and with
-the kernels off (``FP8JAX_PALLAS=0``), XLA computes the same formulas with
-``exp`` and division. Both round ``h`` and the gradient to the activations'
+A gated pair's ``pre`` comes interleaved, each row's two branches side by
+side (``fp8jax.ops.fused._interleave``), and its gradient leaves the same way.
+
+The activations are written through the logistic function and ``erfc``
+(gelu_tanh's ``0.5 * (1 + tanh(u))`` as ``sigmoid(2u)``, gelu's ``Phi`` as
+``erfc(-x / sqrt(2)) / 2``), forms that keep f32's relative precision in the
+negative tail. The kernels compute them with the GPU's approximate ``ex2``
+and ``rcp`` instructions, each within about 2**-22 relative, and ``erfc``
+from Numerical Recipes' approximation (within 1.2e-7): a Triton kernel with
+libdevice's ``tanhf`` took 0.875 ms for the transformer layer's forward
+activation, where XLA's two kernels took about 0.75 ms
+(bench/results/h200-2026-11-30-f). Off the GPU, and with the kernels off
+(``FP8JAX_PALLAS=0``), XLA computes the same formulas with ``exp``,
+``erfc`` and division. Both round ``h`` and the gradient to the activations'
 dtype before the cast, as the XLA path of :func:`fp8jax.layernorm_mlp` does.
 
 On the H200's transformer layer (TransformerEngine's shapes, gelu_tanh) the
 two kernels took 0.29 + 0.75 ms where XLA's path took 1.28 ms with the
 benchmarks' mean loss and 1.72 ms with a square loss; the layer's step went
 from 18.70-18.76 to 18.54 ms, and from 19.13-19.24 to 18.84 ms with the
-square loss (bench/results/h200-2026-11-30-i, run 9C).
+square loss (bench/results/h200-2026-11-30-i, run 9C). Which activations
+:func:`fp8jax.layernorm_mlp` sends here is its own choice, by measurement
+(``fused._KERNEL_ACTIVATIONS``).
 
-Only one activation (not gated), among :data:`KERNEL_ACTIVATIONS`, and whole
-tiles (:func:`fp8jax.ops.cast_transpose.fits`) take this path.
+One or two activations among :data:`KERNEL_ACTIVATIONS`, and whole tiles
+(:func:`fits`), take this path.
 """
 
 from __future__ import annotations
@@ -52,69 +61,150 @@ from fp8jax.formats import Fp8Format
 from fp8jax.ops import cast_transpose
 from fp8jax.quantize import quantize_with_scale
 
-# Tile (rows, columns) and warps per program of each kernel: the fastest of
-# seven (forward) and ten (gradient) shapes, 16-128 rows, 64-128 columns, 4-8
-# warps, on the H200 at (16384, 16384) (bench/results/h200-2026-11-30-i, 9B).
-FORWARD_TILE, FORWARD_WARPS = (64, 64), 4
-GRADIENT_TILE, GRADIENT_WARPS = (64, 64), 4
+# The kernels' tile of h, (rows, columns), and warps per program, by the
+# number of activations n; pre and its gradient are read and written n times
+# as wide. The fastest on the H200 of 5-10 shapes (16-128 rows, 32-128
+# columns, 2-8 warps) for gelu_tanh at (16384, 16384) and for GeGLU and
+# SwiGLU at (16384, 2 x 8192) (bench/results/h200-2026-11-30-i, 9B and 9D).
+FORWARD_TILES = {1: ((64, 64), 4), 2: ((64, 64), 4)}
+GRADIENT_TILES = {1: ((64, 64), 4), 2: ((64, 32), 4)}
+ROWS_MULTIPLE, COLUMNS_MULTIPLE = 64, 64
 
 _GELU_C = math.sqrt(2 / math.pi)
 _GELU_A = 0.044715
 _LOG2_E = math.log2(math.e)
+_RSQRT_2 = 1 / math.sqrt(2)
+_RSQRT_2PI = 1 / math.sqrt(2 * math.pi)
+# Numerical Recipes' erfc: t * exp(-z*z + poly(t)), t = 1 / (1 + z / 2), z >= 0,
+# within 1.2e-7 relative everywhere; these are its published coefficients.
+_ERFC_POLY = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+              0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)  # fmt: skip
 
 
-def _sigmoid(z):
-    return 1 / (1 + jnp.exp(-z))
+class _XlaMath:
+    """The elementary functions as XLA computes them (and interpret mode, on the CPU)."""
+
+    exp = staticmethod(jnp.exp)
+    erfc = staticmethod(lax.erfc)
+
+    @staticmethod
+    def rcp(v):
+        return 1 / v
 
 
-def _gpu_sigmoid(z):
-    """The logistic function from the GPU's ``ex2.approx`` and ``rcp.approx`` (Triton only).
+class _GpuMath:
+    """The same from the GPU's ``ex2.approx`` and ``rcp.approx`` (Triton only).
 
     Each instruction errs by at most about 2**-22 relative; libdevice's
     ``expf`` and an IEEE division cost tens of instructions more, which made
     the gradient kernel math-bound (gelu_tanh: 0.82 against relu's 0.67 ms).
-    Where ``exp`` overflows, ``rcp`` of infinity gives 0, the limit.
+    Pallas's Triton lowering has no ``erfc``: it comes from Numerical
+    Recipes' approximation on these two.
     """
-    from jax.experimental.pallas import triton as pallas_triton
 
-    def unary(asm, v):
+    @staticmethod
+    def _unary(asm, v):
+        from jax.experimental.pallas import triton as pallas_triton
+
         (out,) = pallas_triton.elementwise_inline_asm(
             asm, args=[v], constraints="=f,f", pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, v.dtype)],
         )  # fmt: skip
         return out
 
-    e = unary("ex2.approx.ftz.f32 $0, $1;", z * -_LOG2_E)
-    return unary("rcp.approx.ftz.f32 $0, $1;", 1 + e)
+    @classmethod
+    def exp(cls, v):
+        return cls._unary("ex2.approx.ftz.f32 $0, $1;", v * _LOG2_E)
+
+    @classmethod
+    def rcp(cls, v):
+        return cls._unary("rcp.approx.ftz.f32 $0, $1;", v)
+
+    @classmethod
+    def erfc(cls, w):
+        z = jnp.abs(w)
+        t = cls.rcp(1 + 0.5 * z)
+        poly = _ERFC_POLY[-1]
+        for c in reversed(_ERFC_POLY[:-1]):
+            poly = poly * t + c
+        r = t * cls.exp(poly - z * z)
+        return jnp.where(w >= 0, r, 2 - r)
 
 
-def _gelu_tanh(x, sigmoid):
+def _sigmoid(z, m):
+    # Where exp overflows, rcp of infinity gives 0, the limit.
+    return m.rcp(1 + m.exp(-z))
+
+
+def _gelu_tanh(x, m):
     # 0.5 * (1 + tanh(u)) is sigmoid(2u): in this form f32 keeps its relative
     # precision in the negative tail, where 1 + tanh(u) cancels (x = -4.8:
     # the slope is -3e-6, and the tanh form's f32 error is 20% of it).
     two_u_slope = 2 * _GELU_C * (1 + 3 * _GELU_A * x * x)
-    s = sigmoid(2 * _GELU_C * (x + _GELU_A * x * x * x))
+    s = _sigmoid(2 * _GELU_C * (x + _GELU_A * x * x * x), m)
     return x * s, s + x * s * (1 - s) * two_u_slope
 
 
-def _relu(x, sigmoid):
-    del sigmoid
+def _gelu(x, m):
+    # Phi(x) through erfc, not 1 + erf, for the same reason.
+    phi = 0.5 * m.erfc(-x * _RSQRT_2)
+    return x * phi, phi + x * _RSQRT_2PI * m.exp(-0.5 * x * x)
+
+
+def _relu(x, m):
+    del m
     return jnp.maximum(x, 0.0), jnp.where(x > 0, 1.0, 0.0).astype(x.dtype)
 
 
-def _silu(x, sigmoid):
-    s = sigmoid(x)
+def _silu(x, m):
+    s = _sigmoid(x, m)
     return x * s, s * (1 + x * (1 - s))
 
 
-# name -> (value, slope) in f32.
-_ACTIVATIONS = {"gelu_tanh": _gelu_tanh, "relu": _relu, "silu": _silu}
+def _linear(x, m):
+    del m
+    return x, jnp.ones_like(x)
+
+
+# name -> (value, slope) in f32, given the elementary functions.
+_ACTIVATIONS = {"gelu": _gelu, "gelu_tanh": _gelu_tanh, "relu": _relu, "silu": _silu,
+                "linear": _linear}  # fmt: skip
 KERNEL_ACTIVATIONS = frozenset(_ACTIVATIONS)
 
 
-def activation_and_slope(name: str, x: jax.Array, sigmoid=_sigmoid):
+def activation_and_slope(name: str, x: jax.Array, math_=_XlaMath):
     """``(act(x), act'(x))`` of f32 ``x`` for a name in :data:`KERNEL_ACTIVATIONS`."""
-    return _ACTIVATIONS[name](x, sigmoid)
+    return _ACTIVATIONS[name](x, math_)
+
+
+def _branches(x, n: int):
+    """The n interleaved branches of a (rows, n * columns) tile: each (rows, columns)."""
+    if n == 1:
+        return (x,)
+    rows, cols = x.shape
+    a, b = jnp.split(x.reshape(rows, cols // 2, 2), 2, axis=2)
+    return a.reshape(rows, cols // 2), b.reshape(rows, cols // 2)
+
+
+def _interleaved(parts):
+    """The inverse of :func:`_branches`."""
+    if len(parts) == 1:
+        return parts[0]
+    rows, cols = parts[0].shape
+    return jnp.stack(parts, axis=-1).reshape(rows, 2 * cols)
+
+
+def _gated(activations, x, m):
+    """``h`` and each branch's gradient factor ``d h / d branch``, of a biased f32 tile."""
+    branches = _branches(x, len(activations))
+    pairs = [
+        activation_and_slope(name, v, m) for name, v in zip(activations, branches, strict=True)
+    ]
+    values, slopes = [v for v, _ in pairs], [s for _, s in pairs]
+    if len(values) == 1:
+        return values[0], slopes
+    (v0, v1), (s0, s1) = values, slopes
+    return v0 * v1, (s0 * v1, v0 * s1)
 
 
 def _biased(pre_ref, bias_refs):
@@ -122,38 +212,40 @@ def _biased(pre_ref, bias_refs):
     return x + bias_refs[0][...].astype(jnp.float32) if bias_refs else x
 
 
-def _forward_kernel(name, fmt, dtype, sigmoid, pre_ref, *refs):
+def _forward_kernel(activations, fmt, dtype, m, pre_ref, *refs):
     *bias_refs, scale_ref, q_ref, max_ref = refs
-    h = activation_and_slope(name, _biased(pre_ref, bias_refs), sigmoid)[0].astype(dtype)
+    h = _gated(activations, _biased(pre_ref, bias_refs), m)[0].astype(dtype)
     h = h.astype(jnp.float32)
     q_ref[...] = quantize_with_scale(h, fmt, scale_ref[0]).data
     max_ref[...] = jnp.max(jnp.abs(h), axis=0)[None, :]
 
 
-def _gradient_kernel(name, fmt, h_fmt, dtype, sigmoid, dh_ref, pre_ref, *refs):
+def _gradient_kernel(activations, fmt, h_fmt, dtype, m, dh_ref, pre_ref, *refs):
     *bias_refs, scale_ref, h_scale_ref, q_ref, qt_ref, sum_ref, max_ref, ht_ref = refs
-    h, slope = activation_and_slope(name, _biased(pre_ref, bias_refs), sigmoid)
-    d_pre = (slope * dh_ref[...].astype(jnp.float32)).astype(dtype)
+    h, factors = _gated(activations, _biased(pre_ref, bias_refs), m)
+    dh = dh_ref[...].astype(jnp.float32)
+    d_pre = _interleaved([f * dh for f in factors]).astype(dtype)
     cast_transpose._cast_tile(fmt, d_pre, scale_ref[0], q_ref, qt_ref, sum_ref, max_ref)
     ht_ref[...] = quantize_with_scale(h.astype(dtype), h_fmt, h_scale_ref[0]).data.T
 
 
-def _specs(pl, tile, n_tiles: int, n_bias: int, n_scales: int):
-    """In-specs: ``n_tiles`` (rows, cols) operands, then bias rows, then f32 scalars."""
-    tile_spec = pl.BlockSpec(tile, lambda i, j: (i, j))
-    bias_spec = pl.BlockSpec((1, tile[1]), lambda i, j: (0, j))
-    scalar_spec = pl.BlockSpec((1,), lambda i, j: (0,))
-    return [tile_spec] * n_tiles + [bias_spec] * n_bias + [scalar_spec] * n_scales
+def _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, name, warps):
+    """``pallas_call`` of ``kernel`` over tiles of h; ``inputs``, ``outputs``: kinds in ``index``.
 
-
-def _call(pl, kernel, grid, tile, in_specs, outputs, interpret, name, warps):
-    """``pallas_call`` of ``kernel``; ``outputs``: (kind, shape, dtype), kinds in ``index``."""
+    ``tile`` is h's; the "pre" kinds are ``n`` times as wide.
+    """
     from jax.experimental.pallas import triton as pallas_triton
 
+    rows, cols = tile
     index = {
-        "tile": (tile, lambda i, j: (i, j)),
-        "tile_t": (tile[::-1], lambda i, j: (j, i)),
-        "partial": ((1, tile[1]), lambda i, j: (i, j)),
+        "h": ((rows, cols), lambda i, j: (i, j)),
+        "h_t": ((cols, rows), lambda i, j: (j, i)),
+        "pre": ((rows, n * cols), lambda i, j: (i, j)),
+        "pre_t": ((n * cols, rows), lambda i, j: (j, i)),
+        "h_partial": ((1, cols), lambda i, j: (i, j)),
+        "pre_partial": ((1, n * cols), lambda i, j: (i, j)),
+        "bias": ((1, n * cols), lambda i, j: (0, j)),
+        "scalar": ((1,), lambda i, j: (0,)),
     }
     params = {} if interpret else {
         "compiler_params": pallas_triton.CompilerParams(num_warps=warps)
@@ -161,7 +253,7 @@ def _call(pl, kernel, grid, tile, in_specs, outputs, interpret, name, warps):
     return pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=in_specs,
+        in_specs=[pl.BlockSpec(*index[kind]) for kind in inputs],
         out_specs=[pl.BlockSpec(*index[kind]) for kind, _, _ in outputs],
         out_shape=[jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in outputs],
         interpret=interpret,
@@ -170,41 +262,45 @@ def _call(pl, kernel, grid, tile, in_specs, outputs, interpret, name, warps):
     )
 
 
-def _pallas_forward(pre, biases, scale, *, name, fmt, interpret=False, tile=None, warps=None):
+def _pallas_forward(pre, biases, scale, *, activations, fmt, interpret=False, tile=None,
+                    warps=None):  # fmt: skip
     """The forward kernel: ``(q, per-tile column maxima)``; ``biases``: () or (bias,)."""
     from jax.experimental import pallas as pl
 
-    rows, cols = pre.shape
-    tile, warps = tile or FORWARD_TILE, warps or FORWARD_WARPS
+    n = len(activations)
+    rows, cols = pre.shape[0], pre.shape[1] // n
+    tile, warps = tile or FORWARD_TILES[n][0], warps or FORWARD_TILES[n][1]
     grid = (rows // tile[0], cols // tile[1])
     biases = tuple(b.reshape(1, -1) for b in biases)
-    sigmoid = _sigmoid if interpret else _gpu_sigmoid  # no inline assembly on the CPU
-    kernel = functools.partial(_forward_kernel, name, fmt, pre.dtype, sigmoid)
-    outputs = [("tile", (rows, cols), fmt.dtype), ("partial", (grid[0], cols), jnp.float32)]
-    return _call(pl, kernel, grid, tile, _specs(pl, tile, 1, len(biases), 1), outputs, interpret,
-                 "fp8jax_cast_activation", warps)(pre, *biases, scale.reshape(1))  # fmt: skip
+    m = _XlaMath if interpret else _GpuMath  # no inline assembly on the CPU
+    kernel = functools.partial(_forward_kernel, activations, fmt, pre.dtype, m)
+    inputs = ["pre", *["bias"] * len(biases), "scalar"]
+    outputs = [("h", (rows, cols), fmt.dtype), ("h_partial", (grid[0], cols), jnp.float32)]
+    return _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, "fp8jax_cast_activation",
+                 warps)(pre, *biases, scale.reshape(1))  # fmt: skip
 
 
-def _pallas_gradient(
-    dh, pre, biases, scale, h_scale, *, name, fmt, h_fmt, interpret=False, tile=None, warps=None
-):
+def _pallas_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt,
+                     interpret=False, tile=None, warps=None):  # fmt: skip
     """The backward kernel: ``(q, q_t, column sums and maxima per tile, h_t)``."""
     from jax.experimental import pallas as pl
 
-    rows, cols = pre.shape
-    tile, warps = tile or GRADIENT_TILE, warps or GRADIENT_WARPS
+    n = len(activations)
+    rows, cols = dh.shape
+    tile, warps = tile or GRADIENT_TILES[n][0], warps or GRADIENT_TILES[n][1]
     grid = (rows // tile[0], cols // tile[1])
     biases = tuple(b.reshape(1, -1) for b in biases)
-    sigmoid = _sigmoid if interpret else _gpu_sigmoid
-    kernel = functools.partial(_gradient_kernel, name, fmt, h_fmt, pre.dtype, sigmoid)
+    m = _XlaMath if interpret else _GpuMath
+    kernel = functools.partial(_gradient_kernel, activations, fmt, h_fmt, pre.dtype, m)
+    inputs = ["h", "pre", *["bias"] * len(biases), "scalar", "scalar"]
     outputs = [
-        ("tile", (rows, cols), fmt.dtype),
-        ("tile_t", (cols, rows), fmt.dtype),
-        ("partial", (grid[0], cols), jnp.float32),
-        ("partial", (grid[0], cols), jnp.float32),
-        ("tile_t", (cols, rows), h_fmt.dtype),
+        ("pre", (rows, n * cols), fmt.dtype),
+        ("pre_t", (n * cols, rows), fmt.dtype),
+        ("pre_partial", (grid[0], n * cols), jnp.float32),
+        ("pre_partial", (grid[0], n * cols), jnp.float32),
+        ("h_t", (cols, rows), h_fmt.dtype),
     ]
-    return _call(pl, kernel, grid, tile, _specs(pl, tile, 2, len(biases), 2), outputs, interpret,
+    return _call(pl, kernel, grid, tile, n, inputs, outputs, interpret,
                  "fp8jax_cast_activation_gradient", warps)(
         dh, pre, *biases, scale.reshape(1), h_scale.reshape(1))  # fmt: skip
 
@@ -214,19 +310,19 @@ def _biased_xla(pre, biases):
     return x + biases[0].astype(jnp.float32)[None, :] if biases else x
 
 
-def _xla_forward(pre, biases, scale, *, name, fmt):
+def _xla_forward(pre, biases, scale, *, activations, fmt):
     """:func:`_pallas_forward`'s values from XLA."""
-    x = _biased_xla(pre, biases)
-    h = activation_and_slope(name, x)[0].astype(pre.dtype).astype(jnp.float32)
-    tiles = h.reshape(-1, cast_transpose.BLOCK_ROWS, h.shape[1])
+    h = _gated(activations, _biased_xla(pre, biases), _XlaMath)[0]
+    h = h.astype(pre.dtype).astype(jnp.float32)
+    tiles = h.reshape(-1, ROWS_MULTIPLE, h.shape[1])
     return quantize_with_scale(h, fmt, scale).data, jnp.max(jnp.abs(tiles), axis=1)
 
 
-def _xla_gradient(dh, pre, biases, scale, h_scale, *, name, fmt, h_fmt):
+def _xla_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt):
     """:func:`_pallas_gradient`'s values from XLA."""
-    x = _biased_xla(pre, biases)
-    h, slope = activation_and_slope(name, x)
-    d_pre = (slope * dh.astype(jnp.float32)).astype(pre.dtype)
+    h, factors = _gated(activations, _biased_xla(pre, biases), _XlaMath)
+    dh = dh.astype(jnp.float32)
+    d_pre = _interleaved([f * dh for f in factors]).astype(pre.dtype)
     q, q_t, sums, maxima = cast_transpose._xla_partials(d_pre, scale, fmt)
     h_t = quantize_with_scale(h.astype(pre.dtype), h_fmt, h_scale).data.T
     return q, q_t, sums, maxima, h_t
@@ -256,29 +352,37 @@ def _on_rows(fn, operands, n_matrices, out_kinds, row_axes):
     )(*operands)  # fmt: skip
 
 
-def fits(pre: jax.Array, row_shards: int = 1) -> bool:
-    """Whether the kernels take a (rows, columns) ``pre`` split over ``row_shards`` devices."""
-    return cast_transpose.fits(pre, row_shards)
+def fits(shape: tuple[int, ...], n: int = 1, row_shards: int = 1) -> bool:
+    """Whether the kernels take a (rows, n * columns) pre of ``shape``, rows over ``row_shards``."""
+    return (
+        len(shape) == 2
+        and shape[0] % (ROWS_MULTIPLE * row_shards) == 0
+        and shape[1] % (n * COLUMNS_MULTIPLE) == 0
+    )
 
 
 def cast_activation(
-    pre: jax.Array, bias: jax.Array | None, name: str, scale: jax.Array, fmt: Fp8Format,
-    row_axes: tuple[str, ...] = (),
+    pre: jax.Array, bias: jax.Array | None, activations: tuple[str, ...], scale: jax.Array,
+    fmt: Fp8Format, row_axes: tuple[str, ...] = (),
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
-    """``act(pre + bias)`` rounded to ``pre.dtype``, cast to FP8 at ``scale``, and its amax.
+    """``h``, the (gated) activation of ``pre + bias`` in ``pre.dtype``, in FP8, and its amax.
 
-    ``pre``: (rows, columns) in whole tiles (:func:`fits`); ``bias``:
-    (columns,) or None; ``name``: one of :data:`KERNEL_ACTIVATIONS`;
-    ``row_axes``: the mesh axes splitting ``pre``'s rows alone
+    ``activations``: one or two names from :data:`KERNEL_ACTIVATIONS`; two
+    multiply (GLU): ``("gelu", "linear")`` is GeGLU. ``pre``: (rows, n *
+    columns) for n activations, each row's branches interleaved (column
+    ``n * c + k`` is branch ``k`` of column ``c``), in whole tiles
+    (:func:`fits`); ``bias``: (n * columns,) likewise, or None; ``row_axes``:
+    the mesh axes splitting ``pre``'s rows alone
     (:func:`fp8jax.ops.cast_transpose.cast_transpose`).
 
-    Returns ``(q, amax)``: the FP8 data and the f32 max ``|h|``.
+    Returns ``(q, amax)``: ``h``'s (rows, columns) FP8 data at ``scale`` and
+    the f32 max ``|h|``.
     """
-    _check(pre, name, row_axes)
+    activations = _check(pre, activations, row_axes)
     forward = functools.partial(
         _dispatch,
-        functools.partial(_pallas_forward, name=name, fmt=fmt),
-        functools.partial(_xla_forward, name=name, fmt=fmt),
+        functools.partial(_pallas_forward, activations=activations, fmt=fmt),
+        functools.partial(_xla_forward, activations=activations, fmt=fmt),
     )
     biases = () if bias is None else (bias,)
     q, maxima = _on_rows(forward, (pre, biases, scale.astype(jnp.float32)), 1,
@@ -287,26 +391,33 @@ def cast_activation(
 
 
 def cast_activation_gradient(
-    dh: jax.Array, pre: jax.Array, bias: jax.Array | None, name: str, scale: jax.Array,
-    fmt: Fp8Format, h_scale: jax.Array, h_fmt: Fp8Format, row_axes: tuple[str, ...] = (),
+    dh: jax.Array, pre: jax.Array, bias: jax.Array | None, activations: tuple[str, ...],
+    scale: jax.Array, fmt: Fp8Format, h_scale: jax.Array, h_fmt: Fp8Format,
+    row_axes: tuple[str, ...] = (),
 ) -> tuple[cast_transpose.CastTransposed, jax.Array]:  # fmt: skip
-    """The gradient ``act'(pre + bias) * dh``, cast as cast_transpose casts, and ``h`` transposed.
+    """``pre``'s gradient from ``h``'s, ``dh``, cast as cast_transpose casts, and ``h`` transposed.
 
-    The gradient is rounded to ``pre.dtype`` and cast at ``scale`` to ``fmt``,
-    with its transposed copy, f32 column sums and amax
-    (:class:`~fp8jax.ops.cast_transpose.CastTransposed`). ``h`` is computed
-    again as :func:`cast_activation` computes it and cast at ``h_scale`` to
-    ``h_fmt``, as (columns, rows): the operand the second GEMM's wgrad reads.
+    ``pre``, ``bias``, ``activations`` as for :func:`cast_activation`; ``dh``
+    is (rows, columns). The gradient, interleaved as ``pre``, is rounded to
+    ``pre.dtype`` and cast at ``scale`` to ``fmt``, with its transposed copy,
+    f32 column sums and amax (:class:`~fp8jax.ops.cast_transpose.CastTransposed`).
+    ``h`` is computed again as :func:`cast_activation` computes it and cast
+    at ``h_scale`` to ``h_fmt``, as (columns, rows): the operand the second
+    GEMM's wgrad reads.
 
     Returns ``(gradient, h_t)``.
     """
-    _check(pre, name, row_axes)
-    if dh.shape != pre.shape:
-        raise ValueError(f"dh must have pre's shape {pre.shape}, got {dh.shape}.")
+    activations = _check(pre, activations, row_axes)
+    n = len(activations)
+    if dh.shape != (pre.shape[0], pre.shape[1] // n):
+        raise ValueError(
+            f"dh must be (rows, columns) = {(pre.shape[0], pre.shape[1] // n)} for pre "
+            f"{pre.shape} and {n} activation(s), got {dh.shape}."
+        )
     gradient = functools.partial(
         _dispatch,
-        functools.partial(_pallas_gradient, name=name, fmt=fmt, h_fmt=h_fmt),
-        functools.partial(_xla_gradient, name=name, fmt=fmt, h_fmt=h_fmt),
+        functools.partial(_pallas_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
+        functools.partial(_xla_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
     )
     biases = () if bias is None else (bias,)
     operands = (dh, pre, biases, scale.astype(jnp.float32), h_scale.astype(jnp.float32))
@@ -317,11 +428,18 @@ def cast_activation_gradient(
     return out, h_t
 
 
-def _check(pre, name: str, row_axes) -> None:
-    if name not in KERNEL_ACTIVATIONS:
-        raise ValueError(f"name must be one of {sorted(KERNEL_ACTIVATIONS)}, got {name!r}.")
-    if not fits(pre, cast_transpose.devices_along(tuple(row_axes))):
+def _check(pre, activations, row_axes) -> tuple[str, ...]:
+    activations = (activations,) if isinstance(activations, str) else tuple(activations)
+    if not 1 <= len(activations) <= 2 or not set(activations) <= KERNEL_ACTIVATIONS:
         raise ValueError(
-            f"pre must be 2-D with rows a multiple of {cast_transpose.BLOCK_ROWS} per device "
-            f"and columns a multiple of {cast_transpose.BLOCK_COLS}, got shape {pre.shape}."
+            f"activations must be one or two names from {sorted(KERNEL_ACTIVATIONS)}, got "
+            f"{activations!r}."
         )
+    n, shards = len(activations), cast_transpose.devices_along(tuple(row_axes))
+    if not fits(pre.shape, n, shards):
+        raise ValueError(
+            f"pre must be 2-D with rows a multiple of {ROWS_MULTIPLE} per device ({shards} "
+            f"device(s)) and columns a multiple of {n} x {COLUMNS_MULTIPLE}, got shape "
+            f"{pre.shape}."
+        )
+    return activations
