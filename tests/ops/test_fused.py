@@ -235,13 +235,14 @@ def test_layernorm_mlp_step_writes_no_f32_copy_of_the_activation(activations, re
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_gated_pre_activation_gradient_is_written_with_each_pair_side_by_side(recipe):
+def test_gated_pre_activation_gradient_is_written_with_each_pair_side_by_side():
     # fused._interleave: kernel_1 (hidden, 2, ffn) is quantized as (hidden,
-    # ffn, 2), so the pre-activation and its bf16 gradient are (tokens, ffn,
-    # 2). In kernel_1's own order XLA's gradient fusion read each
-    # pre-activation element twice (GeGLU on the H200: 1.22 against 0.87 ms).
-    written = _results_of_mlp_step(("silu", "linear"), recipe, "bf16")
+    # ffn, 2), so the pre-activation and, on XLA's path (current scaling),
+    # its bf16 gradient are (tokens, ffn, 2). In kernel_1's own order XLA's
+    # gradient fusion read each pre-activation element twice (GeGLU on the
+    # H200: 1.22 against 0.87 ms). Delayed scaling's activation kernels read
+    # the same layout (tests/ops/test_activation_cast.py).
+    written = _results_of_mlp_step(("silu", "linear"), fp8jax.CurrentScaling(), "bf16")
     shapes = {shape for _, shape in written}
     assert (TOKENS, FFN, 2) in shapes
     assert (TOKENS, 2, FFN) not in shapes
@@ -288,7 +289,9 @@ def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, 
     # gradient (with bias_2's), kernel_2 and, ungated, kernel_1. XLA made a
     # cast kernel and an FP8 transpose of each (GeGLU's gradient on the H200:
     # 0.78 + 0.46 against 0.63 ms). Gated, kernel_1 is read interleaved, a
-    # transpose XLA fuses into its own cast. All six GEMMs stay FP8.
+    # transpose XLA fuses into its own cast. All six GEMMs stay FP8. (erf's
+    # gelu stays on XLA's activation path under either recipe, fused.py's
+    # _KERNEL_ACTIVATIONS.)
     from collections import Counter
 
     from fp8jax.verify import _hlo, gemm_report
@@ -320,7 +323,8 @@ def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, 
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_ungated_activation_and_its_gradient_are_computed_in_the_cast_kernels(recipe):
+@pytest.mark.parametrize("activations", [("gelu_tanh",), ("silu", "linear")], ids="-".join)
+def test_activation_and_its_gradient_are_computed_in_the_cast_kernels(activations, recipe):
     # fp8jax.ops.activation_cast: under delayed scaling one Pallas kernel reads
     # pre and writes h in FP8; another reads pre and dh and writes pre's
     # gradient in FP8 in both layouts and h again, transposed, for kernel_2's
@@ -332,7 +336,8 @@ def test_ungated_activation_and_its_gradient_are_computed_in_the_cast_kernels(re
     # gradient in bf16. All six GEMMs are FP8 either way.
     from fp8jax.verify import _hlo, gemm_report
 
-    hlo = _mlp_step_hlo(("gelu_tanh",), recipe, TOKENS, HIDDEN, FFN)
+    n = len(activations)
+    hlo = _mlp_step_hlo(activations, recipe, TOKENS, HIDDEN, FFN)
     report = gemm_report(hlo)
     assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
     gemms = {g.name for g in report.gemms}
@@ -346,13 +351,14 @@ def test_ungated_activation_and_its_gradient_are_computed_in_the_cast_kernels(re
     }
     bf16_written = [
         name for name, dtype, shape in _written_results(hlo)
-        if (dtype, shape) == ("bf16", (TOKENS, FFN)) and name not in gemms
+        if dtype == "bf16" and shape in ((TOKENS, FFN), (TOKENS, FFN, n)) and name not in gemms
     ]  # fmt: skip
     if isinstance(recipe, fp8jax.DelayedScaling):
         assert activation_kernels == {
             "fp8jax_cast_activation": [("f8e4m3fn", (TOKENS, FFN))],
             "fp8jax_cast_activation_gradient": sorted([
-                ("f8e4m3fn", (FFN, TOKENS)), ("f8e5m2", (FFN, TOKENS)), ("f8e5m2", (TOKENS, FFN))
+                ("f8e4m3fn", (FFN, TOKENS)), ("f8e5m2", (FFN * n, TOKENS)),
+                ("f8e5m2", (TOKENS, FFN * n)),
             ]),
         }  # fmt: skip
         assert bf16_written == []

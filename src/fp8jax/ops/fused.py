@@ -6,11 +6,11 @@ never reaches HBM in high precision: the amax pass recomputes it from x (see
 and the activation itself under current scaling or without a bias, cost too
 much to compute twice; each is written once, in the activations' dtype, and
 read back by its quantize pass (:func:`~fp8jax.ops.dense.quantize_stored`).
-Under delayed scaling a biased activation is cast to FP8 where it is
-computed (:func:`~fp8jax.ops.dense.quantize_recomputed`); one activation
-(not gated) that a Pallas kernel computes, gelu_tanh, relu or silu, and its
-gradient are computed inside the FP8 cast kernels on the GPU
-(:mod:`fp8jax.ops.activation_cast`). Biases are inputs
+Under delayed scaling the activation, one or a gated pair, and its
+gradient are computed inside FP8 cast kernels on the GPU
+(:mod:`fp8jax.ops.activation_cast`; not erf's gelu, which measured slower
+there); where those do not run, a biased activation is cast to FP8 where
+XLA computes it (:func:`~fp8jax.ops.dense.quantize_recomputed`). Biases are inputs
 of the custom_vjps: their gradients come out of the pass that quantizes the
 output gradient (:func:`~fp8jax.ops.dense.quantize_gradient`). The ops save
 only FP8 GEMM operands, the input, the per-row statistics and, for the MLP,
@@ -416,33 +416,53 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved, dpre_q, dpre_t, dpre_a
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
+# The activations layernorm_mlp computes in fp8jax.ops.activation_cast's
+# kernels: those that measured faster there than on XLA's path, alternating
+# in one process on the H200 (bench/results/h200-2026-11-30-i). gelu_tanh:
+# the transformer layer 18.70-18.76 to 18.54 ms (run 9C). SwiGLU: the MLP
+# block 16.14-16.16 to 15.86-16.04 ms, GPT medium 120.2 to 116.0-117.4 ms and
+# 1.85 GiB less peak memory (9E). relu: timed alone only (9B), its kernels
+# 0.26 + 0.67 ms where the gradient's cast alone takes 0.35. Not erf's gelu,
+# whose erfc costs the kernels more math than XLA's fusions: the gelu block
+# 10.90-10.97 to 11.17-11.19 ms (9D), GeGLU 16.24-16.33 to 16.32-16.41 (9E).
+_KERNEL_ACTIVATIONS = frozenset({"gelu_tanh", "relu", "silu", "linear"})
+
+
 def _activation_kernel_axes(pre, config: FusedConfig, delayed: bool) -> tuple[str, ...] | None:
     """The mesh axes splitting the rows the activation kernels run on, or None for XLA's path.
 
     The kernels (:mod:`fp8jax.ops.activation_cast`) compute one activation
-    and need its scale before its value: delayed scaling. They run where the
-    cast kernel runs on token rows (:func:`~fp8jax.ops.dense.cast_kernel_row_axes`).
+    or a gated pair and need their scales before their values: delayed
+    scaling. They run where the cast kernel runs on token rows
+    (:func:`~fp8jax.ops.dense.cast_kernel_row_axes`), for the activations
+    in ``_KERNEL_ACTIVATIONS``.
     """
-    if not delayed or len(config.activations) != 1:
+    activations = config.activations
+    if not delayed or len(activations) > 2:
         return None
-    if config.activations[0] not in activation_cast.KERNEL_ACTIVATIONS:
+    if not set(activations) <= _KERNEL_ACTIVATIONS:
         return None
     row_axes = cast_kernel_row_axes(rows_are_tokens=True)
     if row_axes is None:
         return None
-    rows_by_ffn = jax.ShapeDtypeStruct((pre.size // pre.shape[-2], pre.shape[-2]), pre.dtype)
-    if not activation_cast.fits(rows_by_ffn, cast_transpose.devices_along(row_axes)):
+    rows_by_width = (pre.size // (pre.shape[-2] * pre.shape[-1]), pre.shape[-2] * pre.shape[-1])
+    if not activation_cast.fits(rows_by_width, len(activations),
+                                cast_transpose.devices_along(row_axes)):  # fmt: skip
         return None
     return row_axes
+
+
+def _rows(pre, b1):
+    """``pre`` (..., ffn, n) as the kernels' (rows, ffn * n) matrix, and b1 (n, ffn) to match."""
+    width = pre.shape[-2] * pre.shape[-1]
+    return pre.reshape(-1, width), None if b1 is None else _interleave(b1).reshape(width)
 
 
 def _cast_activation(pre, b1, scale, config: FusedConfig, row_axes):
     """``h`` in FP8 from the forward activation kernel, and its amax."""
     fmt = config.recipe.formats.forward
-    rows_by_ffn = pre.reshape(-1, pre.shape[-2])
-    bias = None if b1 is None else b1.reshape(-1)
-    data, h_amax = activation_cast.cast_activation(rows_by_ffn, bias, config.activations[0],
-                                                   scale, fmt, row_axes)  # fmt: skip
+    data, h_amax = activation_cast.cast_activation(*_rows(pre, b1), config.activations, scale,
+                                                   fmt, row_axes)  # fmt: skip
     h_amax = _partitioning.reduce_amax(h_amax, config.recipe)
     return Fp8Array(data.reshape(pre.shape[:-1]), 1.0 / scale.astype(jnp.float32), fmt), h_amax
 
@@ -451,11 +471,10 @@ def _cast_activation_gradient(dh, pre, b1, scale, h_scale, config: FusedConfig, 
     """The backward activation kernel: pre's gradient as quantize_transposed gives it, and h_t."""
     recipe = config.recipe
     fmt, h_fmt = recipe.formats.backward, recipe.formats.forward
-    rows_by_ffn = pre.reshape(-1, pre.shape[-2])
-    bias = None if b1 is None else b1.reshape(-1)
+    rows, bias = _rows(pre, b1)
     out, h_t = activation_cast.cast_activation_gradient(
-        dh.reshape(rows_by_ffn.shape), rows_by_ffn, bias, config.activations[0], scale, fmt,
-        h_scale, h_fmt, row_axes,
+        dh.reshape(rows.shape[0], -1), rows, bias, config.activations, scale, fmt, h_scale,
+        h_fmt, row_axes,
     )  # fmt: skip
     scale_inv = 1.0 / scale.astype(jnp.float32)
     dpre_q = Fp8Array(out.q.reshape(pre.shape), scale_inv, fmt)
