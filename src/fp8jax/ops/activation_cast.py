@@ -122,13 +122,18 @@ class _GpuMath:
 
     @classmethod
     def erfc(cls, w):
-        z = jnp.abs(w)
-        t = cls.rcp(1 + 0.5 * z)
-        poly = _ERFC_POLY[-1]
-        for c in reversed(_ERFC_POLY[:-1]):
-            poly = poly * t + c
-        r = t * cls.exp(poly - z * z)
-        return jnp.where(w >= 0, r, 2 - r)
+        return erfc_approximation(w, cls)
+
+
+def erfc_approximation(w, m=_XlaMath):
+    """Numerical Recipes' ``erfc(w)`` from ``m``'s ``exp`` and ``rcp``."""
+    z = jnp.abs(w)
+    t = m.rcp(1 + 0.5 * z)
+    poly = _ERFC_POLY[-1]
+    for c in reversed(_ERFC_POLY[:-1]):
+        poly = poly * t + c
+    r = t * m.exp(poly - z * z)
+    return jnp.where(w >= 0, r, 2 - r)
 
 
 def _sigmoid(z, m):
