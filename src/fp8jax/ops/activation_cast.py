@@ -55,7 +55,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from fp8jax.formats import Fp8Format
 from fp8jax.ops import cast_transpose
@@ -230,7 +229,7 @@ def _gradient_kernel(activations, fmt, h_fmt, dtype, m, dh_ref, pre_ref, *refs):
     h, factors = _gated(activations, _biased(pre_ref, bias_refs), m)
     dh = dh_ref[...].astype(jnp.float32)
     d_pre = _interleaved([f * dh for f in factors]).astype(dtype)
-    cast_transpose._cast_tile(fmt, d_pre, scale_ref[0], q_ref, qt_ref, sum_ref, max_ref)
+    cast_transpose.cast_tile(fmt, d_pre, scale_ref[0], q_ref, qt_ref, sum_ref, max_ref)
     ht_ref[...] = quantize_with_scale(h.astype(dtype), h_fmt, h_scale_ref[0]).data.T
 
 
@@ -328,33 +327,9 @@ def _xla_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt):
     h, factors = _gated(activations, _biased_xla(pre, biases), _XlaMath)
     dh = dh.astype(jnp.float32)
     d_pre = _interleaved([f * dh for f in factors]).astype(pre.dtype)
-    q, q_t, sums, maxima = cast_transpose._xla_partials(d_pre, scale, fmt)
+    q, q_t, sums, maxima = cast_transpose.xla_partials(d_pre, scale, fmt)
     h_t = quantize_with_scale(h.astype(pre.dtype), h_fmt, h_scale).data.T
     return q, q_t, sums, maxima, h_t
-
-
-def _dispatch(pallas_fn, xla_fn, *operands):
-    """The Pallas kernel on NVIDIA GPUs, XLA's equivalent elsewhere or with kernels off."""
-    if not cast_transpose.enabled():
-        return xla_fn(*operands)
-    return lax.platform_dependent(*operands, cuda=pallas_fn, default=xla_fn)
-
-
-def _on_rows(fn, operands, n_matrices, out_kinds, row_axes):
-    """``fn`` per device on its rows under ``shard_map`` (see cast_transpose._split_rows)."""
-    if not row_axes:
-        return fn(*operands)
-    specs = {"rows": P(row_axes, None), "columns": P(None, row_axes)}
-    # Row-split matrices, then the biases (a tuple) and scalars, whole on every device.
-    in_specs = tuple(
-        P(row_axes, None) if k < n_matrices else jax.tree.map(lambda _: P(), o)
-        for k, o in enumerate(operands)
-    )  # fmt: skip
-    return jax.shard_map(
-        fn, in_specs=in_specs, out_specs=tuple(specs[kind] for kind in out_kinds),
-        # pallas_call does not type its outputs by the manual axes they vary along.
-        check_vma=False,
-    )(*operands)  # fmt: skip
 
 
 def fits(shape: tuple[int, ...], n: int = 1, row_shards: int = 1) -> bool:
@@ -384,14 +359,12 @@ def cast_activation(
     the f32 max ``|h|``.
     """
     activations = _check(pre, activations, row_axes)
-    forward = functools.partial(
-        _dispatch,
+    biases = () if bias is None else (bias,)
+    q, maxima = cast_transpose.on_each_device(
         functools.partial(_pallas_forward, activations=activations, fmt=fmt),
         functools.partial(_xla_forward, activations=activations, fmt=fmt),
-    )
-    biases = () if bias is None else (bias,)
-    q, maxima = _on_rows(forward, (pre, biases, scale.astype(jnp.float32)), 1,
-                         ("rows", "rows"), tuple(row_axes))  # fmt: skip
+        (pre, biases, scale.astype(jnp.float32)), 1, ("rows", "rows"), tuple(row_axes),
+    )  # fmt: skip
     return q, jnp.max(maxima)
 
 
@@ -419,16 +392,13 @@ def cast_activation_gradient(
             f"dh must be (rows, columns) = {(pre.shape[0], pre.shape[1] // n)} for pre "
             f"{pre.shape} and {n} activation(s), got {dh.shape}."
         )
-    gradient = functools.partial(
-        _dispatch,
+    biases = () if bias is None else (bias,)
+    q, q_t, sums, maxima, h_t = cast_transpose.on_each_device(
         functools.partial(_pallas_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
         functools.partial(_xla_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
-    )
-    biases = () if bias is None else (bias,)
-    operands = (dh, pre, biases, scale.astype(jnp.float32), h_scale.astype(jnp.float32))
-    q, q_t, sums, maxima, h_t = _on_rows(
-        gradient, operands, 2, ("rows", "columns", "rows", "rows", "columns"), tuple(row_axes)
-    )
+        (dh, pre, biases, scale.astype(jnp.float32), h_scale.astype(jnp.float32)), 2,
+        ("rows", "columns", "rows", "rows", "columns"), tuple(row_axes),
+    )  # fmt: skip
     out = cast_transpose.CastTransposed(q, q_t, jnp.sum(sums, axis=0), jnp.max(maxima))
     return out, h_t
 

@@ -157,7 +157,8 @@ class CastTransposed(NamedTuple):
     amax: jax.Array  # () f32 max |g|
 
 
-def _cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
+def cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
+    """One tile's outputs: q, its transpose, column sums and maxima (inside a Pallas kernel)."""
     g = g.astype(jnp.float32)
     q = quantize_with_scale(g, fmt, scale).data
     q_ref[...] = q
@@ -167,7 +168,7 @@ def _cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
 
 
 def _kernel(fmt: Fp8Format, g_ref, scale_ref, *out_refs):
-    _cast_tile(fmt, g_ref[...], scale_ref[0], *out_refs)
+    cast_tile(fmt, g_ref[...], scale_ref[0], *out_refs)
 
 
 def _pieces_kernel(fmt: Fp8Format, tiles_per_piece: tuple[int, ...], *refs):
@@ -180,7 +181,7 @@ def _pieces_kernel(fmt: Fp8Format, tiles_per_piece: tuple[int, ...], *refs):
         # Only the piece this column tile lies in is read.
         @pl.when((unit >= start) & (unit < start + count))
         def _(piece_ref=piece_ref):
-            _cast_tile(fmt, piece_ref[...], scale_ref[0], *out_refs)
+            cast_tile(fmt, piece_ref[...], scale_ref[0], *out_refs)
 
         start += count
 
@@ -252,7 +253,7 @@ def _xla(g, scale, fmt: Fp8Format):
     return q, q.T, jnp.sum(g32, axis=0), jnp.max(jnp.abs(g32))
 
 
-def _xla_partials(g, scale, fmt: Fp8Format):
+def xla_partials(g, scale, fmt: Fp8Format):
     """:func:`_pallas_partials`'s values from XLA: sums and maxima per tile of rows."""
     tile_rows = _tile(g)[0]
     if isinstance(g, Interleaved):
@@ -262,30 +263,35 @@ def _xla_partials(g, scale, fmt: Fp8Format):
     return q, q.T, jnp.sum(g32, axis=1), jnp.max(jnp.abs(g32), axis=1)
 
 
-def _per_shard(g, scale, fmt: Fp8Format):
-    """:func:`_pallas_partials` on one device's rows, inside ``shard_map``."""
-    return lax.platform_dependent(
-        g, scale, cuda=functools.partial(_pallas_partials, fmt=fmt),
-        default=functools.partial(_xla_partials, fmt=fmt),
-    )  # fmt: skip
+def on_each_device(pallas_fn, xla_fn, operands, n_row_split: int, out_layouts, row_axes=()):
+    """``pallas_fn(*operands)`` on NVIDIA GPUs, ``xla_fn`` elsewhere or with the kernels off.
 
-
-def _split_rows(g, scale, fmt: Fp8Format, row_axes: tuple[str, ...]):
-    """The kernel on each device's block of rows, ``g``'s rows split over ``row_axes``.
-
-    ``shard_map`` over the mesh in context: the outputs stay split as ``g``
-    is (``q_t`` along its columns), so no data moves, and the sums and maxima
-    of the per-tile partials become small all-reduces.
+    With ``row_axes`` the call runs on each device's rows inside
+    ``shard_map`` over the mesh in context: the first ``n_row_split``
+    operands (pytrees) split along their rows, the rest whole on every
+    device. ``out_layouts`` says per output "rows" (split as the operands)
+    or "columns" (a transposed copy, split along its columns). No data
+    moves; per-tile partials the caller reduces become small all-reduces.
     """
-    rows, columns = P(row_axes, None), P(None, row_axes)
-    q, q_t, partial_sums, partial_maxima = jax.shard_map(
-        functools.partial(_per_shard, fmt=fmt),
-        in_specs=(jax.tree.map(lambda _: rows, g), P()),
-        out_specs=(rows, columns, rows, rows),
+    if not enabled():
+        return xla_fn(*operands)
+
+    def call(*ops):
+        return lax.platform_dependent(*ops, cuda=pallas_fn, default=xla_fn)
+
+    if not row_axes:
+        return call(*operands)
+    layouts = {"rows": P(row_axes, None), "columns": P(None, row_axes)}
+    specs = [layouts["rows"]] * n_row_split + [P()] * (len(operands) - n_row_split)
+    in_specs = tuple(
+        jax.tree.map(lambda _, spec=spec: spec, operand)
+        for operand, spec in zip(operands, specs, strict=True)
+    )
+    return jax.shard_map(
+        call, in_specs=in_specs, out_specs=tuple(layouts[o] for o in out_layouts),
         # pallas_call does not type its outputs by the manual axes they vary along.
         check_vma=False,
-    )(g, scale.astype(jnp.float32))
-    return q, q_t, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima)
+    )(*operands)  # fmt: skip
 
 
 def cast_transpose(
@@ -323,8 +329,8 @@ def cast_transpose(
         )
     if not enabled():
         return CastTransposed(*_xla(g, scale, fmt))
-    if row_axes:
-        return CastTransposed(*_split_rows(g, scale, fmt, tuple(row_axes)))
-    return CastTransposed(*lax.platform_dependent(
-        g, scale, cuda=functools.partial(_pallas, fmt=fmt), default=functools.partial(_xla, fmt=fmt)
-    ))  # fmt: skip
+    q, q_t, partial_sums, partial_maxima = on_each_device(
+        functools.partial(_pallas_partials, fmt=fmt), functools.partial(xla_partials, fmt=fmt),
+        (g, scale.astype(jnp.float32)), 1, ("rows", "columns", "rows", "rows"), tuple(row_axes),
+    )  # fmt: skip
+    return CastTransposed(q, q_t, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima))
