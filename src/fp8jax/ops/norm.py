@@ -61,7 +61,7 @@ def _per_feature(v, ndim: int) -> jax.Array:
     return _partitioning.broadcastable(v.astype(jnp.float32), ndim)
 
 
-def _effective_gamma(gamma, config: NormConfig, ndim: int) -> jax.Array:
+def effective_gamma(gamma, config: NormConfig, ndim: int) -> jax.Array:
     gamma = _per_feature(gamma, ndim)
     # Zero-centred gamma stores gamma - 1, so weight decay pulls it towards 1.
     return gamma + jnp.float32(1) if config.zero_centered_gamma else gamma
@@ -79,7 +79,7 @@ def normalize(x, gamma, beta, config: NormConfig):
     else:
         mean, centred = None, x32
     rstd = jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + config.epsilon)
-    y = centred * rstd * _effective_gamma(gamma, config, x.ndim)
+    y = centred * rstd * effective_gamma(gamma, config, x.ndim)
     if beta is not None:
         y = y + _per_feature(beta, x.ndim)
     return y, mean, rstd
@@ -99,7 +99,7 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig):
     rows = tuple(range(x.ndim - 1))
     dgamma = jnp.sum(dy * xhat, axis=rows).astype(gamma.dtype)
     dbeta = None if beta is None else jnp.sum(dy, axis=rows).astype(beta.dtype)
-    dxhat = dy * _effective_gamma(gamma, config, x.ndim)
+    dxhat = dy * effective_gamma(gamma, config, x.ndim)
     projection = xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
     if mean is not None:
         dx = rstd * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True) - projection)

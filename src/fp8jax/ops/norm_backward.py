@@ -1,0 +1,199 @@
+"""The norm's backward in one pass, with the residual stream's gradient joined in.
+
+In a pre-norm transformer the norm's input ``x`` is also the residual
+stream, so its gradient is the norm's backward plus the residual's gradient.
+XLA computes :func:`fp8jax.ops.norm.normalize_backward` in three passes over
+the (tokens, hidden) arrays: the row sums, the column sums (gamma's and
+beta's gradients), then ``dx``, into which it fuses the residual's sum. On
+the H200's transformer layer the two norms' backwards took about 0.75 ms
+this way (bench/results/h200-2026-11-30-i, run 9C's trace). The Pallas
+(Triton) kernel here reads ``dy``, ``x`` and the residual's gradient once
+and writes the sum, with per-program column sums that XLA adds up. Alone,
+at the layer's (16384, 4096) bf16, it took 0.186 ms where XLA took 0.312 ms
+(0.282 without the residual's sum; bench/results/h200-2026-11-30-j, run 10B).
+
+Each program takes :data:`ROWS_PER_PROGRAM` rows, a whole row at a time
+(the row sums need all of it), so the hidden size must be a power of two
+within :data:`MAX_HIDDEN` (:func:`fits`). Off NVIDIA GPUs, and with
+``FP8JAX_PALLAS=0``, XLA computes the same values. Where the norm's rows are
+split by data parallelism the kernel runs on each device's rows, as the
+cast kernel does (:func:`fp8jax.ops.cast_transpose.on_each_device`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8jax.ops import cast_transpose, norm
+from fp8jax.ops.dense import cast_kernel_row_axes
+from fp8jax.ops.norm import NormConfig
+
+# 64 rows a program and 4 warps (128 threads, 32 elements of a 4096-wide row
+# each) were the fastest of 18 shapes on the H200: 16-64 rows, 4-16 warps,
+# 1 or 3 pipeline stages (no difference).
+ROWS_PER_PROGRAM, WARPS = 64, 4
+MIN_HIDDEN, MAX_HIDDEN = 128, 16384
+
+
+def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
+    """Whether the kernel takes a (rows, hidden) norm input split over ``row_shards`` devices."""
+    rows, hidden = shape
+    power_of_two = hidden & (hidden - 1) == 0
+    return (
+        rows % (row_shards * ROWS_PER_PROGRAM) == 0
+        and power_of_two
+        and MIN_HIDDEN <= hidden <= MAX_HIDDEN
+    )
+
+
+def _row_gradient(dy, x, mean, rstd, gamma):
+    """One block of rows: ``dx`` (f32, before the residual), and dy * xhat, in f32."""
+    dy = dy.astype(jnp.float32)
+    x = x.astype(jnp.float32)
+    xhat = (x if mean is None else x - mean) * rstd
+    dxhat = dy * gamma
+    dx = dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    if mean is not None:
+        dx = dx - jnp.mean(dxhat, axis=-1, keepdims=True)
+    return rstd * dx, dy * xhat
+
+
+def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
+    from jax.experimental import pallas as pl
+
+    refs = list(refs)
+    dy_ref, x_ref = refs.pop(0), refs.pop(0)
+    mean_ref = refs.pop(0) if centred else None
+    rstd_ref, gamma_ref = refs.pop(0), refs.pop(0)
+    residual_ref = refs.pop(0) if has_residual else None
+    dx_ref, dgamma_ref = refs.pop(0), refs.pop(0)
+    dbeta_ref = refs.pop(0) if has_beta else None
+    hidden = x_ref.shape[1]
+    gamma = gamma_ref[...]
+
+    def row(i, sums):
+        rows = pl.ds(i, 1)
+        dy = dy_ref[rows, :]
+        mean = None if mean_ref is None else mean_ref[rows, :]
+        dx, dy_xhat = _row_gradient(dy, x_ref[rows, :], mean, rstd_ref[rows, :], gamma)
+        if residual_ref is not None:
+            dx = dx + residual_ref[rows, :].astype(jnp.float32)
+        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        return sums[0] + dy_xhat, sums[1] + dy.astype(jnp.float32)
+
+    zeros = jnp.zeros((1, hidden), jnp.float32)
+    dgamma, dbeta = lax.fori_loop(0, ROWS_PER_PROGRAM, row, (zeros, zeros))
+    dgamma_ref[...] = dgamma
+    if dbeta_ref is not None:
+        dbeta_ref[...] = dbeta
+
+
+def _pallas(dy, x, mean, rstd, gamma, residual, has_beta: bool, interpret: bool = False):
+    """The kernel on (rows, hidden) arrays: dx, and column sums per program."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    rows, hidden = x.shape
+    programs = rows // ROWS_PER_PROGRAM
+    by_rows = pl.BlockSpec((ROWS_PER_PROGRAM, hidden), lambda i: (i, 0))
+    stats = pl.BlockSpec((ROWS_PER_PROGRAM, 1), lambda i: (i, 0))
+    whole_row = pl.BlockSpec((1, hidden), lambda i: (0, 0))
+    partial = pl.BlockSpec((1, hidden), lambda i: (i, 0))
+    operands = [dy, x] + ([] if mean is None else [mean]) + [rstd, gamma]
+    in_specs = [by_rows, by_rows] + ([] if mean is None else [stats]) + [stats, whole_row]
+    if residual is not None:
+        operands.append(residual)
+        in_specs.append(by_rows)
+    n_sums = 2 if has_beta else 1
+    params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
+    dx, *sums = pl.pallas_call(
+        functools.partial(_kernel, mean is not None, has_beta, residual is not None),
+        grid=(programs,),
+        in_specs=in_specs,
+        out_specs=[by_rows] + [partial] * n_sums,
+        out_shape=[jax.ShapeDtypeStruct((rows, hidden), x.dtype)]
+        + [jax.ShapeDtypeStruct((programs, hidden), jnp.float32)] * n_sums,
+        interpret=interpret,
+        name="fp8jax_norm_backward",
+        **params,
+    )(*operands)
+    return (dx, *sums)
+
+
+def _xla(dy, x, mean, rstd, gamma, residual, has_beta: bool):
+    """:func:`_pallas`'s values from XLA, column sums per block of ROWS_PER_PROGRAM rows."""
+    dx, dy_xhat = _row_gradient(dy, x, mean, rstd, gamma)
+    if residual is not None:
+        dx = dx + residual.astype(jnp.float32)
+    rows, hidden = x.shape
+
+    def per_program(v):
+        return jnp.sum(v.reshape(rows // ROWS_PER_PROGRAM, ROWS_PER_PROGRAM, hidden), axis=1)
+
+    sums = (per_program(dy_xhat),) + ((per_program(dy.astype(jnp.float32)),) if has_beta else ())
+    return (dx.astype(x.dtype), *sums)
+
+
+def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_axes=()):
+    """``(dx + residual, dgamma, dbeta)`` of a norm over (rows, hidden) arrays, in one pass.
+
+    ``mean`` and ``rstd`` are the forward's (rows, 1) f32 row statistics
+    (``mean`` None for RMSNorm); ``gamma`` is the effective (1, hidden) f32
+    scale; ``residual`` is the residual stream's gradient, or None. ``dx``
+    comes back in ``x.dtype``, summed with ``residual`` in f32 before it is
+    rounded; dgamma and dbeta (None without a beta) in f32. ``row_axes``:
+    as :func:`~fp8jax.ops.cast_transpose.cast_transpose`'s. The caller
+    checks :func:`fits`.
+    """
+    operands = (dy, x, mean, rstd, residual, gamma)
+    n_outputs = 3 if has_beta else 2
+
+    def reorder(fn):
+        def call(dy, x, mean, rstd, residual, gamma):
+            return tuple(fn(dy, x, mean, rstd, gamma, residual, has_beta))
+
+        return call
+
+    dx, *sums = cast_transpose.on_each_device(
+        reorder(_pallas), reorder(_xla), operands, 5, ("rows",) * n_outputs, tuple(row_axes)
+    )
+    dgamma = jnp.sum(sums[0], axis=0)
+    dbeta = jnp.sum(sums[1], axis=0) if has_beta else None
+    return dx, dgamma, dbeta
+
+
+def kernel_row_axes(x) -> tuple[str, ...] | None:
+    """The mesh axes splitting the kernel's rows for the norm input ``x``; None: XLA's path."""
+    row_axes = cast_kernel_row_axes(rows_are_tokens=True)
+    if row_axes is None:
+        return None
+    matrix = (x.size // x.shape[-1], x.shape[-1])
+    return row_axes if fits(matrix, cast_transpose.devices_along(row_axes)) else None
+
+
+def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):
+    """:func:`fp8jax.ops.norm.normalize_backward`, with ``residual`` added to ``dx``.
+
+    In the kernel where it runs (:func:`kernel_row_axes`), else XLA's passes.
+    """
+    row_axes = kernel_row_axes(x)
+    if row_axes is None:
+        dx, dgamma, dbeta = norm.normalize_backward(dy, x, mean, rstd, gamma, beta, config)
+        if residual is not None:
+            dx = (dx.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+        return dx, dgamma, dbeta
+
+    def rows(v):
+        return None if v is None else v.reshape(-1, v.shape[-1])
+
+    effective_gamma = norm.effective_gamma(gamma, config, 2)
+    dx, dgamma, dbeta = norm_backward(
+        rows(dy), rows(x), rows(mean), rows(rstd), effective_gamma, beta is not None,
+        rows(residual), row_axes,
+    )  # fmt: skip
+    dbeta = None if beta is None else dbeta.astype(beta.dtype)
+    return dx.reshape(x.shape), dgamma.astype(gamma.dtype), dbeta
