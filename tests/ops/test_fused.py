@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax.ops import norm_backward
 from fp8jax.verify.jaxpr_dots import jaxpr_dots
 from numerics import (
     OUTPUT_UNIT_ROUNDOFF,
@@ -476,7 +477,12 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
     # sums and maxima (64-row tiles). layernorm_dense's normalized input is
     # computed where it is cast, by XLA, in one fusion with both layouts.
     outputs = _biased_step_outputs(op, recipe)
-    kernels = {frozenset(outs) for name, outs in outputs.items() if name.startswith("pallas_call")}
+    # The norm's backward kernel (fp8jax.ops.norm_backward) writes no FP8.
+    kernels = {
+        frozenset(outs)
+        for name, outs in outputs.items()
+        if name.startswith("pallas_call") and any(dtype.startswith("f8") for dtype, _ in outs)
+    }
 
     def cast_transposed(dtype, rows, cols):
         return frozenset(
@@ -489,6 +495,28 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
     if op == "dense":
         want.add(cast_transposed("f8e4m3fn", tokens, hidden))
     assert kernels == want
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_norm_backward_is_one_kernel(recipe):
+    # fp8jax.ops.norm_backward on one GPU: x's gradient, and per-program
+    # (64-row) column sums for gamma and beta, from one Pallas kernel. No XLA
+    # fusion writes an f32 array of x's size (the norm's products stay in
+    # registers) or x's gradient.
+    outputs = _biased_step_outputs("layernorm_dense", recipe)
+    tokens, hidden = 2 * 512, 256
+    norm_kernels = [
+        outs for name, outs in outputs.items()
+        if name.startswith("pallas_call") and not any(d.startswith("f8") for d, _ in outs)
+    ]  # fmt: skip
+    sums = ("f32", (tokens // norm_backward.ROWS_PER_PROGRAM, hidden))
+    assert norm_kernels == [[("bf16", (tokens, hidden)), sums, sums]]
+    f32_of_x_size = [
+        name for name, outs in outputs.items()
+        if any(d == "f32" and math.prod(shape) == tokens * hidden for d, shape in outs)
+    ]  # fmt: skip
+    assert f32_of_x_size == []
 
 
 def _qkv_loss(split: bool, recipe, state, op="layernorm_dense"):
