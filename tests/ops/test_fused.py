@@ -33,6 +33,9 @@ def ref_norm(x, gamma, beta, norm_type, zero_centered):
     return y + beta.astype(jnp.float32)[None, :] if beta is not None else y
 
 
+RECIPES = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]
+
+
 def _params(norm_type, hidden, dtype, seed=0):
     kg, kb, kx = jax.random.split(jax.random.key(seed), 3)
     gamma = (1.0 + 0.3 * jax.random.normal(kg, (hidden,))).astype(dtype)
@@ -134,6 +137,90 @@ def test_layernorm_dense_returns_normalized_and_its_gradient_flows():
     np.testing.assert_allclose(jax.grad(through_normalized)(x), want, rtol=1e-4, atol=1e-4)
 
 
+def _residual_step(op, passed: bool, recipe):
+    """The gradients of ``x + op(x)`` squared; ``passed``: the residual from the op itself."""
+    _, gamma, beta = _params("layernorm", 128, jnp.bfloat16)
+    keys = jax.random.split(jax.random.key(4), 3)
+    # 128 token rows: whole programs of the norm's backward kernel.
+    x = (2.0 * jax.random.normal(keys[2], (2, 64, 128)) + 0.5).astype(jnp.bfloat16)
+    k1 = 0.05 * jax.random.normal(keys[0], (128, 2, 256))
+    k2 = 0.05 * jax.random.normal(keys[1], (256, 128))
+    delayed = isinstance(recipe, fp8jax.DelayedScaling)
+    if op == "layernorm_dense":
+        state = fp8jax.init_state(recipe) if delayed else None
+
+        def block(x, gamma, beta, k1, k2, **kw):
+            kernel = k2[: x.shape[-1]]  # (hidden, hidden)
+            return fp8jax.layernorm_dense(x, gamma, beta, kernel, recipe=recipe, state=state, **kw)
+    else:
+        state = fp8jax.init_state(recipe, fp8jax.MlpScaleState) if delayed else None
+
+        def block(x, gamma, beta, k1, k2, **kw):
+            return fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=("silu", "linear"),
+                                        recipe=recipe, state=state, **kw)  # fmt: skip
+
+    def loss(x, gamma, beta, k1, k2):
+        if passed:
+            y, residual = block(x, gamma, beta, k1, k2, return_residual=True)
+        else:
+            y, residual = block(x, gamma, beta, k1, k2), x
+        return jnp.sum(jnp.square((residual + y).astype(jnp.float32)))
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4)), (x, gamma, beta, k1, k2), block
+
+
+@pytest.mark.parametrize("op", ["layernorm_dense", "layernorm_mlp"])
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_residual_passed_through_the_op_changes_no_gradient(op, recipe):
+    # return_residual moves the residual's gradient into the op's backward,
+    # where it is added to the norm's in f32 and rounded once. The other
+    # gradients are computed from the same FP8 operands, so they must agree
+    # exactly; x's may differ by rounding only. Each bf16 rounding is within
+    # 2**-8 of what it rounds; the reference rounds the norm's dx, then the
+    # sum, the op only the sum: within 2**-8 * (|dx_norm| + 2 |sum|).
+    step_passed, args, block = _residual_step(op, True, recipe)
+    step_added, _, _ = _residual_step(op, False, recipe)
+    passed, added = step_passed(*args), step_added(*args)
+    for a, b in zip(passed[1:], added[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
+    x = args[0]
+    y, residual = block(*args, return_residual=True)
+    np.testing.assert_array_equal(residual, x)
+    # The residual's own gradient, as the loss gives it: 2 (x + y) in bf16.
+    g_residual = np.asarray((2 * (x + y).astype(jnp.float32)).astype(jnp.bfloat16), np.float64)
+    dx_passed, dx_added = (np.asarray(d, np.float64) for d in (passed[0], added[0]))
+    dx_norm = dx_added - g_residual
+    bound = 2**-8 * (np.abs(dx_norm) + 2 * np.abs(dx_added)) + 1e-6
+    assert np.all(np.abs(dx_passed - dx_added) <= bound)
+
+
+def test_residual_and_normalized_outputs_are_alternatives():
+    x, gamma, beta = _params("layernorm", 32, jnp.bfloat16)
+    kernel = jnp.ones((32, 8))
+    with pytest.raises(ValueError, match="return_normalized and return_residual"):
+        fp8jax.layernorm_dense(x, gamma, beta, kernel, return_normalized=True,
+                               return_residual=True)  # fmt: skip
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("op", ["layernorm_dense", "layernorm_mlp"])
+def test_residual_passed_through_the_op_saves_the_sum(op):
+    # On one GPU the norm's backward kernel adds the residual's gradient:
+    # compared with the residual added outside the op, the step writes one
+    # x-sized bf16 array less (XLA's sum), and the kernel reads it as a third
+    # x-sized operand.
+    from fp8jax.verify import compile_for
+
+    def x_sized_bf16_writes(passed):
+        step, args, _ = _residual_step(op, passed, fp8jax.DelayedScaling())
+        x = args[0]
+        results = _written_results(compile_for(step, *args, target="h100"))
+        return sum(1 for _, dtype, shape in results
+                   if dtype == "bf16" and math.prod(shape) == x.size)  # fmt: skip
+
+    assert x_sized_bf16_writes(True) == x_sized_bf16_writes(False) - 1
+
+
 def _written_results(hlo: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of each result a compiled GPU program writes to HBM.
 
@@ -214,9 +301,6 @@ def _mlp_step_hlo(activations, recipe, tokens, hidden, ffn) -> str:
 
     step = jax.grad(loss, argnums=tuple(range(7)))
     return compile_for(step, *args, state, target="h100")
-
-
-RECIPES = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]
 
 
 @pytest.mark.deviceless
@@ -634,18 +718,6 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
     assert _qkv_gradient_cast_reads(split, head_dim) == _qkv_pieces_read(head_dim)
     assert whole_gradients_written(split) == []
     assert whole_gradients_written(compiled(split=False))  # the pass the split removes
-
-
-@pytest.fixture
-def one_device():
-    """A one-device mesh as context, for the live single-GPU tests.
-
-    With several GPUs visible and no mesh, the ops cannot tell a one-device
-    ``jit`` from a sharded one and keep XLA's cast (ops.dense._kernel_is_local);
-    on 2 H200s the kernel assertions below then failed (run 8A).
-    """
-    with jax.set_mesh(jax.make_mesh((1,), ("one",), devices=jax.devices()[:1])) as mesh:
-        yield mesh
 
 
 def test_one_device_mesh_lets_the_kernel_run(one_device):

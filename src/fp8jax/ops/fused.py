@@ -16,9 +16,12 @@ output gradient (:func:`~fp8jax.ops.dense.quantize_gradient`). The ops save
 only FP8 GEMM operands, the input, the per-row statistics and, for the MLP,
 the first GEMM's output, which the activation's backward needs. The norm's
 backward runs in one pass (:mod:`fp8jax.ops.norm_backward`) where its
-kernel runs: on the H200 the transformer layer's step went from 18.70-18.72
-to 18.49-18.63 ms and the gelu MLP block's from 10.86-10.95 to
-10.76-10.83 ms (bench/results/h200-2026-11-30-j, run 10B).
+kernel runs, with the residual connection's gradient added in it when the
+caller takes the residual from the op (``return_residual``). On the H200,
+alternating in one process (bench/results/h200-2026-11-30-j): the
+transformer layer's step 18.75-18.85 ms with XLA's passes, 18.29-18.51 ms
+with the kernel (run 10C); the gelu MLP block 10.86-10.95 to 10.76-10.83 ms
+(10B); the GPT ``medium`` step 121.06 to 116.95 ms (10D).
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class FusedConfig:
     kernel_dtypes: tuple[jnp.dtype, ...]  # cotangents come back in these
     activations: tuple[str, ...] = ()
     return_normalized: bool = False
+    return_residual: bool = False  # also return x, whose gradient then joins the norm's
     # What each input's cotangent must match: shard_map axes, Explicit sharding.
     inputs: tuple[_partitioning.InputType, ...] = ()
     bias_dtype: jnp.dtype | None = None  # layernorm_dense's bias, None without one
@@ -173,6 +177,8 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
         y = config.split.apply(y)
     if config.return_normalized:
         y = (y, _normalized(x, gamma, beta, config).astype(x.dtype))
+    if config.return_residual:
+        y = (y, x)
     residuals = (x, gamma, beta, mean, rstd, normed_q, kernel_q, state)
     return y, (residuals, (normed_amax, kernel_amax))
 
@@ -181,6 +187,7 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
     (x, gamma, beta, mean, rstd, normed_q, kernel_q, state), amaxes = saved
     recipe = config.recipe
     g, g_normed = cotangent if config.return_normalized else (cotangent, None)
+    g, g_residual = g if config.return_residual else (g, None)
     if config.split is not None:
         g = SplitGradient(tuple(g), config.split.axis)
     bias_ndim = 0 if config.bias_dtype is None else kernel_q.data.ndim - 1
@@ -192,7 +199,7 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
     if g_normed is not None:
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
     dx, dgamma, dbeta = norm_backward.normalize_backward(d_normed, x, mean, rstd, gamma, beta,
-                                                        config.norm)  # fmt: skip
+                                                        config.norm, g_residual)  # fmt: skip
     new_state = None if state is None else _new_dot_state(state, (*amaxes, g_amax), recipe)
     d_bias = None if d_bias is None else d_bias.astype(config.bias_dtype)
     return _partitioning.match_cotangents((dx, dgamma, dbeta, d_kernel, d_bias), new_state,
@@ -215,6 +222,7 @@ def layernorm_dense(
     recipe=None,
     state: DotScaleState | None = None,
     return_normalized: bool = False,
+    return_residual: bool = False,
     split: Sequence[int] | None = None,
     split_axis: int = -2,
 ):
@@ -234,6 +242,11 @@ def layernorm_dense(
         :class:`~fp8jax.DotScaleState`); its role ``x`` is the normalized input.
       return_normalized: also return the normalized ``x`` (in ``x.dtype``),
         e.g. for a residual taken after the norm.
+      return_residual: also return ``x`` itself, for a residual taken before
+        the norm (pre-norm). Use it for the residual connection: its gradient
+        then reaches the op's backward, which adds it to the norm's in the
+        same pass (:mod:`fp8jax.ops.norm_backward`) instead of XLA adding the
+        two afterwards. Not with ``return_normalized``.
       split: return ``y`` as a tuple of pieces of these sizes along
         ``split_axis``, as ``jnp.split`` would cut it. For a fused QKV
         projection: the backward then casts the pieces' gradients to FP8
@@ -243,7 +256,7 @@ def layernorm_dense(
 
     Returns:
       ``y`` of shape ``(..., *features)`` in ``x.dtype`` (a tuple of pieces
-      with ``split``), or ``(y, normalized)``.
+      with ``split``), or ``(y, normalized)``, or ``(y, x)``.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -257,6 +270,11 @@ def layernorm_dense(
     """
     norm = NormConfig(norm_type, zero_centered_gamma, epsilon)
     check_norm_args(x, gamma, beta, norm)
+    if return_normalized and return_residual:
+        raise ValueError(
+            "return_normalized and return_residual are alternatives (a residual taken after the "
+            "norm, or before it); got both True."
+        )
     check_high_precision("kernel", kernel)
     if kernel.ndim < 2 or kernel.shape[0] != x.shape[-1]:
         raise ValueError(
@@ -270,8 +288,8 @@ def layernorm_dense(
     out_shape = (*x.shape[:-1], *kernel.shape[1:])
     pieces = make_split(split, split_axis, out_shape, kernel.ndim - 1)
     config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
-                         return_normalized=return_normalized, inputs=inputs,
-                         bias_dtype=bias_dtype, split=pieces)  # fmt: skip
+                         return_normalized=return_normalized, return_residual=return_residual,
+                         inputs=inputs, bias_dtype=bias_dtype, split=pieces)  # fmt: skip
     return _ln_dense(x, gamma, beta, kernel, bias, state, config)
 
 
@@ -310,6 +328,8 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     y = scaled_dot(h_q, k2_q, _contract_last(h_q.data.ndim), config.x_dtype,
                    recipe.forward_precision, kernel_t=k2_t)  # fmt: skip
     y = add_bias(y, b2, 1)
+    if config.return_residual:
+        y = (y, x)
     residuals = (x, gamma, beta, mean, rstd, normed_q, k1_q, b1, pre, h_q, k2_q, b2, state)
     return y, (residuals, (normed_amax, k1_amax, h_amax, k2_amax))
 
@@ -351,6 +371,7 @@ def _activation_grad(dh, pre, bias, activations):
 
 def _mlp_bwd(config: FusedConfig, saved, g):
     (x, *_, b1, pre, h_q, k2_q, b2, state), _ = saved
+    g, g_residual = g if config.return_residual else (g, None)
     recipe, bwd = config.recipe, config.recipe.formats.backward
     fc1, fc2 = (None, None) if state is None else state
     g_q, g_t, g_amax, db2 = quantize_output_gradient(
@@ -367,7 +388,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
                                 config.kernel_dtypes[1], recipe, lhs_transposed=True,
                                 g_transposed=g_t is not None)  # fmt: skip
         return _mlp_bwd_after_activation(config, saved, dpre_q, dpre_t, dpre_amax, db1, dk2,
-                                         db2, g_amax)  # fmt: skip
+                                         db2, g_amax, g_residual)  # fmt: skip
     dh, dk2 = _backward_dots(x.ndim, h_q, k2_q, g_q, config.x_dtype,
                              config.kernel_dtypes[1], recipe, g_t=g_t)  # fmt: skip
     # Without the barrier XLA shares the activation's f32 math between the
@@ -392,11 +413,11 @@ def _mlp_bwd(config: FusedConfig, saved, g):
         dpre_q, dpre_t, dpre_amax, column_sums = transposed
         db1 = None if b1 is None else column_sums.astype(b1.dtype)
     return _mlp_bwd_after_activation(config, saved, dpre_q, dpre_t, dpre_amax, db1, dk2, db2,
-                                     g_amax)  # fmt: skip
+                                     g_amax, g_residual)  # fmt: skip
 
 
 def _mlp_bwd_after_activation(config: FusedConfig, saved, dpre_q, dpre_t, dpre_amax, db1, dk2,
-                              db2, g_amax):  # fmt: skip
+                              db2, g_amax, g_residual):  # fmt: skip
     """The MLP's backward from its activation's FP8 gradient on: kernel_1's GEMMs, the norm."""
     (x, gamma, beta, mean, rstd, normed_q, k1_q, _, _, _, _, b2, state), amaxes = saved
     normed_amax, k1_amax, h_amax, k2_amax = amaxes
@@ -407,7 +428,7 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved, dpre_q, dpre_t, dpre_a
     dk1 = _interleave(dk1)
     db1 = None if db1 is None else _interleave(db1)
     dx, dgamma, dbeta = norm_backward.normalize_backward(dnormed, x, mean, rstd, gamma, beta,
-                                                        config.norm)  # fmt: skip
+                                                        config.norm, g_residual)  # fmt: skip
     db2 = None if b2 is None else db2.astype(b2.dtype)
     new_state = None
     if state is not None:
@@ -525,7 +546,8 @@ def layernorm_mlp(
     epsilon: float = 1e-6,
     recipe=None,
     state: MlpScaleState | None = None,
-) -> jax.Array:
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Norm -> FP8 GEMM -> (gated) activation -> FP8 GEMM: a transformer MLP block.
 
     All six GEMMs of forward and backward are FP8. For two activations the
@@ -547,9 +569,12 @@ def layernorm_mlp(
       epsilon: added to the variance; must be > 0.
       recipe: CurrentScaling (default) or DelayedScaling.
       state: ``fp8jax.init_state(recipe, fp8jax.MlpScaleState)`` for DelayedScaling.
+      return_residual: also return ``x`` itself, for the residual connection
+        around the block: its gradient then joins the norm's backward in one
+        pass (see :func:`layernorm_dense`).
 
     Returns:
-      ``(..., hidden_out)`` in ``x.dtype``.
+      ``(..., hidden_out)`` in ``x.dtype``, or ``(y, x)`` with ``return_residual``.
 
     Raises:
       ValueError: for an unknown activation, kernels that do not fit the
@@ -587,7 +612,7 @@ def layernorm_mlp(
     check_state(state, recipe, MlpScaleState)
     config = FusedConfig(
         norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel_1.dtype), jnp.dtype(kernel_2.dtype)),
-        activations=activations,
+        activations=activations, return_residual=return_residual,
         inputs=_partitioning.input_types(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state),
     )  # fmt: skip
     return _mlp(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state, config)
