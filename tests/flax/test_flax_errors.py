@@ -101,6 +101,22 @@ CASES = [
         "return_layernorm_output=True needs input_layernorm=True",
     ),
     (
+        "residual output needs a norm",
+        lambda: fnn.MultiHeadAttention(4, input_layernorm=False, return_residual=True),
+        lambda: nnx_make(
+            fnnx.MultiHeadAttention, 4, 32, input_layernorm=False, return_residual=True
+        ),
+        "return_residual=True needs input_layernorm=True",
+    ),
+    (
+        "residual output or layernorm output",
+        lambda: fnn.LayerNormMLP(64, return_layernorm_output=True, return_residual=True),
+        lambda: nnx_make(
+            fnnx.LayerNormMLP, 32, 64, return_layernorm_output=True, return_residual=True
+        ),
+        "LayerNormMLP: return_residual and return_layernorm_output are alternatives",
+    ),
+    (
         "custom dot_general cannot keep delayed state",
         lambda: fnn.DenseGeneral(8, dot_general=jax.lax.dot_general, recipe=DELAYED),
         lambda: nnx_make(fnnx.DenseGeneral, 32, 8, dot_general=jax.lax.dot_general, recipe=DELAYED),

@@ -197,6 +197,22 @@ def layernorm_output(owner: str, return_layernorm_output: bool, has_norm: bool) 
         )
 
 
+def residual_output(owner: str, return_residual: bool, return_layernorm_output: bool,
+                    has_norm: bool = True) -> None:  # fmt: skip
+    if not return_residual:
+        return
+    if not has_norm:
+        raise ValueError(
+            f"{owner}: return_residual=True needs input_layernorm=True; it passes the norm's "
+            "input through so that the residual's gradient joins the norm's backward."
+        )
+    if return_layernorm_output:
+        raise ValueError(
+            f"{owner}: return_residual and return_layernorm_output are alternatives (a residual "
+            "taken before the norm, or after it); got both True."
+        )
+
+
 def residual_from_norm(owner: str, value: bool, position: str) -> None:
     if value and position != "pre":
         raise ValueError(

@@ -35,6 +35,9 @@ class MultiHeadAttention(nn.Module):
       input_layernorm: normalize the input, fused into the QKV GEMM (pre-norm).
       norm_type, epsilon, zero_centered_gamma: that norm's settings.
       return_layernorm_output: also return the normalized input.
+      return_residual: also return the input itself, from the fused norm, for
+        the residual connection: its gradient then joins the norm's backward
+        in one pass (``fp8jax.layernorm_dense``'s ``return_residual``).
       use_bias: biases on the QKV and output projections.
       dropout_rate: dropout on the output (the fused attention core has no
         probability dropout).
@@ -64,6 +67,7 @@ class MultiHeadAttention(nn.Module):
     epsilon: float = 1e-6
     zero_centered_gamma: bool = False
     return_layernorm_output: bool = False
+    return_residual: bool = False
     use_bias: bool = True
     dropout_rate: float = 0.0
     deterministic: bool | None = None
@@ -80,6 +84,8 @@ class MultiHeadAttention(nn.Module):
         _common.norm_type(owner, self.norm_type)
         _common.dropout_rate(owner, self.dropout_rate)
         _common.layernorm_output(owner, self.return_layernorm_output, self.input_layernorm)
+        _common.residual_output(owner, self.return_residual, self.return_layernorm_output,
+                                self.input_layernorm)  # fmt: skip
         super().__post_init__()
 
     @nn.compact
@@ -94,7 +100,8 @@ class MultiHeadAttention(nn.Module):
           deterministic: overrides the attribute; needed when dropout_rate > 0.
 
         Returns:
-          ``(batch, seq, hidden)``, or ``(y, normalized_x)`` with return_layernorm_output.
+          ``(batch, seq, hidden)``, or ``(y, normalized_x)`` with return_layernorm_output,
+          or ``(y, x)`` with return_residual.
         """
         owner = type(self).__name__
         _common.rank(owner, x, expected=3)
@@ -120,13 +127,16 @@ class MultiHeadAttention(nn.Module):
                 epsilon=self.epsilon,
                 zero_centered_gamma=self.zero_centered_gamma,
                 return_layernorm_output=self.return_layernorm_output,
+                return_residual=self.return_residual,
                 name="qkv",
                 **qkv_shape,
                 **common,
             )(x)
         else:
             qkv = DenseGeneral(name="qkv", **qkv_shape, **common)(x)
-        qkv, normed = qkv if self.return_layernorm_output else (qkv, None)
+        # The normalized input or the input itself, as the fused norm returns it.
+        passes_input = self.return_layernorm_output or self.return_residual
+        qkv, passed = qkv if passes_input else (qkv, None)
         o = _attention.attend(
             qkv,
             num_heads=n,
@@ -149,4 +159,4 @@ class MultiHeadAttention(nn.Module):
         if self.dropout_rate > 0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
             y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
-        return y if normed is None else (y, normed)
+        return y if passed is None else (y, passed)

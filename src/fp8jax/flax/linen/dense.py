@@ -112,6 +112,9 @@ class LayerNormDenseGeneral(nn.Module):
       use_bias: add a bias of shape ``features`` after the GEMM.
       return_layernorm_output: also return the normalized input (for a
         residual taken after the norm).
+      return_residual: also return the input itself, for a residual taken
+        before the norm: its gradient then joins the norm's backward in one
+        pass (``fp8jax.layernorm_dense``'s ``return_residual``).
       dtype, param_dtype, kernel_init, bias_init, recipe: as in DenseGeneral.
       scale_init: norm scale initializer; None gives ones (zeros if zero-centred).
       ln_bias_init: norm shift initializer.
@@ -137,6 +140,7 @@ class LayerNormDenseGeneral(nn.Module):
     zero_centered_gamma: bool = False
     use_bias: bool = True
     return_layernorm_output: bool = False
+    return_residual: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
@@ -150,8 +154,10 @@ class LayerNormDenseGeneral(nn.Module):
     split_axis: int = -2
 
     def __post_init__(self):
-        _common.features(type(self).__name__, self.features)
-        _common.norm_type(type(self).__name__, self.norm_type)
+        owner = type(self).__name__
+        _common.features(owner, self.features)
+        _common.norm_type(owner, self.norm_type)
+        _common.residual_output(owner, self.return_residual, self.return_layernorm_output)
         super().__post_init__()
 
     @nn.compact
@@ -189,6 +195,7 @@ class LayerNormDenseGeneral(nn.Module):
             recipe=self.recipe,
             state=scale_state(self, self.recipe),
             return_normalized=self.return_layernorm_output,
+            return_residual=self.return_residual,
             split=self.split,
             split_axis=self.split_axis,
         )

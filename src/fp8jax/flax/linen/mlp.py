@@ -34,6 +34,9 @@ class LayerNormMLP(nn.Module):
       zero_centered_gamma: store ``gamma - 1``.
       use_bias: biases after both GEMMs.
       return_layernorm_output: also return the normalized input.
+      return_residual: also return the input itself, for the residual
+        connection: its gradient then joins the norm's backward in one pass
+        (``fp8jax.layernorm_mlp``'s ``return_residual``).
       dtype, param_dtype, kernel_init, bias_init, scale_init, ln_bias_init,
       recipe: as in LayerNormDenseGeneral.
 
@@ -55,6 +58,7 @@ class LayerNormMLP(nn.Module):
     zero_centered_gamma: bool = False
     use_bias: bool = True
     return_layernorm_output: bool = False
+    return_residual: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
@@ -68,6 +72,7 @@ class LayerNormMLP(nn.Module):
         _common.positive_int(owner, "intermediate_dim", self.intermediate_dim)
         _common.activations(owner, self.activations)
         _common.norm_type(owner, self.norm_type)
+        _common.residual_output(owner, self.return_residual, self.return_layernorm_output)
         super().__post_init__()
 
     @nn.compact
@@ -97,7 +102,8 @@ class LayerNormMLP(nn.Module):
         state = scale_state(self, self.recipe, MlpScaleState)
         y = fp8jax.layernorm_mlp(
             x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
-            activations=acts, recipe=self.recipe, state=state, **norm,
+            activations=acts, recipe=self.recipe, state=state,
+            return_residual=self.return_residual, **norm,
         )  # fmt: skip
         if not self.return_layernorm_output:
             return y

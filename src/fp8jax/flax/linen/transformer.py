@@ -99,6 +99,9 @@ class TransformerLayer(nn.Module):
         # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         pre, from_norm = self.norm_position == "pre", self.residual_from_norm
+        # Pre-norm, each residual is the norm's input, passed back by the fused
+        # op so that its gradient joins the norm's backward (fp8jax.ops.norm_backward).
+        passed_residual = pre and not from_norm
         norm = {
             "norm_type": self.norm_type,
             "zero_centered_gamma": self.zero_centered_gamma,
@@ -121,6 +124,7 @@ class TransformerLayer(nn.Module):
             rope_base=self.rope_base,
             input_layernorm=pre,
             return_layernorm_output=from_norm,
+            return_residual=passed_residual,
             dropout_rate=self.dropout_rate,
             deterministic=self.deterministic,
             attention_implementation=self.attention_implementation,
@@ -128,18 +132,19 @@ class TransformerLayer(nn.Module):
             **norm,
             **dense,
         )(x, mask, positions, deterministic)
-        a, residual = a if from_norm else (a, x)
+        a, residual = a if pre else (a, x)
         mlp = LayerNormMLP(
             self.intermediate_dim,
             activations=self.activations,
             return_layernorm_output=from_norm or not pre,
+            return_residual=passed_residual,
             name="mlp",
             **norm,
             **dense,
         )
         h = constrain(residual + a, RESIDUAL)
         m = mlp(h)
-        m, residual = m if from_norm or not pre else (m, h)
+        m, residual = m
         if self.dropout_rate > 0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
             m = nn.Dropout(self.dropout_rate)(m, deterministic=deterministic)

@@ -29,6 +29,9 @@ class MultiHeadAttention(nnx.Module):
       input_layernorm: normalize the input, fused into the QKV GEMM (pre-norm).
       norm_type, epsilon, zero_centered_gamma: that norm's settings.
       return_layernorm_output: also return the normalized input.
+      return_residual: also return the input itself, from the fused norm, for
+        the residual connection: its gradient then joins the norm's backward
+        in one pass (see the Linen module).
       use_bias: biases on the QKV and output projections.
       dropout_rate: dropout on the output.
       deterministic: disable dropout by default; may be overridden per call.
@@ -60,6 +63,7 @@ class MultiHeadAttention(nnx.Module):
         epsilon: float = 1e-6,
         zero_centered_gamma: bool = False,
         return_layernorm_output: bool = False,
+        return_residual: bool = False,
         use_bias: bool = True,
         dropout_rate: float = 0.0,
         deterministic: bool = False,
@@ -78,6 +82,7 @@ class MultiHeadAttention(nnx.Module):
         _common.norm_type(owner, norm_type)
         rate = _common.dropout_rate(owner, dropout_rate)
         _common.layernorm_output(owner, return_layernorm_output, input_layernorm)
+        _common.residual_output(owner, return_residual, return_layernorm_output, input_layernorm)
         common = {
             "use_bias": use_bias,
             "dtype": dtype,
@@ -100,6 +105,7 @@ class MultiHeadAttention(nnx.Module):
                 epsilon=epsilon,
                 zero_centered_gamma=zero_centered_gamma,
                 return_layernorm_output=return_layernorm_output,
+                return_residual=return_residual,
                 **qkv,
                 **common,
             )
@@ -112,7 +118,8 @@ class MultiHeadAttention(nnx.Module):
         self.dropout = nnx.Dropout(rate, deterministic=deterministic, rngs=rngs) if rate else None
         self.num_heads, self.in_features, self.dtype = n, hidden, dtype
         self.causal, self.rope_base = causal, rope_base if use_rope else None
-        self.return_layernorm_output = return_layernorm_output
+        # The fused norm passes back the normalized input or the input itself.
+        self.passes_input = return_layernorm_output or return_residual
         self.attention_implementation = attention_implementation
 
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
@@ -121,7 +128,7 @@ class MultiHeadAttention(nnx.Module):
         _common.rank(owner, x, expected=3)
         _common.in_features(owner, x, (-1,), (self.in_features,))
         x = x.astype(self.dtype or x.dtype)
-        qkv, normed = self.qkv(x) if self.return_layernorm_output else (self.qkv(x), None)
+        qkv, passed = self.qkv(x) if self.passes_input else (self.qkv(x), None)
         o = _attention.attend(
             qkv,
             num_heads=self.num_heads,
@@ -135,4 +142,4 @@ class MultiHeadAttention(nnx.Module):
         y = constrain(self.out(o), RESIDUAL)
         if self.dropout is not None:
             y = self.dropout(y, deterministic=deterministic)
-        return y if normed is None else (y, normed)
+        return y if passed is None else (y, passed)

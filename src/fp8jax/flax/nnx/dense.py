@@ -118,6 +118,9 @@ class LayerNormDenseGeneral(nnx.Module):
       zero_centered_gamma: store ``gamma - 1``.
       use_bias: add a bias of shape ``out_features``.
       return_layernorm_output: also return the normalized input.
+      return_residual: also return the input itself, for a residual taken
+        before the norm: its gradient then joins the norm's backward in one
+        pass (see the Linen module).
       dtype, param_dtype, kernel_init, bias_init, recipe, rngs: as in DenseGeneral.
       scale_init: None gives ones (zeros if zero-centred).
       ln_bias_init: norm shift initializer.
@@ -145,6 +148,7 @@ class LayerNormDenseGeneral(nnx.Module):
         zero_centered_gamma: bool = False,
         use_bias: bool = True,
         return_layernorm_output: bool = False,
+        return_residual: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
@@ -162,6 +166,7 @@ class LayerNormDenseGeneral(nnx.Module):
         hidden = _common.positive_int(owner, "in_features", in_features)
         features = _common.features(owner, out_features, "out_features")
         self.norm_type = _common.norm_type(owner, norm_type)
+        _common.residual_output(owner, return_residual, return_layernorm_output)
         gamma_init = _common.gamma_init(zero_centered_gamma, scale_init)
         self.scale = param(gamma_init, rngs, (hidden,), param_dtype, (EMBED,))
         has_beta = _common.norm_beta(norm_type)
@@ -179,6 +184,7 @@ class LayerNormDenseGeneral(nnx.Module):
             epsilon,
             zero_centered_gamma,
         )
+        self.return_residual = return_residual
         self.return_layernorm_output, self.dtype, self.recipe = (
             return_layernorm_output,
             dtype,
@@ -202,6 +208,7 @@ class LayerNormDenseGeneral(nnx.Module):
             recipe=self.recipe,
             state=state_value(self.scales),
             return_normalized=self.return_layernorm_output,
+            return_residual=self.return_residual,
             split=self.split,
             split_axis=self.split_axis,
         )

@@ -27,6 +27,9 @@ class LayerNormMLP(nnx.Module):
       norm_type, epsilon, zero_centered_gamma: the norm's settings.
       use_bias: biases after both GEMMs.
       return_layernorm_output: also return the normalized input.
+      return_residual: also return the input itself, for a residual taken
+        before the norm: its gradient then joins the norm's backward in one
+        pass (see the Linen module).
       dtype, param_dtype, kernel_init, bias_init, scale_init, ln_bias_init,
       recipe, rngs: as in LayerNormDenseGeneral.
 
@@ -50,6 +53,7 @@ class LayerNormMLP(nnx.Module):
         zero_centered_gamma: bool = False,
         use_bias: bool = True,
         return_layernorm_output: bool = False,
+        return_residual: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
@@ -64,6 +68,7 @@ class LayerNormMLP(nnx.Module):
         ffn = _common.positive_int(owner, "intermediate_dim", intermediate_dim)
         self.activations = _common.activations(owner, activations)
         self.norm_type = _common.norm_type(owner, norm_type)
+        _common.residual_output(owner, return_residual, return_layernorm_output)
         n_act, pd = len(self.activations), param_dtype
         gamma_init = _common.gamma_init(zero_centered_gamma, scale_init)
         self.scale = param(gamma_init, rngs, (hidden,), pd, (EMBED,))
@@ -79,6 +84,7 @@ class LayerNormMLP(nnx.Module):
             epsilon,
             zero_centered_gamma,
         )
+        self.return_residual = return_residual
         self.return_layernorm_output, self.dtype, self.recipe = (
             return_layernorm_output,
             dtype,
@@ -99,7 +105,7 @@ class LayerNormMLP(nnx.Module):
             x, gamma, beta, self.kernel_1[...], self.kernel_2[...],
             value_of(self.bias_1), value_of(self.bias_2),
             activations=self.activations, recipe=self.recipe,
-            state=state_value(self.scales), **norm,
+            state=state_value(self.scales), return_residual=self.return_residual, **norm,
         )  # fmt: skip
         if not self.return_layernorm_output:
             return y

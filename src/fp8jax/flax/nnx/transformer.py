@@ -102,6 +102,9 @@ class TransformerLayer(nnx.Module):
             rope_base=rope_base,
             input_layernorm=self.pre,
             return_layernorm_output=residual_from_norm,
+            # Pre-norm, each residual is the norm's input, passed back by the fused
+            # op so that its gradient joins the norm's backward (fp8jax.ops.norm_backward).
+            return_residual=self.pre and not residual_from_norm,
             dropout_rate=rate,
             deterministic=deterministic,
             attention_implementation=attention_implementation,
@@ -113,24 +116,23 @@ class TransformerLayer(nnx.Module):
             intermediate_dim,
             activations=activations,
             return_layernorm_output=residual_from_norm or not self.pre,
+            return_residual=self.pre and not residual_from_norm,
             **norm,
             **dense,
         )
         self.dropout = nnx.Dropout(rate, deterministic=deterministic, rngs=rngs) if rate else None
         self.output_norm = None if self.pre else LayerNorm(in_features, **norm)
-        self.residual_from_norm, self.dtype = residual_from_norm, dtype
+        self.dtype = dtype
 
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
         """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
         _common.rank(type(self).__name__, x, expected=3)
         # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
-        from_norm = self.residual_from_norm
         a = self.attention(x, mask, positions, deterministic)
-        a, residual = a if from_norm else (a, x)
+        a, residual = a if self.pre else (a, x)
         h = constrain(residual + a, RESIDUAL)
-        m = self.mlp(h)
-        m, residual = m if from_norm or not self.pre else (m, h)
+        m, residual = self.mlp(h)
         if self.dropout is not None:
             m = self.dropout(m, deterministic=deterministic)
         y = constrain(residual + m, RESIDUAL)
