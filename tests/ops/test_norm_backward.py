@@ -127,6 +127,7 @@ def test_fits(shape, shards, fits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("norm_type", "with_residual"), CASES, ids=CASE_IDS)
+@pytest.mark.usefixtures("one_device")
 def test_live_kernel_matches_the_f64_backward(norm_type, with_residual):
     device = jax.devices()[0]
     assert device.platform == "gpu"
