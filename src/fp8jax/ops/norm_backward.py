@@ -17,9 +17,10 @@ to the kernel's output in a pass of its own (0.095 ms; run 10C). Writing
 ``dx`` over the residual's gradient (``input_output_aliases``) changed
 neither the layer's peak memory nor its time (run 10D), so it does not.
 
-Each program takes :data:`ROWS_PER_PROGRAM` rows, a whole row at a time
-(the row sums need all of it), so the hidden size must be a power of two
-within :data:`MAX_HIDDEN` (:func:`fits`). Off NVIDIA GPUs, and with
+Each program takes :data:`ROWS_PER_PROGRAM` rows, a whole row at a time,
+as the row sums need all of it. Triton's blocks have power-of-two sizes, so
+the hidden size must be a power of two, and at most :data:`MAX_HIDDEN` for
+a row to stay in registers (:func:`fits`). Off NVIDIA GPUs, and with
 ``FP8JAX_PALLAS=0``, XLA computes the same values. Where the norm's rows are
 split by data parallelism the kernel runs on each device's rows, as the
 cast kernel does (:func:`fp8jax.ops.cast_transpose.on_each_device`).
