@@ -134,13 +134,15 @@ def _mlp_step_hlo(sizes, activations=("gelu", "linear"), recipe=None, tokens=8 *
         )
 
 
-def _cast_kernel_outputs(hlo, kernel="fp8jax_cast_transpose") -> list[frozenset]:
-    """The FP8 (dtype, shape) pairs each Pallas kernel ``kernel`` of ``hlo`` writes."""
+def _cast_kernel_outputs(hlo, kernel="fp8jax_cast_transpose", fp8_only=True) -> list[frozenset]:
+    """The FP8 (or all) (dtype, shape) pairs each Pallas kernel ``kernel`` of ``hlo`` writes."""
     from fp8jax.verify import _hlo
 
     return sorted(
         (
-            frozenset((t.dtype, t.shape) for t in inst.types if t.dtype.startswith("f8"))
+            frozenset(
+                (t.dtype, t.shape) for t in inst.types if t.dtype.startswith("f8") or not fp8_only
+            )
             for comp in _hlo.parse_module(hlo).computations.values()
             for inst in comp.instructions.values()
             if inst.metadata.get("op_name", "").endswith(f"/{kernel}/pallas_call")
@@ -169,6 +171,10 @@ def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe):
         frozenset({("f8e5m2", (local, 256)), ("f8e5m2", (256, local))}),
     ]
     assert _cast_kernel_outputs(hlo) == sorted(want, key=sorted)
+    # The norm's backward (fp8jax.ops.norm_backward) on each device's rows too:
+    # x's gradient and one row of gamma's column sums per 64-row program.
+    norm = frozenset({("bf16", (local, 256)), ("f32", (local // 64, 256))})
+    assert _cast_kernel_outputs(hlo, "fp8jax_norm_backward", fp8_only=False) == [norm]
     report = verify.gemm_report(hlo)
     assert report.num_partitions == 8
     assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
@@ -185,6 +191,7 @@ def test_tensor_parallel_mlp_step_keeps_xla_cast():
 
     hlo = _mlp_step_hlo({"fsdp": 4, "tp": 2}, recipe=fp8jax.DelayedScaling())
     assert _cast_kernel_outputs(hlo) == []
+    assert _cast_kernel_outputs(hlo, "fp8jax_norm_backward", fp8_only=False) == []
     assert len(verify.gemm_report(hlo).fp8_gemms) == 6
 
 
