@@ -65,10 +65,10 @@ def test_kernel_and_xla_path_match_the_f64_backward(norm_type, with_residual, pa
     mean, rstd = _statistics(x, gamma, beta, norm_type)
     if path == "interpret":
         dx, *sums = norm_backward._pallas(
-            dy, x, mean, rstd, gamma[None], residual, beta is not None, interpret=True
+            dy, x, mean, rstd, residual, gamma[None], beta is not None, interpret=True
         )
     else:
-        dx, *sums = norm_backward._xla(dy, x, mean, rstd, gamma[None], residual, beta is not None)
+        dx, *sums = norm_backward._xla(dy, x, mean, rstd, residual, gamma[None], beta is not None)
     # One row of column sums per program of ROWS_PER_PROGRAM rows.
     assert all(s.shape == (ROWS // norm_backward.ROWS_PER_PROGRAM, HIDDEN) for s in sums)
     assert len(sums) == (2 if beta is not None else 1)

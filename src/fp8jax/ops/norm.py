@@ -94,18 +94,29 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig):
     # back, in a deviceless H200 compile). From the saved statistics the
     # products fuse into the column reduction.
     mean, rstd = jax.lax.optimization_barrier((mean, rstd))
-    x32 = x.astype(jnp.float32)
-    xhat = (x32 - mean) * rstd if mean is not None else x32 * rstd
+    gamma_32 = effective_gamma(gamma, config, x.ndim)
+    dx, dy_xhat = row_gradients(dy, x.astype(jnp.float32), mean, rstd, gamma_32)
     rows = tuple(range(x.ndim - 1))
-    dgamma = jnp.sum(dy * xhat, axis=rows).astype(gamma.dtype)
+    dgamma = jnp.sum(dy_xhat, axis=rows).astype(gamma.dtype)
     dbeta = None if beta is None else jnp.sum(dy, axis=rows).astype(beta.dtype)
-    dxhat = dy * effective_gamma(gamma, config, x.ndim)
+    return dx.astype(x.dtype), dgamma, dbeta
+
+
+def row_gradients(dy, x, mean, rstd, gamma):
+    """``(dx, dy * xhat)`` in f32 from f32 ``dy``, ``x`` and the saved row statistics.
+
+    ``gamma`` is the effective scale, broadcastable to ``x``; ``mean`` is None
+    for rmsnorm. Row by row, so the one-pass kernel
+    (:mod:`fp8jax.ops.norm_backward`) computes the same from its blocks.
+    """
+    xhat = (x - mean) * rstd if mean is not None else x * rstd
+    dxhat = dy * gamma
     projection = xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
     if mean is not None:
         dx = rstd * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True) - projection)
     else:
         dx = rstd * (dxhat - projection)
-    return dx.astype(x.dtype), dgamma, dbeta
+    return dx, dy * xhat
 
 
 def layernorm(

@@ -56,16 +56,9 @@ def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
     )
 
 
-def _row_gradient(dy, x, mean, rstd, gamma):
-    """One block of rows: ``dx`` (f32, before the residual), and dy * xhat, in f32."""
-    dy = dy.astype(jnp.float32)
-    x = x.astype(jnp.float32)
-    xhat = (x if mean is None else x - mean) * rstd
-    dxhat = dy * gamma
-    dx = dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
-    if mean is not None:
-        dx = dx - jnp.mean(dxhat, axis=-1, keepdims=True)
-    return rstd * dx, dy * xhat
+def _row_gradients(dy, x, mean, rstd, gamma):
+    """:func:`fp8jax.ops.norm.row_gradients` of a block of rows in any float dtype."""
+    return norm.row_gradients(dy.astype(jnp.float32), x.astype(jnp.float32), mean, rstd, gamma)
 
 
 def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
@@ -85,7 +78,7 @@ def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
         rows = pl.ds(i, 1)
         dy = dy_ref[rows, :]
         mean = None if mean_ref is None else mean_ref[rows, :]
-        dx, dy_xhat = _row_gradient(dy, x_ref[rows, :], mean, rstd_ref[rows, :], gamma)
+        dx, dy_xhat = _row_gradients(dy, x_ref[rows, :], mean, rstd_ref[rows, :], gamma)
         if residual_ref is not None:
             dx = dx + residual_ref[rows, :].astype(jnp.float32)
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
@@ -98,7 +91,7 @@ def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
         dbeta_ref[...] = dbeta
 
 
-def _pallas(dy, x, mean, rstd, gamma, residual, has_beta: bool, interpret: bool = False):
+def _pallas(dy, x, mean, rstd, residual, gamma, has_beta: bool, interpret: bool = False):
     """The kernel on (rows, hidden) arrays: dx, and column sums per program."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
@@ -130,9 +123,9 @@ def _pallas(dy, x, mean, rstd, gamma, residual, has_beta: bool, interpret: bool 
     return (dx, *sums)
 
 
-def _xla(dy, x, mean, rstd, gamma, residual, has_beta: bool):
+def _xla(dy, x, mean, rstd, residual, gamma, has_beta: bool):
     """:func:`_pallas`'s values from XLA, column sums per block of ROWS_PER_PROGRAM rows."""
-    dx, dy_xhat = _row_gradient(dy, x, mean, rstd, gamma)
+    dx, dy_xhat = _row_gradients(dy, x, mean, rstd, gamma)
     if residual is not None:
         dx = dx + residual.astype(jnp.float32)
     rows, hidden = x.shape
@@ -155,18 +148,13 @@ def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_a
     as :func:`~fp8jax.ops.cast_transpose.cast_transpose`'s. The caller
     checks :func:`fits`.
     """
+    # The first five operands split along rows on each device; gamma is whole.
     operands = (dy, x, mean, rstd, residual, gamma)
     n_outputs = 3 if has_beta else 2
-
-    def reorder(fn):
-        def call(dy, x, mean, rstd, residual, gamma):
-            return tuple(fn(dy, x, mean, rstd, gamma, residual, has_beta))
-
-        return call
-
     dx, *sums = cast_transpose.on_each_device(
-        reorder(_pallas), reorder(_xla), operands, 5, ("rows",) * n_outputs, tuple(row_axes)
-    )
+        functools.partial(_pallas, has_beta=has_beta), functools.partial(_xla, has_beta=has_beta),
+        operands, 5, ("rows",) * n_outputs, tuple(row_axes),
+    )  # fmt: skip
     dgamma = jnp.sum(sums[0], axis=0)
     dbeta = jnp.sum(sums[1], axis=0) if has_beta else None
     return dx, dgamma, dbeta
