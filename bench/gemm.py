@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 from harness import (
     add_compile_cache_argument,
+    add_heat_argument,
     dump,
     measure,
     start,
@@ -66,6 +67,7 @@ def main():
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
+    add_heat_argument(parser)
     args = parser.parse_args()
     env = start(args)
     print(env)

@@ -19,6 +19,7 @@ import os
 import jax
 from harness import (
     add_compile_cache_argument,
+    add_heat_argument,
     dump,
     measure,
     print_table,
@@ -82,6 +83,7 @@ def main():
     parser.add_argument("--trace", default=None, help="profile each variant here")
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
+    add_heat_argument(parser)
     args = parser.parse_args()
     env = start(args)
     print(env)

@@ -1,9 +1,11 @@
 """Shared GPU benchmark harness: timing, FP8 GEMM counts, memory, environment.
 
 Timing is the median of ``iters`` individually synchronized calls after
-``warmup`` calls, so one slow outlier (a clock ramp, a page fault) does not
-move the result. Speed is only ever reported as a ratio against a baseline
-measured in the same process.
+``warmup`` calls and a heating spell (``--heat``), so one slow outlier (a
+page fault) does not move the result. The heat runs the program back to
+back until the GPU sits at its power cap, as in a training job (see
+clocks.py); each row records the SM clock while it was timed. Speed is only
+ever reported as a ratio against a baseline measured in the same process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 from breakdown import breakdown
+from clocks import ClockSampler
 from flax.linen import fp8_ops
 
 import fp8jax
@@ -78,6 +81,23 @@ def output_loss(y):
     return LOSSES[_loss["name"]](y)
 
 
+# Seconds each row runs back to back before it is timed (--heat).
+_heat = {"seconds": 3.0}
+
+
+def add_heat_argument(parser) -> None:
+    """``--heat SECONDS``: run each row back to back this long before timing it.
+
+    Three seconds bring an H200 to its power-capped clock under any of the
+    benchmarks' programs (bench/results/h200-2026-11-30-k, run K6); 0 times
+    each row from wherever the previous one left the GPU.
+    """
+    parser.add_argument(
+        "--heat", type=float, default=_heat["seconds"], metavar="SECONDS",
+        help="run each row back to back this long before timing it (default: %(default)s)",
+    )  # fmt: skip
+
+
 def add_compile_cache_argument(parser) -> None:
     """``--compile-cache DIR``: JAX's persistent compilation cache, off by default here.
 
@@ -106,7 +126,12 @@ def start(args) -> dict:
     the environment record.
     """
     use_compile_cache(args)
+    if getattr(args, "heat", None) is not None:
+        if args.heat < 0:
+            raise ValueError(f"--heat must be >= 0 seconds, got {args.heat}.")
+        _heat["seconds"] = args.heat
     env = environment()
+    env["heat_s"] = _heat["seconds"]
     if hasattr(args, "loss"):
         set_loss(args.loss)
         env["loss"] = args.loss
@@ -141,19 +166,30 @@ def _timed(fn, args: list, warmup: int, iters: int, carry: bool) -> dict:
     """:func:`time_ms` on an argument list that, with ``carry``, ends holding the last state."""
     for _ in range(warmup):
         _call(fn, args, carry)
+    _run_for(fn, args, _heat["seconds"], carry)
     samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        _call(fn, args, carry)
-        samples.append((time.perf_counter() - start) * 1e3)
+    with ClockSampler() as clocks:
+        for _ in range(iters):
+            start = time.perf_counter()
+            _call(fn, args, carry)
+            samples.append((time.perf_counter() - start) * 1e3)
+        pipelined = _pipelined(fn, args, iters, carry)
     samples.sort()
     return {
         "median_ms": statistics.median(samples),
         "p10_ms": samples[len(samples) // 10],
         "p90_ms": samples[(9 * len(samples)) // 10],
         "iters": iters,
-        "pipelined_ms": _pipelined(fn, args, iters, carry),
+        "pipelined_ms": pipelined,
+        "clocks": clocks.summary(),
     }
+
+
+def _run_for(fn, args: list, seconds: float, carry: bool) -> None:
+    """Calls ``fn`` back to back, ten at a time, until ``seconds`` have passed."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        jax.block_until_ready(_pipelined_calls(fn, args, 10, carry))
 
 
 def _pipelined(fn, args: list, iters: int, carry: bool) -> float:
@@ -164,14 +200,19 @@ def _pipelined(fn, args: list, iters: int, carry: bool) -> float:
     synchronized calls includes, are hidden. ``../shared/anchors`` timed the
     Flax anchors this way.
     """
-    out = None
     start = time.perf_counter()
-    for _ in range(iters):
+    jax.block_until_ready(_pipelined_calls(fn, args, iters, carry))
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def _pipelined_calls(fn, args: list, calls: int, carry: bool):
+    """``calls`` calls of ``fn`` dispatched back to back; the last one's output."""
+    out = None
+    for _ in range(calls):
         out = fn(*args)
         if carry:
             args[0] = out[0]
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) * 1e3 / iters
+    return out
 
 
 def compiled_facts(compiled, hlo: str) -> dict:
@@ -241,7 +282,7 @@ def measure(
         f"  {name}: {row['median_ms']:.3f} ms ({row['pipelined_ms']:.3f} pipelined), "
         f"{facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs "
         f"{facts['backends']}, peak {facts['peak_memory_gib'] or 0:.2f} GiB, "
-        f"{len(facts['untiled_fp8_transposes'])} untiled FP8 transposes",
+        f"{len(facts['untiled_fp8_transposes'])} untiled FP8 transposes{_clock_note(row)}",
         flush=True,
     )
     if "breakdown" in row:
@@ -251,6 +292,16 @@ def measure(
         idle = ", ".join(f"{k} {v:.3f}" for k, v in b["idle_ms"].items())
         print(f"    GPU idle between kernels, ms/step by gap length: {idle}", flush=True)
     return row
+
+
+def _clock_note(row: dict) -> str:
+    c = row.get("clocks")
+    if not c:
+        return ""
+    return (
+        f", SM {c['sm_mhz_mean']:.0f} MHz (min {c['sm_mhz_min']:.0f}), "
+        f"{c['power_w_mean']:.0f} W, clock held down {c['clock_held_share']:.0%}"
+    )
 
 
 def environment() -> dict:

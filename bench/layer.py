@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from harness import (
     add_compile_cache_argument,
+    add_heat_argument,
     add_loss_argument,
     bf16_matrices,
     dump,
@@ -102,6 +103,7 @@ def main():
     add_loss_argument(parser)
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
+    add_heat_argument(parser)
     args = parser.parse_args()
     env = start(args)
     print(env)

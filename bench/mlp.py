@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from harness import (
     DELAYED,
     add_compile_cache_argument,
+    add_heat_argument,
     add_loss_argument,
     bf16_matrices,
     dump,
@@ -236,6 +237,7 @@ def main():
     add_loss_argument(parser)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     add_compile_cache_argument(parser)
+    add_heat_argument(parser)
     args = parser.parse_args()
     env = start(args)
     print(env)

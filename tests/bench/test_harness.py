@@ -9,10 +9,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
 import harness
 
 
-def test_both_timing_loops_thread_the_state_through_every_call():
+def test_both_timing_loops_thread_the_state_through_every_call(monkeypatch):
     def step(state, increment):
         return state + increment, state
 
+    monkeypatch.setitem(harness._heat, "seconds", 0.0)
     args = [jnp.zeros(()), jnp.ones(())]
     timing = harness._timed(step, args, warmup=2, iters=5, carry=True)
     # 2 warm-up calls, 5 synchronized ones and 5 pipelined ones, each fed the
@@ -21,6 +22,32 @@ def test_both_timing_loops_thread_the_state_through_every_call():
     assert timing["iters"] == 5
     assert timing["pipelined_ms"] > 0
     assert timing["p10_ms"] <= timing["median_ms"] <= timing["p90_ms"]
+
+
+def test_heating_calls_the_step_back_to_back_ten_at_a_time_before_timing(monkeypatch):
+    def step(state, increment):
+        return state + increment, state
+
+    monkeypatch.setitem(harness._heat, "seconds", 0.01)
+    args = [jnp.zeros(()), jnp.ones(())]
+    harness._timed(step, args, warmup=2, iters=5, carry=True)
+    heated = float(args[0]) - 12
+    assert heated >= 10 and heated % 10 == 0
+
+
+def test_heat_is_a_start_option_recorded_in_the_environment(compile_cache_reset, monkeypatch):
+    import argparse
+
+    import pytest
+
+    monkeypatch.setitem(harness._heat, "seconds", harness._heat["seconds"])
+    parser = argparse.ArgumentParser()
+    harness.add_compile_cache_argument(parser)
+    harness.add_heat_argument(parser)
+    assert harness.start(parser.parse_args(["--heat", "0.5"]))["heat_s"] == 0.5
+    assert harness._heat["seconds"] == 0.5
+    with pytest.raises(ValueError, match="--heat must be >= 0 seconds, got -1.0"):
+        harness.start(parser.parse_args(["--heat", "-1"]))
 
 
 def test_the_square_loss_makes_the_output_gradient_depend_on_the_output():
