@@ -113,3 +113,29 @@ def test_stacked_state_updates_each_layer_on_its_own():
         want = update_scale_state(one, amaxes[layer], 448.0, recipe)
         np.testing.assert_array_equal(got.amax_history[layer], want.amax_history)
         np.testing.assert_array_equal(got.scale[layer], want.scale)
+
+
+def test_an_op_states_update_compiles_to_two_kernels_a_tensor():
+    # Each kernel costs a synchronized step a few microseconds of launch
+    # (bench/results/h200-2026-11-30-k). Written with jnp.roll and .at[0].set,
+    # XLA made four a tensor: a concatenate, a dynamic-update-slice, the
+    # history's max and the scale. Now the new history and its max share one
+    # reduction kernel, and the scale takes one scalar kernel.
+    import re
+
+    from fp8jax.verify import compile_for
+
+    recipe = fp8jax.DelayedScaling(amax_history_len=1024)
+
+    def update(state, amaxes):
+        return fp8jax.DotScaleState(*(
+            update_scale_state(s, a, 448.0, recipe) for s, a in zip(state, amaxes, strict=True)
+        ))  # fmt: skip
+
+    amaxes = [jax.ShapeDtypeStruct((), jnp.float32)] * 3
+    hlo = compile_for(update, fp8jax.init_state(recipe), amaxes, target="h100")
+    entry = hlo[hlo.index("ENTRY") :]
+    launches = re.compile(r" (fusion|copy|custom-call)\(")
+    kernels = [line for line in entry.splitlines() if launches.search(line)]
+    assert len(kernels) == 6, "\n".join(kernels)
+    assert "concatenate" not in entry and "dynamic-update-slice" not in entry

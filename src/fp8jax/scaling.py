@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fp8jax.recipes import CurrentScaling, DelayedScaling, resolve_recipe
 
@@ -145,9 +146,25 @@ def update_scale_state(
     # A NaN/Inf amax carries no usable range information; storing it would make
     # max(history) non-finite for amax_history_len steps.
     amax = jnp.where(jnp.isfinite(amax), amax, jnp.float32(0))
-    history = jnp.roll(state.amax_history, 1, axis=-1).at[..., 0].set(amax)
+    history = _shift_in(state.amax_history, amax)
     scale = scale_from_amax(_amax_of_history(history, recipe), fp8_max, recipe.margin, state.scale)
     return ScaleState(history, scale)
+
+
+def _shift_in(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """``history`` moved one slot along its last axis, the oldest entry dropped, ``amax`` in slot 0.
+
+    Written as a pad and a select rather than ``jnp.roll(...).at[0].set(...)``:
+    XLA makes a roll a concatenate, which no fusion shares, and the set a
+    dynamic-update-slice; four kernels a tensor in all. A pad is elementwise,
+    so the new history and its maximum come out of one reduction kernel, and
+    the scale from one scalar kernel after it (deviceless H100 compile).
+    """
+    older = lax.pad(
+        history[..., :-1], jnp.float32(0), [(0, 0, 0)] * (history.ndim - 1) + [(1, 0, 0)]
+    )
+    slot = lax.broadcasted_iota(jnp.int32, history.shape, history.ndim - 1)
+    return jnp.where(slot == 0, amax[..., None], older)
 
 
 def _is_group(node) -> bool:
