@@ -1,0 +1,17 @@
+#!/bin/bash
+# K4: QKV split, the bias a rank-1 vector (EXP_SPLIT=1; EXP_BIASBAR=1 behind a barrier); pipelined gaps.
+# materializes each bias piece), live HLO dumped; host cost of outputs, inputs and kernels.
+export PYTHONUNBUFFERED=1
+R=$PWD
+START=$(date +%s); left() { local l=$(( ${DEADLINE:-575} - ($(date +%s) - START) )); echo $(( l > 1 ? l : 1 )); }
+export PYTHONPATH=$R/src:$R/bench
+AT="--xla_gpu_per_fusion_autotune_cache_dir=$R/.dev/atc"
+flt() { grep --line-buffered -v "^W0000\|^I0000\|^E0000\|DeprecationWarning\|warnings.warn"; }
+ts() { while IFS= read -r l; do echo "$(date +%H:%M:%S) $l"; done; }
+cd bench
+( XLA_FLAGS="$AT" timeout $(( $(left) - 90 )) python3 $R/.dev/sweep.py --case layer --loss mean --iters 40 --exps "" "EXP_SPLIT=1" "EXP_SPLIT=1 EXP_BIASBAR=1" "" "EXP_SPLIT=1" "EXP_SPLIT=1 EXP_BIASBAR=1" --trace /tmp/tr0 --dump-hlo /tmp/hlo --out $OUT/K4_layer_ab.json 2>&1 | flt | ts > $OUT/K4_layer_ab.log )
+( XLA_FLAGS="$AT" timeout $(( $(left) - 25 )) python3 $R/.dev/hostgap.py --variants fp8jax_delayed bf16 --pipelined --out /tmp/hg0 2>&1 | flt | ts > $OUT/K4_pipegaps.log )
+cd $R
+tar czf $OUT/hlo.tgz -C /tmp hlo
+tar czf $OUT/atc.tgz .dev/atc
+for f in $OUT/K4_layer_ab.log $OUT/K4_pipegaps.log; do echo "=== $f"; grep "x (\|x  \|rror\|median\|pipelined\|total gaps\|compile" $f | cut -c1-220 | tail -24; done
