@@ -12,6 +12,7 @@ before timing it (``--heat``) and records what the clock did meanwhile.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -19,8 +20,14 @@ import threading
 _QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
 
 
+def sampled_gpu() -> str:
+    """The benchmark's first GPU as nvidia-smi names it (it ignores CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return visible or "0"
+
+
 class ClockSampler:
-    """Samples GPU 0's SM clock, power and clock-event reasons every 50 ms, in a thread.
+    """Samples the first visible GPU's SM clock, power and clock-event reasons, in a thread.
 
     A context manager; :meth:`summary` describes the samples taken inside it,
     or is None where ``nvidia-smi`` is missing or printed nothing usable.
@@ -38,7 +45,7 @@ class ClockSampler:
             return self
         self._process = subprocess.Popen(
             [exe, f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits",
-             "-i", "0", "-lms", str(self.period_ms)],
+             "-i", sampled_gpu(), "-lms", str(self.period_ms)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)

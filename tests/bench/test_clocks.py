@@ -33,3 +33,12 @@ def test_samples_are_parsed_and_only_non_idle_reasons_count_as_holding_the_clock
     assert summary["sm_mhz_min"] == 1500
     assert summary["power_w_mean"] == (120.5 + 690.0 + 650.0) / 3
     assert summary["clock_held_share"] == 1 / 3
+
+
+def test_the_sampled_gpu_is_the_first_visible_one(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert clocks.sampled_gpu() == "0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert clocks.sampled_gpu() == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2")
+    assert clocks.sampled_gpu() == "3"
