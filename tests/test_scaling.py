@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.scaling import init_scale_state, update_scale_state
+from fp8jax.scaling import ScaleState, init_scale_state, update_group, update_scale_state
 
 
 def _hand_delayed(amaxes, history_len, algo, fp8_max):
@@ -115,27 +115,98 @@ def test_stacked_state_updates_each_layer_on_its_own():
         np.testing.assert_array_equal(got.scale[layer], want.scale)
 
 
-def test_an_op_states_update_compiles_to_two_kernels_a_tensor():
+def _group_with_history(recipe, group, seed):
+    """A state group whose histories and scales hold varied values, with some zeros and NaN-free."""
+    state = fp8jax.init_state(recipe, group)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    filled = [
+        jnp.abs(jax.random.normal(k, a.shape)) * 10 for k, a in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, filled)
+
+
+@pytest.mark.parametrize(
+    "group", [fp8jax.DotScaleState, fp8jax.MlpScaleState], ids=lambda g: g.__name__
+)
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_group_gives_each_tensors_own_update(group, algo):
+    # update_group stacks the group's histories; every tensor must get exactly
+    # what update_scale_state gives it alone, with its own format's maximum
+    # (E4M3 for x and kernel, E5M2 for grad), including a 0 and a NaN amax
+    # (the old scale kept, nothing stored).
+    recipe = fp8jax.DelayedScaling(amax_history_len=4, margin=1, amax_compute_algo=algo)
+    state = _group_with_history(recipe, group, seed=0)
+    flat = (
+        [0.0, 3.0, jnp.nan]
+        if group is fp8jax.DotScaleState
+        else [[0.0, 3.0, jnp.nan], [5.0, 0.5, 1e-3]]
+    )
+    amaxes = jax.tree.map(jnp.float32, flat)
+    got = jax.jit(update_group, static_argnums=2)(state, amaxes, recipe)
+    subgroups = [state] if group is fp8jax.DotScaleState else list(state)
+    sub_amaxes = [amaxes] if group is fp8jax.DotScaleState else amaxes
+    got_subgroups = [got] if group is fp8jax.DotScaleState else list(got)
+    maxes = {"x": fp8jax.E4M3.max, "kernel": fp8jax.E4M3.max, "grad": fp8jax.E5M2.max}
+    for sub, sub_amax, got_sub in zip(subgroups, sub_amaxes, got_subgroups, strict=True):
+        for role, old, amax, new in zip(sub._fields, sub, sub_amax, got_sub, strict=True):
+            want = update_scale_state(old, amax, maxes[role], recipe)
+            np.testing.assert_array_equal(new.amax_history, want.amax_history)
+            np.testing.assert_array_equal(new.scale, want.scale)
+
+
+def test_update_group_updates_stacked_layers_and_unequal_histories():
+    # A scanned model's state has a leading layer axis; a hand-made group may
+    # mix history lengths, which cannot stack and are updated one by one.
+    recipe = fp8jax.DelayedScaling(amax_history_len=3)
+    one = _group_with_history(recipe, fp8jax.DotScaleState, seed=1)
+    layers = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), one)
+    amaxes = (jnp.array([1.0, 2.0]), jnp.array([4.0, 0.0]), jnp.array([8.0, 16.0]))
+    got = update_group(layers, amaxes, recipe)
+    for layer in range(2):
+        want = update_group(jax.tree.map(lambda a, i=layer: a[i], layers),
+                            tuple(a[layer] for a in amaxes), recipe)  # fmt: skip
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a[layer], b)
+    mixed = one._replace(grad=ScaleState(jnp.ones(5), jnp.float32(2.0)))
+    got = update_group(mixed, (1.0, 2.0, 4.0), recipe)
+    assert got.grad.amax_history.shape == (5,) and got.x.amax_history.shape == (3,)
+    np.testing.assert_array_equal(
+        got.grad.scale,
+        update_scale_state(mixed.grad, jnp.float32(4.0), fp8jax.E5M2.max, recipe).scale,
+    )
+
+
+def test_update_group_names_a_wrong_number_of_amaxes():
+    recipe = fp8jax.DelayedScaling()
+    with pytest.raises(ValueError, match=r"one amax per tensor of the DotScaleState \(3\), got 2"):
+        update_group(fp8jax.init_state(recipe), (1.0, 2.0), recipe)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize(
+    "group", [fp8jax.DotScaleState, fp8jax.MlpScaleState], ids=lambda g: g.__name__
+)
+def test_a_group_update_compiles_to_three_kernels(group):
     # Each kernel costs a synchronized step a few microseconds of launch
     # (bench/results/h200-2026-11-30-k). Written with jnp.roll and .at[0].set,
     # XLA made four a tensor: a concatenate, a dynamic-update-slice, the
-    # history's max and the scale. Now the new history and its max share one
-    # reduction kernel, and the scale takes one scalar kernel.
+    # history's max and the scale. With the shift as a pad and a select, two
+    # a tensor: six for an op's three. Stacked by update_group, the whole
+    # group's maxima take one reduction kernel, its scales one kernel and its
+    # histories one, for layernorm_mlp's six tensors as for dense's three.
     import re
 
     from fp8jax.verify import compile_for
 
     recipe = fp8jax.DelayedScaling(amax_history_len=1024)
-
-    def update(state, amaxes):
-        return fp8jax.DotScaleState(*(
-            update_scale_state(s, a, 448.0, recipe) for s, a in zip(state, amaxes, strict=True)
-        ))  # fmt: skip
-
-    amaxes = [jax.ShapeDtypeStruct((), jnp.float32)] * 3
-    hlo = compile_for(update, fp8jax.init_state(recipe), amaxes, target="h100")
+    state = fp8jax.init_state(recipe, group)
+    amaxes = jax.tree.map(
+        lambda _: jax.ShapeDtypeStruct((), jnp.float32), jax.tree.leaves(state)[::2]
+    )
+    hlo = compile_for(lambda s, a: update_group(s, a, recipe), state, amaxes, target="h100")
     entry = hlo[hlo.index("ENTRY") :]
     launches = re.compile(r" (fusion|copy|custom-call)\(")
     kernels = [line for line in entry.splitlines() if launches.search(line)]
-    assert len(kernels) == 6, "\n".join(kernels)
+    assert len(kernels) == 3, "\n".join(kernels)
     assert "concatenate" not in entry and "dynamic-update-slice" not in entry

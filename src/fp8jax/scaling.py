@@ -151,6 +151,145 @@ def update_scale_state(
     return ScaleState(history, scale)
 
 
+def update_group(group, amaxes, recipe: DelayedScaling):
+    """:func:`update_scale_state` for every tensor of a state group, in one update.
+
+    The group's histories are stacked and updated as one array. For an op's
+    group (unstacked tensors), each amax may come as an array of maxima
+    whose maximum is the amax, such as the per-tile maxima of the cast
+    kernels; they are reduced in the same kernel that takes the histories'
+    maxima. XLA then gives an op's tensors (three, or ``layernorm_mlp``'s
+    six) one reduction kernel, one for the scales and one for the histories,
+    where tensor by tensor it took two each, and a kernel or two more to
+    reduce each tensor's maxima (deviceless H100 compile). Each kernel costs
+    a synchronized train step a few microseconds of launch
+    (``bench/results/h200-2026-11-30-k``). The values are those
+    :func:`update_scale_state` gives tensor by tensor.
+
+    Args:
+      group: a state group such as :class:`DotScaleState` or :class:`MlpScaleState`.
+      amaxes: the amaxes observed this step, nested like ``group``'s roles:
+        ``(x, kernel, grad)`` for a DotScaleState, a pair of those for an
+        MlpScaleState. Each is an f32 array whose maximum is the amax; for
+        states stacked over layers (history ``(layers, L)``), an array of
+        the states' leading shape, one amax per layer.
+      recipe: the DelayedScaling the group was made with.
+
+    Returns:
+      The group's next state.
+
+    Example:
+      >>> import jax.numpy as jnp, fp8jax
+      >>> from fp8jax.scaling import update_group
+      >>> r = fp8jax.DelayedScaling(amax_history_len=2)
+      >>> s = update_group(fp8jax.init_state(r), (2.0, jnp.array([1.0, 4.0]), 8.0), r)
+      >>> [float(t.scale) for t in s]
+      [224.0, 112.0, 7168.0]
+    """
+    states, fp8_maxes = _roles(group, recipe)
+    amaxes = [jnp.asarray(a, jnp.float32) for a in jax.tree.leaves(amaxes)]
+    if len(amaxes) != len(states):
+        raise ValueError(
+            f"amaxes must hold one amax per tensor of the {type(group).__name__} "
+            f"({len(states)}), got {len(amaxes)}."
+        )
+    tensor_shape = states[0].scale.shape
+    if tensor_shape:
+        wrong = [a.shape for a in amaxes if a.shape != tensor_shape]
+        if wrong:
+            raise ValueError(
+                f"amaxes of states stacked as {tensor_shape} must have that shape, one amax "
+                f"per layer; got shapes {wrong}."
+            )
+    if _unequal(states):
+        # Stacking needs one shape; states of unequal history lengths (hand-made)
+        # are updated one by one, with the same values.
+        amaxes = amaxes if tensor_shape else [jnp.max(a) for a in amaxes]
+        new = [
+            update_scale_state(s, a, m, recipe)
+            for s, a, m in zip(states, amaxes, fp8_maxes, strict=True)
+        ]
+    elif tensor_shape:
+        stacked = ScaleState(jnp.stack([s.amax_history for s in states]),
+                             jnp.stack([s.scale for s in states]))  # fmt: skip
+        fp8_max = jnp.asarray(fp8_maxes, jnp.float32).reshape((-1,) + (1,) * len(tensor_shape))
+        updated = update_scale_state(stacked, jnp.stack(amaxes), fp8_max, recipe)
+        new = [ScaleState(updated.amax_history[i], updated.scale[i]) for i in range(len(states))]
+    else:
+        new = _update_from_maxima(states, amaxes, fp8_maxes, recipe)
+    return _rebuild(group, iter(new))
+
+
+def _unequal(states) -> bool:
+    return len({s.amax_history.shape for s in states}) != 1
+
+
+# Maxima beyond this many a tensor are first reduced on their own, so that a
+# row of the update's reduction (maxima and history) stays one kernel: XLA
+# splits row reductions longer than 16384 into two (deviceless H100 compile).
+_MAXIMA_IN_UPDATE = 8192
+
+
+def _update_from_maxima(states, maxima, fp8_maxes, recipe: DelayedScaling) -> list[ScaleState]:
+    """:func:`update_group` for unstacked tensors, each amax the maximum of an array of maxima.
+
+    Each tensor's amax is the maximum of its maxima, and the maximum of its
+    shifted history that of the amax and the history but its oldest entry;
+    one reduction kernel takes both for every tensor.
+    """
+    flat = [_at_most(m.reshape(-1), _MAXIMA_IN_UPDATE) for m in maxima]
+    width = max(f.shape[0] for f in flat)
+    tiles = jnp.stack([jnp.pad(f, (0, width - f.shape[0])) for f in flat])  # maxima are >= 0
+    history = jnp.stack([s.amax_history for s in states])
+    # Maxima and older history side by side in rows of one width, each
+    # padded with zeros where the other lies, so that one variadic reduce
+    # gives both maxima: as two reduces of one concatenate, XLA wrote the
+    # concatenate out and reduced it twice (deviceless H100 compile).
+    older = history[:, :-1]
+    tiles = jnp.pad(tiles, ((0, 0), (0, older.shape[1])))
+    older = jnp.pad(older, ((0, 0), (width, 0)))
+    amax, older_max = lax.reduce(
+        (tiles, older), (jnp.float32(0), jnp.float32(0)),
+        lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])), (1,),
+    )  # fmt: skip
+    # As update_scale_state: a NaN/Inf amax is stored as 0.
+    amax = jnp.where(jnp.isfinite(amax), amax, jnp.float32(0))
+    window_amax = jnp.maximum(amax, older_max) if recipe.amax_compute_algo == "max" else amax
+    fp8_max = jnp.asarray(fp8_maxes, jnp.float32)
+    old_scales = jnp.stack([s.scale for s in states])
+    scales = scale_from_amax(window_amax, fp8_max, recipe.margin, old_scales)
+    histories = _shift_in(history, amax)
+    return [ScaleState(histories[i], scales[i]) for i in range(len(states))]
+
+
+def _at_most(values: jax.Array, count: int) -> jax.Array:
+    """A 1-D ``values`` max-reduced in groups to at most ``count`` entries with the same maximum."""
+    if values.shape[0] <= count:
+        return values
+    group = -(-values.shape[0] // count)
+    padded = jnp.pad(values, (0, -values.shape[0] % group))
+    return jnp.max(padded.reshape(-1, group), axis=1)
+
+
+def _roles(group, recipe: DelayedScaling) -> tuple[list[ScaleState], list[float]]:
+    """A group's ScaleStates in field order, nested groups flattened, and each one's FP8 max."""
+    if hasattr(type(group), "SUBGROUPS"):
+        states, maxes = [], []
+        for sub in group:
+            sub_states, sub_maxes = _roles(sub, recipe)
+            states += sub_states
+            maxes += sub_maxes
+        return states, maxes
+    formats = type(group).ROLE_FORMATS
+    return list(group), [getattr(recipe.formats, formats[role]).max for role in group._fields]
+
+
+def _rebuild(group, new_states):
+    if hasattr(type(group), "SUBGROUPS"):
+        return type(group)(*(_rebuild(sub, new_states) for sub in group))
+    return type(group)(*(next(new_states) for _ in group._fields))
+
+
 def _shift_in(history: jax.Array, amax: jax.Array) -> jax.Array:
     """``history`` moved one slot along its last axis, the oldest entry dropped, ``amax`` in slot 0.
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import norm_backward
+from fp8jax.ops import norm_backward, norm_forward
 from fp8jax.verify.jaxpr_dots import jaxpr_dots
 from numerics import (
     OUTPUT_UNIT_ROUNDOFF,
@@ -557,9 +557,12 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
     # forward GEMM (transposed) and the dgrad GEMM, the output gradient's for
     # the dgrad and the wgrad GEMM (transposed) with the bias's column sums,
     # and dense's input's for the forward and the wgrad GEMM (transposed),
-    # each come out of one Pallas kernel. Its f32 results are per-tile column
-    # sums and maxima (64-row tiles). layernorm_dense's normalized input is
-    # computed where it is cast, by XLA, in one fusion with both layouts.
+    # each come out of one Pallas kernel. Its f32 results are column sums per
+    # 64-row tile and one maximum per 64 x 128 tile. layernorm_dense's
+    # normalized input comes, under delayed scaling, from the norm's forward
+    # kernel (fp8jax.ops.norm_forward), with the row statistics and one
+    # maximum per program's rows; under current scaling XLA computes it where it
+    # is cast, in one fusion with both layouts.
     outputs = _biased_step_outputs(op, recipe)
     # The norm's backward kernel (fp8jax.ops.norm_backward) writes no FP8.
     kernels = {
@@ -569,15 +572,20 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
     }
 
     def cast_transposed(dtype, rows, cols):
-        return frozenset(
-            {(dtype, (rows, cols)), (dtype, (cols, rows)), ("f32", (rows // 64, cols))}
-        )
+        return frozenset({
+            (dtype, (rows, cols)), (dtype, (cols, rows)), ("f32", (rows // 64, cols)),
+            ("f32", (rows // 64, cols // 128)),
+        })  # fmt: skip
 
     tokens, hidden, columns = 2 * 512, 256, 3 * 128
     want = {cast_transposed("f8e4m3fn", hidden, columns),
             cast_transposed("f8e5m2", tokens, columns)}  # fmt: skip
     if op == "dense":
         want.add(cast_transposed("f8e4m3fn", tokens, hidden))
+    elif isinstance(recipe, fp8jax.DelayedScaling):
+        statistics = ("f32", (tokens, 1))  # the mean and rstd
+        want.add(frozenset({("f8e4m3fn", (tokens, hidden)), statistics,
+                            ("f32", (tokens // norm_forward.ROWS_PER_PROGRAM, 1))}))  # fmt: skip
     assert kernels == want
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import fp8jax
 import fp8jax.sharding as fs
 from fp8jax.ops import cast_transpose as ct
+from fp8jax.ops import norm_forward
 
 DP_FSDP = {"dp": 2, "fsdp": 4}
 ROW_AXES = ("dp", "fsdp")
@@ -45,7 +46,7 @@ def test_rows_cast_per_device_match_the_whole_cast(fmt):
     assert split.q_t.sharding.is_equivalent_to(NamedSharding(mesh, P(None, ROW_AXES)), 2)
     np.testing.assert_array_equal(split.q.astype(jnp.float32), whole.q.astype(jnp.float32))
     np.testing.assert_array_equal(split.q_t.astype(jnp.float32), whole.q_t.astype(jnp.float32))
-    assert float(split.amax) == float(whole.amax)
+    np.testing.assert_array_equal(split.maxima, whole.maxima)
     g64 = np.asarray(g, np.float64)
     bound = rows * 2.0**-24 * np.abs(g64).sum(axis=0)
     np.testing.assert_array_less(
@@ -69,7 +70,7 @@ def test_pieces_cast_per_device_match_the_joined_cast():
         split = jax.jit(ct.cast_transpose, static_argnums=(2, 3))(g, scale, fp8jax.E5M2, ("fsdp",))
     np.testing.assert_array_equal(split.q.astype(jnp.float32), whole.q.astype(jnp.float32))
     np.testing.assert_array_equal(split.q_t.astype(jnp.float32), whole.q_t.astype(jnp.float32))
-    assert float(split.amax) == float(whole.amax)
+    np.testing.assert_array_equal(split.maxima, whole.maxima)
 
 
 def test_rows_that_leave_a_device_part_of_a_tile_are_refused():
@@ -175,6 +176,15 @@ def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe):
     # x's gradient and one row of gamma's column sums per 64-row program.
     norm = frozenset({("bf16", (local, 256)), ("f32", (local // 64, 256))})
     assert _cast_kernel_outputs(hlo, "fp8jax_norm_backward", fp8_only=False) == [norm]
+    # Under delayed scaling the norm's forward and FP8 cast (fp8jax.ops.norm_forward)
+    # as well: the FP8 output, the row statistics, one maximum per program.
+    forward = _cast_kernel_outputs(hlo, "fp8jax_norm_forward", fp8_only=False)
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        programs = local // norm_forward.ROWS_PER_PROGRAM
+        want_forward = {("f8e4m3fn", (local, 256)), ("f32", (local, 1)), ("f32", (programs, 1))}
+        assert forward == [frozenset(want_forward)]
+    else:
+        assert forward == []
     report = verify.gemm_report(hlo)
     assert report.num_partitions == 8
     assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
@@ -220,7 +230,8 @@ def test_activation_kernels_per_device_match_the_whole():
     for got, want in ((h[0], whole_h[0]), (g.q, whole_g.q), (g.q_t, whole_g.q_t),
                       (h_t, whole_h_t)):  # fmt: skip
         np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
-    assert float(h[1]) == float(whole_h[1]) and float(g.amax) == float(whole_g.amax)
+    np.testing.assert_array_equal(h[1], whole_h[1])
+    np.testing.assert_array_equal(g.maxima, whole_g.maxima)
     x = pre.astype(jnp.float32) + bias.astype(jnp.float32)[None, :]
     gate, linear = x[:, 0::2], x[:, 1::2]
     silu, silu_slope = ac.activation_and_slope("silu", gate)

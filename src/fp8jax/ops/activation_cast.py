@@ -221,7 +221,7 @@ def _forward_kernel(activations, fmt, dtype, m, pre_ref, *refs):
     h = _gated(activations, _biased(pre_ref, bias_refs), m)[0].astype(dtype)
     h = h.astype(jnp.float32)
     q_ref[...] = quantize_with_scale(h, fmt, scale_ref[0]).data
-    max_ref[...] = jnp.max(jnp.abs(h), axis=0)[None, :]
+    max_ref[...] = cast_transpose.tile_max(h)
 
 
 def _gradient_kernel(activations, fmt, h_fmt, dtype, m, dh_ref, pre_ref, *refs):
@@ -246,8 +246,8 @@ def _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, name, warps):
         "h_t": ((cols, rows), lambda i, j: (j, i)),
         "pre": ((rows, n * cols), lambda i, j: (i, j)),
         "pre_t": ((n * cols, rows), lambda i, j: (j, i)),
-        "h_partial": ((1, cols), lambda i, j: (i, j)),
         "pre_partial": ((1, n * cols), lambda i, j: (i, j)),
+        "tile_max": ((1, 1), lambda i, j: (i, j)),
         "bias": ((1, n * cols), lambda i, j: (0, j)),
         "scalar": ((1,), lambda i, j: (0,)),
     }
@@ -268,7 +268,7 @@ def _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, name, warps):
 
 def _pallas_forward(pre, biases, scale, *, activations, fmt, interpret=False, tile=None,
                     warps=None):  # fmt: skip
-    """The forward kernel: ``(q, per-tile column maxima)``; ``biases``: () or (bias,)."""
+    """The forward kernel: ``(q, one maximum per tile)``; ``biases``: () or (bias,)."""
     from jax.experimental import pallas as pl
 
     n = len(activations)
@@ -279,14 +279,14 @@ def _pallas_forward(pre, biases, scale, *, activations, fmt, interpret=False, ti
     m = _XlaMath if interpret else _GpuMath  # no inline assembly on the CPU
     kernel = functools.partial(_forward_kernel, activations, fmt, pre.dtype, m)
     inputs = ["pre", *["bias"] * len(biases), "scalar"]
-    outputs = [("h", (rows, cols), fmt.dtype), ("h_partial", (grid[0], cols), jnp.float32)]
+    outputs = [("h", (rows, cols), fmt.dtype), ("tile_max", grid, jnp.float32)]
     return _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, "fp8jax_cast_activation",
                  warps)(pre, *biases, scale.reshape(1))  # fmt: skip
 
 
 def _pallas_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt,
                      interpret=False, tile=None, warps=None):  # fmt: skip
-    """The backward kernel: ``(q, q_t, column sums and maxima per tile, h_t)``."""
+    """The backward kernel: ``(q, q_t, column sums per tile of rows, maxima per tile, h_t)``."""
     from jax.experimental import pallas as pl
 
     n = len(activations)
@@ -301,7 +301,7 @@ def _pallas_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt
         ("pre", (rows, n * cols), fmt.dtype),
         ("pre_t", (n * cols, rows), fmt.dtype),
         ("pre_partial", (grid[0], n * cols), jnp.float32),
-        ("pre_partial", (grid[0], n * cols), jnp.float32),
+        ("tile_max", grid, jnp.float32),
         ("h_t", (cols, rows), h_fmt.dtype),
     ]
     return _call(pl, kernel, grid, tile, n, inputs, outputs, interpret,
@@ -318,8 +318,8 @@ def _xla_forward(pre, biases, scale, *, activations, fmt):
     """:func:`_pallas_forward`'s values from XLA."""
     h = _gated(activations, _biased_xla(pre, biases), _XlaMath)[0]
     h = h.astype(pre.dtype).astype(jnp.float32)
-    tiles = h.reshape(-1, ROWS_MULTIPLE, h.shape[1])
-    return quantize_with_scale(h, fmt, scale).data, jnp.max(jnp.abs(tiles), axis=1)
+    maxima = cast_transpose.tile_maxima(h, FORWARD_TILES[len(activations)][0])
+    return quantize_with_scale(h, fmt, scale).data, maxima
 
 
 def _xla_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt):
@@ -327,7 +327,10 @@ def _xla_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt):
     h, factors = _gated(activations, _biased_xla(pre, biases), _XlaMath)
     dh = dh.astype(jnp.float32)
     d_pre = _interleaved([f * dh for f in factors]).astype(pre.dtype)
-    q, q_t, sums, maxima = cast_transpose.xla_partials(d_pre, scale, fmt)
+    (tile_rows, tile_cols), n = GRADIENT_TILES[len(activations)][0], len(activations)
+    q, q_t, sums, maxima = cast_transpose.xla_partials(
+        d_pre, scale, fmt, (tile_rows, n * tile_cols)
+    )
     h_t = quantize_with_scale(h.astype(pre.dtype), h_fmt, h_scale).data.T
     return q, q_t, sums, maxima, h_t
 
@@ -355,8 +358,8 @@ def cast_activation(
     the mesh axes splitting ``pre``'s rows alone
     (:func:`fp8jax.ops.cast_transpose.cast_transpose`).
 
-    Returns ``(q, amax)``: ``h``'s (rows, columns) FP8 data at ``scale`` and
-    the f32 max ``|h|``.
+    Returns ``(q, maxima)``: ``h``'s (rows, columns) FP8 data at ``scale``
+    and f32 maxima of ``|h|`` per tile, whose maximum is the amax.
     """
     activations = _check(pre, activations, row_axes)
     biases = () if bias is None else (bias,)
@@ -365,7 +368,7 @@ def cast_activation(
         functools.partial(_xla_forward, activations=activations, fmt=fmt),
         (pre, biases, scale.astype(jnp.float32)), 1, ("rows", "rows"), tuple(row_axes),
     )  # fmt: skip
-    return q, jnp.max(maxima)
+    return q, maxima
 
 
 def cast_activation_gradient(
@@ -378,7 +381,7 @@ def cast_activation_gradient(
     ``pre``, ``bias``, ``activations`` as for :func:`cast_activation`; ``dh``
     is (rows, columns). The gradient, interleaved as ``pre``, is rounded to
     ``pre.dtype`` and cast at ``scale`` to ``fmt``, with its transposed copy,
-    f32 column sums and amax (:class:`~fp8jax.ops.cast_transpose.CastTransposed`).
+    f32 column sums and maxima (:class:`~fp8jax.ops.cast_transpose.CastTransposed`).
     ``h`` is computed again as :func:`cast_activation` computes it and cast
     at ``h_scale`` to ``h_fmt``, as (columns, rows): the operand the second
     GEMM's wgrad reads.
@@ -399,7 +402,7 @@ def cast_activation_gradient(
         (dh, pre, biases, scale.astype(jnp.float32), h_scale.astype(jnp.float32)), 2,
         ("rows", "columns", "rows", "rows", "columns"), tuple(row_axes),
     )  # fmt: skip
-    out = cast_transpose.CastTransposed(q, q_t, jnp.sum(sums, axis=0), jnp.max(maxima))
+    out = cast_transpose.CastTransposed(q, q_t, jnp.sum(sums, axis=0), maxima)
     return out, h_t
 
 

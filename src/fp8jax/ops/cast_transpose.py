@@ -1,4 +1,4 @@
-"""FP8 cast of a GEMM operand, its transposed copy, column sums and amax, in one pass.
+"""FP8 cast of a GEMM operand, its transposed copy, column sums and maxima, in one pass.
 
 cuBLASLt's FP8 GEMMs take only operands whose contracting axis is the minor
 one, so each FP8 operand is needed in two layouts: a gradient ``g`` (tokens,
@@ -10,7 +10,7 @@ XLA casts in one kernel and transposes the FP8 copy in another, moving
 reductions with fused math run slower still (bench/results/h200-2026-11-30-e).
 On NVIDIA GPUs :func:`cast_transpose` is one Pallas (Triton) kernel that
 reads the operand once and writes both FP8 copies, per-tile column sums (a
-bias's gradient) and per-tile maxima (delayed scaling's amax). On the H200 a
+bias's gradient) and one maximum per tile (delayed scaling's amax). On the H200 a
 (16384, 32768) bf16 gradient took 0.63 ms where XLA's two kernels took
 0.78 + 0.46 ms. Elsewhere (the CPU tests) XLA computes the same values.
 
@@ -154,7 +154,7 @@ class CastTransposed(NamedTuple):
     q: jax.Array  # (rows, columns), the FP8 cast
     q_t: jax.Array  # (columns, rows), its transpose
     column_sums: jax.Array  # (columns,) f32 sums of g over its rows
-    amax: jax.Array  # () f32 max |g|
+    maxima: jax.Array  # f32 maxima of |g| per tile (whose max is the amax), or the amax
 
 
 def cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
@@ -164,7 +164,23 @@ def cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
     q_ref[...] = q
     qt_ref[...] = q.T
     sum_ref[...] = jnp.sum(g, axis=0)[None, :]
-    max_ref[...] = jnp.max(jnp.abs(g), axis=0)[None, :]
+    max_ref[...] = tile_max(g)
+
+
+def tile_max(g) -> jax.Array:
+    """A tile's ``max |g|`` as a (1, 1) block (inside a Pallas kernel).
+
+    One maximum per tile, not per column: the weights' and most gradients'
+    maxima then number at most 8192, few enough for delayed scaling's
+    update to reduce them in the kernel that reduces the amax histories
+    (:func:`fp8jax.scaling.update_group`), where a separate reduction took a
+    kernel or two each (deviceless H100 compile). Each kernel costs a
+    synchronized step a few microseconds of launch
+    (bench/results/h200-2026-11-30-k).
+    """
+    # One axis at a time: under a mesh in context, JAX 0.11's Triton lowering
+    # of a reduction over both axes fails (Explicit axes, live H200 run L1).
+    return jnp.max(jnp.max(jnp.abs(g), axis=1, keepdims=True), axis=0, keepdims=True)
 
 
 def _kernel(fmt: Fp8Format, g_ref, scale_ref, *out_refs):
@@ -197,7 +213,7 @@ def _piece_index_map(start: int, count: int, per_period: int):
 
 
 def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
-    """The kernel: q, q_t, and column sums and maxima per tile of rows (:func:`_tile`)."""
+    """The kernel: q, q_t, column sums per tile of rows, one maximum per tile (:func:`_tile`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
@@ -226,13 +242,13 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
             pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j)),
             pl.BlockSpec((tile_cols, tile_rows), lambda i, j: (j, i)),
             pl.BlockSpec((1, tile_cols), lambda i, j: (i, j)),
-            pl.BlockSpec((1, tile_cols), lambda i, j: (i, j)),
+            pl.BlockSpec((1, 1), lambda i, j: (i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
             jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
             jax.ShapeDtypeStruct((grid[0], cols), jnp.float32),
-            jax.ShapeDtypeStruct((grid[0], cols), jnp.float32),
+            jax.ShapeDtypeStruct(grid, jnp.float32),
         ],
         interpret=interpret,
         name="fp8jax_cast_transpose",
@@ -253,14 +269,25 @@ def _xla(g, scale, fmt: Fp8Format):
     return q, q.T, jnp.sum(g32, axis=0), jnp.max(jnp.abs(g32))
 
 
-def xla_partials(g, scale, fmt: Fp8Format):
-    """:func:`_pallas_partials`'s values from XLA: sums and maxima per tile of rows."""
-    tile_rows = _tile(g)[0]
+def xla_partials(g, scale, fmt: Fp8Format, tile: tuple[int, int] | None = None):
+    """:func:`_pallas_partials`'s values from XLA: sums per tile of rows, one maximum per tile.
+
+    ``tile``: the kernel's (rows, columns) tile; :func:`_tile` by default.
+    """
+    tile = tile or _tile(g)
     if isinstance(g, Interleaved):
         g = g.joined()
     q = quantize_with_scale(g, fmt, scale).data
-    g32 = g.astype(jnp.float32).reshape(g.shape[0] // tile_rows, tile_rows, g.shape[1])
-    return q, q.T, jnp.sum(g32, axis=1), jnp.max(jnp.abs(g32), axis=1)
+    g32 = g.astype(jnp.float32)
+    sums = jnp.sum(g32.reshape(g.shape[0] // tile[0], tile[0], g.shape[1]), axis=1)
+    return q, q.T, sums, tile_maxima(g32, tile)
+
+
+def tile_maxima(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+    """``max |x|`` of each ``tile`` of a 2-D ``x``: what the kernels' :func:`tile_max` write."""
+    rows, cols = x.shape
+    blocks = x.reshape(rows // tile[0], tile[0], cols // tile[1], tile[1])
+    return jnp.max(jnp.abs(blocks), axis=(1, 3))
 
 
 def on_each_device(pallas_fn, xla_fn, operands, n_row_split: int, out_layouts, row_axes=()):
@@ -297,11 +324,13 @@ def on_each_device(pallas_fn, xla_fn, operands, n_row_split: int, out_layouts, r
 def cast_transpose(
     g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format, row_axes: tuple[str, ...] = ()
 ) -> CastTransposed:
-    """The saturating FP8 cast of a 2-D ``g`` at ``scale``, its transpose, column sums and amax.
+    """The saturating FP8 cast of a 2-D ``g`` at ``scale``, its transpose, column sums and maxima.
 
     ``q`` holds exactly the bytes of ``quantize_with_scale(g, fmt, scale).data``;
-    the column sums are f32 sums of ``g`` over its rows, the amax ``max |g|``
-    (delayed scaling's history entry, taken in the same pass). ``g``'s shape
+    the column sums are f32 sums of ``g`` over its rows; the maxima, of
+    ``|g|`` per tile, have ``max |g|`` as their maximum (delayed scaling's
+    history entry, taken in the same pass and reduced where the history is
+    updated; a scalar where XLA computes it). ``g``'s shape
     must split into whole tiles (:func:`tiles_fit`); an :class:`Interleaved`
     ``g`` is read from its pieces, each of whose widths must be whole tiles.
     ``row_axes``: mesh axes (of the mesh in context, ``Auto``) that split
@@ -329,8 +358,8 @@ def cast_transpose(
         )
     if not enabled():
         return CastTransposed(*_xla(g, scale, fmt))
-    q, q_t, partial_sums, partial_maxima = on_each_device(
+    q, q_t, partial_sums, maxima = on_each_device(
         functools.partial(_pallas_partials, fmt=fmt), functools.partial(xla_partials, fmt=fmt),
         (g, scale.astype(jnp.float32)), 1, ("rows", "columns", "rows", "rows"), tuple(row_axes),
     )  # fmt: skip
-    return CastTransposed(q, q_t, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima))
+    return CastTransposed(q, q_t, jnp.sum(partial_sums, axis=0), maxima)

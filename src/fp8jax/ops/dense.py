@@ -29,7 +29,7 @@ from fp8jax.ops import _partitioning, cast_transpose, dimensions
 from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, resolve_recipe
-from fp8jax.scaling import DotScaleState, ScaleState, scale_from_amax, update_scale_state
+from fp8jax.scaling import DotScaleState, ScaleState, scale_from_amax, update_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,10 @@ def quantize_transposed(
     pieces, where every piece's share of a row fills whole kernel tiles.
 
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
-    as (columns, rows), ``column_sums`` (f32) in the columns' shape.
+    as (columns, rows), ``column_sums`` (f32) in the columns' shape. Under
+    delayed scaling ``amax`` is the kernel's per-tile maxima, whose maximum
+    is the amax: the state's update reduces them with the histories, in one
+    kernel for all of an op's tensors (:func:`fp8jax.scaling.update_group`).
     """
     row_axes = cast_kernel_row_axes(rows_are_tokens)
     if row_axes is None:
@@ -165,7 +168,7 @@ def quantize_transposed(
         scale = state.scale
     out = cast_transpose.cast_transpose(_as_matrix(value, rows_ndim), scale, fmt, row_axes)
     if state is not None:
-        value_amax = _partitioning.reduce_amax(out.amax, recipe)
+        value_amax = amax_for_update(out.maxima, recipe)
     scale_inv = 1.0 / scale.astype(jnp.float32)  # as quantize_with_scale computes it
     return (
         Fp8Array(out.q.reshape(value.shape), scale_inv, fmt),
@@ -173,6 +176,21 @@ def quantize_transposed(
         value_amax,
         out.column_sums.reshape(value.shape[rows_ndim:]),
     )
+
+
+def amax_for_update(maxima: jax.Array, recipe) -> jax.Array:
+    """Delayed scaling's amax, for the state's update, from ``maxima`` (whose maximum it is).
+
+    Where arrays are whole on each device the maxima go to the update as
+    they are: :func:`fp8jax.scaling.update_group` reduces them with the
+    histories, in one kernel for all of an op's tensors. Elsewhere they are
+    reduced here, to a local maximum and an all-reduce: the update stacks
+    and pads its inputs, for which the partitioner gathered sharded maxima
+    in f32 (8 host devices, tensor parallelism).
+    """
+    if not _kernel_is_local():
+        maxima = jnp.max(maxima)
+    return _partitioning.reduce_amax(maxima, recipe)
 
 
 def cast_kernel_row_axes(rows_are_tokens: bool) -> tuple[str, ...] | None:
@@ -361,6 +379,7 @@ def quantize_gradient(
     The sum is in f32 where JAX's gradient of a bf16 bias add sums in bf16.
 
     Returns ``(q, amax, bias_gradient)``, the last in f32, or None without a bias.
+    Under delayed scaling the amax may come as maxima (:func:`quantize_transposed`).
     """
     if bias_ndim == 0:
         return (*quantize_operand(g, fmt, state, recipe), None)
@@ -369,8 +388,12 @@ def quantize_gradient(
     # The barrier keeps XLA from merging the two maxima into one full
     # reduction, which it computes apart from the column sum.
     column_max = lax.optimization_barrier(jnp.max(jnp.abs(g32), axis=leading))
-    g_amax = _partitioning.reduce_amax(jnp.max(column_max), recipe)
-    q = quantize_with_scale(g, fmt, _scale(g_amax, fmt, state, recipe))
+    if state is None:
+        g_amax = _partitioning.reduce_amax(jnp.max(column_max), recipe)
+        q = quantize_with_scale(g, fmt, _scale(g_amax, fmt, state, recipe))
+    else:  # the update reduces the maxima (fp8jax.scaling.update_group)
+        g_amax = amax_for_update(column_max, recipe)
+        q = quantize_with_scale(g, fmt, state.scale)
     return q, g_amax, jnp.sum(g32, axis=leading)
 
 
@@ -522,12 +545,7 @@ def _fp8_dot_bwd(config: DotConfig, residuals, g):
                                  config.rhs_dtype, recipe, lhs_t=lhs_t, g_t=g_t)  # fmt: skip
     new_state = None
     if state is not None:
-        fwd_max, bwd_max = recipe.formats.forward.max, recipe.formats.backward.max
-        new_state = DotScaleState(
-            x=update_scale_state(state.x, amaxes[0], fwd_max, recipe),
-            kernel=update_scale_state(state.kernel, amaxes[1], fwd_max, recipe),
-            grad=update_scale_state(state.grad, g_amax, bwd_max, recipe),
-        )
+        new_state = update_group(state, (*amaxes, g_amax), recipe)
     d_bias = None if d_bias is None else d_bias.astype(config.bias_dtype)
     return _partitioning.match_cotangents((d_lhs, d_rhs, d_bias), new_state, config.inputs)
 

@@ -1,8 +1,12 @@
 """LayerNorm + FP8 dense, and the FP8 MLP block, each one custom_vjp.
 
-The normalized input is quantized in the fusions that compute it, so it
-never reaches HBM in high precision: the amax pass recomputes it from x (see
-:func:`~fp8jax.ops.dense.quantize_computed`). The activation's gradient,
+The normalized input never reaches HBM in high precision. Under delayed
+scaling one kernel computes the norm, its FP8 cast and its maxima from a
+single read of x (:mod:`fp8jax.ops.norm_forward`; on the H200's layer,
+alternating in one process, 18.43-18.79 ms a step against 19.03-19.22
+without it, bench/results/h200-2026-11-30-l run L4); elsewhere it is
+quantized in the fusions that compute it, the amax pass recomputing it
+from x (:func:`~fp8jax.ops.dense.quantize_computed`). The activation's gradient,
 and the activation itself under current scaling or without a bias, cost too
 much to compute twice; each is written once, in the activations' dtype, and
 read back by its quantize pass (:func:`~fp8jax.ops.dense.quantize_stored`).
@@ -34,9 +38,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.ops import _partitioning, activation_cast, cast_transpose, norm_backward
+from fp8jax.ops import (
+    _partitioning,
+    activation_cast,
+    cast_transpose,
+    norm_backward,
+    norm_forward,
+)
 from fp8jax.ops.dense import (
     add_bias,
+    amax_for_update,
     backward_dots,
     cast_kernel_row_axes,
     check_bias,
@@ -55,7 +66,7 @@ from fp8jax.ops.norm import NormConfig, check_norm_args, normalize
 from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import resolve_recipe
-from fp8jax.scaling import DotScaleState, MlpScaleState, update_scale_state
+from fp8jax.scaling import DotScaleState, MlpScaleState, update_group
 
 _SQRT_HALF = 0.7071067811865476
 
@@ -131,16 +142,6 @@ def _backward_dots(lhs_ndim, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe, g_
                          rhs_dtype, recipe, g_t=g_t)  # fmt: skip
 
 
-def _new_dot_state(state: DotScaleState, amaxes, recipe) -> DotScaleState:
-    fwd, bwd = recipe.formats.forward.max, recipe.formats.backward.max
-    x_amax, kernel_amax, grad_amax = amaxes
-    return DotScaleState(
-        x=update_scale_state(state.x, x_amax, fwd, recipe),
-        kernel=update_scale_state(state.kernel, kernel_amax, fwd, recipe),
-        grad=update_scale_state(state.grad, grad_amax, bwd, recipe),
-    )
-
-
 def _rows_sum(v, like):
     return None if like is None else jnp.sum(v.astype(jnp.float32), axis=tuple(
         range(v.ndim - like.ndim))).astype(like.dtype)  # fmt: skip
@@ -156,17 +157,33 @@ def _ln_dense(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     return _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config)[0]
 
 
-def _quantize_normalized(x, gamma, beta, state, config: FusedConfig):
-    return quantize_computed(
-        functools.partial(_normalized, config=config), (x, gamma, beta),
-        config.recipe.formats.forward, state, config.recipe, jnp.float32,
+def _normalize_and_quantize(x, gamma, beta, state, config: FusedConfig):
+    """``(normed_q, normed_amax, mean, rstd)``: the norm's FP8 output, its amax, the statistics.
+
+    Under delayed scaling (``state``, the output's ScaleState) in one kernel
+    where it runs (:mod:`fp8jax.ops.norm_forward`); else XLA's passes.
+    """
+    recipe, fmt = config.recipe, config.recipe.formats.forward
+    row_axes = None if state is None else norm_forward.kernel_row_axes(x)
+    if row_axes is not None:
+        q, maxima, mean, rstd = norm_forward.normalize_and_cast(
+            x, gamma, beta, config.norm, state.scale, fmt, row_axes
+        )
+        scale_inv = 1.0 / state.scale.astype(jnp.float32)  # as quantize_with_scale computes it
+        return Fp8Array(q, scale_inv, fmt), amax_for_update(maxima, recipe), mean, rstd
+    _, mean, rstd = normalize(x, gamma, beta, config.norm)
+    normed_q, normed_amax = quantize_computed(
+        functools.partial(_normalized, config=config), (x, gamma, beta), fmt, state, recipe,
+        jnp.float32,
     )  # fmt: skip
+    return normed_q, normed_amax, mean, rstd
 
 
 def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     recipe = config.recipe
-    _, mean, rstd = normalize(x, gamma, beta, config.norm)
-    normed_q, normed_amax = _quantize_normalized(x, gamma, beta, state and state.x, config)
+    normed_q, normed_amax, mean, rstd = _normalize_and_quantize(
+        x, gamma, beta, state and state.x, config
+    )
     kernel_q, kernel_t, kernel_amax = quantize_in_both_layouts(
         kernel, recipe.formats.forward, state and state.kernel, recipe, rows_ndim=1
     )
@@ -200,7 +217,7 @@ def _ln_dense_bwd(config: FusedConfig, saved, cotangent):
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
     dx, dgamma, dbeta = norm_backward.normalize_backward(d_normed, x, mean, rstd, gamma, beta,
                                                         config.norm, g_residual)  # fmt: skip
-    new_state = None if state is None else _new_dot_state(state, (*amaxes, g_amax), recipe)
+    new_state = None if state is None else update_group(state, (*amaxes, g_amax), recipe)
     d_bias = None if d_bias is None else d_bias.astype(config.bias_dtype)
     return _partitioning.match_cotangents((dx, dgamma, dbeta, d_kernel, d_bias), new_state,
                                           config.inputs)  # fmt: skip
@@ -304,8 +321,9 @@ def _mlp(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
 def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     recipe, fwd = config.recipe, config.recipe.formats.forward
     fc1, fc2 = (None, None) if state is None else state
-    _, mean, rstd = normalize(x, gamma, beta, config.norm)
-    normed_q, normed_amax = _quantize_normalized(x, gamma, beta, fc1 and fc1.x, config)
+    normed_q, normed_amax, mean, rstd = _normalize_and_quantize(
+        x, gamma, beta, fc1 and fc1.x, config
+    )
     # kernel_1 goes in as (hidden, ffn, n), so that the GEMM writes pre interleaved.
     # Gated (n > 1), that view is a transpose, which XLA fuses into its own
     # quantize pass; quantize_in_both_layouts's kernel would need it written out first.
@@ -422,7 +440,6 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved, dpre_q, dpre_t, dpre_a
     (x, gamma, beta, mean, rstd, normed_q, k1_q, _, _, _, _, b2, state), amaxes = saved
     normed_amax, k1_amax, h_amax, k2_amax = amaxes
     recipe = config.recipe
-    fc1, fc2 = (None, None) if state is None else state
     dnormed, dk1 = _backward_dots(x.ndim, normed_q, k1_q, dpre_q, x.dtype,
                                   config.kernel_dtypes[0], recipe, g_t=dpre_t)  # fmt: skip
     dk1 = _interleave(dk1)
@@ -432,9 +449,8 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved, dpre_q, dpre_t, dpre_a
     db2 = None if b2 is None else db2.astype(b2.dtype)
     new_state = None
     if state is not None:
-        new_state = MlpScaleState(
-            fc1=_new_dot_state(fc1, (normed_amax, k1_amax, dpre_amax), recipe),
-            fc2=_new_dot_state(fc2, (h_amax, k2_amax, g_amax), recipe),
+        new_state = update_group(
+            state, ((normed_amax, k1_amax, dpre_amax), (h_amax, k2_amax, g_amax)), recipe
         )
     cotangents = (dx, dgamma, dbeta, dk1, db1, dk2, db2)
     return _partitioning.match_cotangents(cotangents, new_state, config.inputs)
@@ -490,7 +506,7 @@ def _cast_activation(pre, b1, scale, config: FusedConfig, row_axes):
     fmt = config.recipe.formats.forward
     data, h_amax = activation_cast.cast_activation(*_rows(pre, b1), config.activations, scale,
                                                    fmt, row_axes)  # fmt: skip
-    h_amax = _partitioning.reduce_amax(h_amax, config.recipe)
+    h_amax = amax_for_update(h_amax, config.recipe)
     return Fp8Array(data.reshape(pre.shape[:-1]), 1.0 / scale.astype(jnp.float32), fmt), h_amax
 
 
@@ -508,7 +524,7 @@ def _cast_activation_gradient(dh, pre, b1, scale, h_scale, config: FusedConfig, 
     dpre_t = Fp8Array(out.q_t, scale_inv, fmt)
     db1 = None if b1 is None else out.column_sums.reshape(pre.shape[-2:]).astype(b1.dtype)
     h_t = Fp8Array(h_t, 1.0 / h_scale.astype(jnp.float32), h_fmt)
-    return dpre_q, dpre_t, _partitioning.reduce_amax(out.amax, recipe), db1, h_t
+    return dpre_q, dpre_t, amax_for_update(out.maxima, recipe), db1, h_t
 
 
 def _check_activations(activations) -> tuple[str, ...]:

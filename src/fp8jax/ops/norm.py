@@ -72,16 +72,29 @@ def normalize(x, gamma, beta, config: NormConfig):
 
     ``mean`` is None for rmsnorm. ``y = (x - mean) * rstd * gamma + beta``.
     """
-    x32 = x.astype(jnp.float32)
-    if config.norm_type == "layernorm":
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        centred = x32 - mean
+    beta = None if beta is None else _per_feature(beta, x.ndim)
+    return normalize_rows(
+        x.astype(jnp.float32), effective_gamma(gamma, config, x.ndim), beta,
+        config.norm_type == "layernorm", config.epsilon,
+    )  # fmt: skip
+
+
+def normalize_rows(x, gamma, beta, centred: bool, epsilon: float):
+    """:func:`normalize`'s arithmetic on f32 rows: ``(y, mean, rstd)``, ``mean`` None uncentred.
+
+    ``gamma`` (effective) and ``beta`` (or None) are f32 and broadcast
+    against ``x``. The forward kernel (:mod:`fp8jax.ops.norm_forward`) runs
+    the same code on a row at a time.
+    """
+    if centred:
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        centred_x = x - mean
     else:
-        mean, centred = None, x32
-    rstd = jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + config.epsilon)
-    y = centred * rstd * effective_gamma(gamma, config, x.ndim)
+        mean, centred_x = None, x
+    rstd = jax.lax.rsqrt(jnp.mean(centred_x * centred_x, axis=-1, keepdims=True) + epsilon)
+    y = centred_x * rstd * gamma
     if beta is not None:
-        y = y + _per_feature(beta, x.ndim)
+        y = y + beta
     return y, mean, rstd
 
 

@@ -160,13 +160,16 @@ def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_a
     return dx, dgamma, dbeta
 
 
-def kernel_row_axes(x) -> tuple[str, ...] | None:
-    """The mesh axes splitting the kernel's rows for the norm input ``x``; None: XLA's path."""
+def kernel_row_axes(x, kernel_fits=fits) -> tuple[str, ...] | None:
+    """The mesh axes splitting a norm kernel's rows for the norm input ``x``; None: XLA's path.
+
+    ``kernel_fits``: the kernel's ``fits``; this module's by default.
+    """
     row_axes = cast_kernel_row_axes(rows_are_tokens=True)
     if row_axes is None:
         return None
     matrix = (x.size // x.shape[-1], x.shape[-1])
-    return row_axes if fits(matrix, cast_transpose.devices_along(row_axes)) else None
+    return row_axes if kernel_fits(matrix, cast_transpose.devices_along(row_axes)) else None
 
 
 def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):

@@ -1,0 +1,156 @@
+"""The norm's forward and the FP8 cast of its output in one pass (delayed scaling).
+
+A fused op's norm feeds an FP8 GEMM: its output is needed only in FP8, with
+its amax for the history, and the row statistics for the backward. XLA
+reads ``x`` three times for that: a pass for the row means, one for the
+centred variance, and one that normalizes, casts and takes the amax, with
+two small kernels between them (deviceless H100 compile of the transformer
+layer: five kernels a norm). The Pallas (Triton) kernel here reads each row
+once, keeps it in registers for both statistics, and writes the FP8 output,
+the statistics and one amax per program. At the layer's (16384, 4096) bf16
+on the H200 it took 0.077 ms where XLA's passes took 0.135 ms
+(bench/results/h200-2026-11-30-l, run L2).
+
+The statistics are the two-pass ones :func:`fp8jax.ops.norm.normalize`
+computes (the same code runs on each row), not ``E[x^2] - E[x]^2``, whose
+f32 cancellation loses the variance of rows whose mean is large against
+their spread.
+
+Under current scaling the scale depends on the amax of the whole output,
+so the cast cannot share the pass; those ops keep XLA's path. The kernel's
+shape rules and its placement under a mesh are the backward's
+(:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with
+``FP8JAX_PALLAS=0``, XLA computes the same values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8jax.formats import Fp8Format
+from fp8jax.ops import cast_transpose, norm, norm_backward
+from fp8jax.ops.norm import NormConfig
+from fp8jax.quantize import quantize_with_scale
+
+# Rows a program normalizes, how many of them at a time, and its warps: the
+# fastest of 28 shapes on the H200 (1-64 rows, 1-16 at a time, 2-16 warps;
+# 64 rows one at a time took 0.109 ms; runs L2, L2b).
+ROWS_PER_PROGRAM, ROWS_PER_STEP, WARPS = 8, 2, 4
+
+
+def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
+    """Whether the kernel takes a (rows, hidden) norm input split over ``row_shards`` devices.
+
+    The hidden size follows the backward kernel's rule (a power of two that
+    a row in registers can hold).
+    """
+    rows, hidden = shape
+    hidden_fits = norm_backward.fits((norm_backward.ROWS_PER_PROGRAM, hidden))
+    return hidden_fits and rows % (row_shards * ROWS_PER_PROGRAM) == 0
+
+
+def _kernel(fmt: Fp8Format, centred: bool, has_beta: bool, epsilon: float, *refs):
+    from jax.experimental import pallas as pl
+
+    refs = list(refs)
+    x_ref, gamma_ref = refs.pop(0), refs.pop(0)
+    beta = refs.pop(0)[...] if has_beta else None
+    scale = refs.pop(0)[0]
+    q_ref = refs.pop(0)
+    mean_ref = refs.pop(0) if centred else None
+    rstd_ref, max_ref = refs
+    gamma = gamma_ref[...]
+
+    def row(i, amax):
+        rows = pl.ds(i * ROWS_PER_STEP, ROWS_PER_STEP)
+        y, mean, rstd = norm.normalize_rows(
+            x_ref[rows, :].astype(jnp.float32), gamma, beta, centred, epsilon
+        )
+        q_ref[rows, :] = quantize_with_scale(y, fmt, scale).data
+        if mean_ref is not None:
+            mean_ref[rows, :] = mean
+        rstd_ref[rows, :] = rstd
+        return jnp.maximum(amax, cast_transpose.tile_max(y))
+
+    steps = ROWS_PER_PROGRAM // ROWS_PER_STEP
+    max_ref[...] = lax.fori_loop(0, steps, row, jnp.zeros((1, 1), jnp.float32))
+
+
+def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
+    """The kernel on (rows, hidden) ``x``: q, (mean,) rstd, and one amax per program."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    rows, hidden = x.shape
+    programs = rows // ROWS_PER_PROGRAM
+    by_rows = pl.BlockSpec((ROWS_PER_PROGRAM, hidden), lambda i: (i, 0))
+    stats = pl.BlockSpec((ROWS_PER_PROGRAM, 1), lambda i: (i, 0))
+    whole_row = pl.BlockSpec((1, hidden), lambda i: (0, 0))
+    operands = [x, gamma] + ([] if beta is None else [beta]) + [scale.reshape(1)]
+    in_specs = [by_rows, whole_row] + ([] if beta is None else [whole_row])
+    in_specs.append(pl.BlockSpec((1,), lambda i: (0,)))
+    n_stats = 2 if centred else 1
+    params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
+    return pl.pallas_call(
+        functools.partial(_kernel, fmt, centred, beta is not None, epsilon),
+        grid=(programs,),
+        in_specs=in_specs,
+        out_specs=[by_rows] + [stats] * n_stats + [pl.BlockSpec((1, 1), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((rows, hidden), fmt.dtype)]
+        + [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * n_stats
+        + [jax.ShapeDtypeStruct((programs, 1), jnp.float32)],
+        interpret=interpret,
+        name="fp8jax_norm_forward",
+        **params,
+    )(*operands)
+
+
+def _xla(x, gamma, beta, scale, *, fmt, centred, epsilon):
+    """:func:`_pallas`'s values from XLA, one amax per block of ROWS_PER_PROGRAM rows."""
+    y, mean, rstd = norm.normalize_rows(x.astype(jnp.float32), gamma, beta, centred, epsilon)
+    q = quantize_with_scale(y, fmt, scale).data
+    maxima = cast_transpose.tile_maxima(y, (ROWS_PER_PROGRAM, x.shape[1]))
+    return (q, rstd, maxima) if mean is None else (q, mean, rstd, maxima)
+
+
+def kernel_row_axes(x) -> tuple[str, ...] | None:
+    """The mesh axes splitting the kernel's rows for the norm input ``x``; None: XLA's path."""
+    return norm_backward.kernel_row_axes(x, fits)
+
+
+def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format, row_axes=()):
+    """:func:`fp8jax.ops.norm.normalize`'s output cast to ``fmt`` at ``scale``, in one pass.
+
+    Args:
+      x: the norm's input, (..., hidden).
+      gamma, beta: as for ``normalize`` (beta None for RMSNorm or none).
+      config: the norm's settings.
+      scale: the f32 scale delayed scaling stored for the output.
+      fmt: the FP8 format of the output.
+      row_axes: from :func:`kernel_row_axes`, which must not be None.
+
+    Returns:
+      ``(q, maxima, mean, rstd)``: the FP8 data in ``x``'s shape; f32 maxima
+      of the f32 output's magnitude, one per ROWS_PER_PROGRAM rows, whose
+      maximum is its amax (of this device's rows, inside ``shard_map``); the
+      statistics as ``normalize`` returns them (``mean`` None for RMSNorm).
+    """
+    centred = config.norm_type == "layernorm"
+    matrix = x.reshape(-1, x.shape[-1])
+    gamma = norm.effective_gamma(gamma, config, 2)
+    beta = None if beta is None else beta.astype(jnp.float32).reshape(1, -1)
+    kwargs = {"fmt": fmt, "centred": centred, "epsilon": config.epsilon}
+    outputs = cast_transpose.on_each_device(
+        functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
+        (matrix, gamma, beta, scale.astype(jnp.float32)), 1,
+        ("rows",) * (4 if centred else 3), tuple(row_axes),
+    )  # fmt: skip
+    q, *stats, maxima = outputs
+    stats_shape = (*x.shape[:-1], 1)
+    mean = stats.pop(0).reshape(stats_shape) if centred else None
+    rstd = stats[0].reshape(stats_shape)
+    return q.reshape(x.shape), maxima, mean, rstd

@@ -1,0 +1,184 @@
+"""fp8jax.ops.norm_forward: the norm's forward and FP8 cast in one pass, against f64."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.ops import norm_backward, norm_forward
+from fp8jax.ops.norm import NormConfig
+
+ROWS, HIDDEN = 2 * norm_forward.ROWS_PER_PROGRAM, 256
+FMT = fp8jax.E4M3
+# |y| stays below about 12 here; 448 / 32 keeps y * scale inside E4M3's range.
+SCALE = FMT.max / 32
+NORM_TYPES = ["layernorm", "rmsnorm"]
+
+
+def _inputs(norm_type, seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    x = (jax.random.normal(k[0], (ROWS, HIDDEN)) * 2 + 0.5).astype(jnp.bfloat16)
+    gamma = jax.random.normal(k[1], (HIDDEN,)) * 0.1 + 1
+    beta = jax.random.normal(k[2], (HIDDEN,)) * 0.1 if norm_type == "layernorm" else None
+    return x, gamma, beta
+
+
+def _reference(norm_type, x, gamma, beta):
+    """y, mean (or None), rstd in f64 by the textbook formulas."""
+    x, gamma = np.asarray(x, np.float64), np.asarray(gamma, np.float64)
+    mean = x.mean(-1, keepdims=True) if norm_type == "layernorm" else None
+    centred = x - mean if mean is not None else x
+    rstd = 1 / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-6)
+    y = centred * rstd * gamma
+    if beta is not None:
+        y = y + np.asarray(beta, np.float64)
+    return y, mean, rstd
+
+
+def _run(path, x, gamma, beta, norm_type):
+    kwargs = {"fmt": FMT, "centred": norm_type == "layernorm", "epsilon": 1e-6}
+    beta = None if beta is None else beta[None]
+    if path == "interpret":
+        return norm_forward._pallas(x, gamma[None], beta, jnp.float32(SCALE), interpret=True,
+                                    **kwargs)  # fmt: skip
+    return norm_forward._xla(x, gamma[None], beta, jnp.float32(SCALE), **kwargs)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("path", ["interpret", "xla"])
+def test_kernel_and_xla_path_match_the_f64_forward(norm_type, path):
+    # Interpret mode runs the kernel's own body on the CPU, row by row.
+    x, gamma, beta = _inputs(norm_type)
+    q, *stats, maxima = _run(path, x, gamma, beta, norm_type)
+    want_y, want_mean, want_rstd = _reference(norm_type, x, gamma, beta)
+    assert q.dtype == FMT.dtype and q.shape == (ROWS, HIDDEN)
+    # One amax per program of ROWS_PER_PROGRAM rows.
+    assert maxima.shape == (ROWS // norm_forward.ROWS_PER_PROGRAM, 1)
+    assert len(stats) == (2 if norm_type == "layernorm" else 1)
+    # The f32 statistics of HIDDEN bf16 terms: relative error a few 2**-24 per
+    # operation, far inside 1e-5.
+    if want_mean is not None:
+        np.testing.assert_allclose(stats[0], want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats[-1], want_rstd, rtol=1e-5)
+    # The f32 output errs by about 1e-5 (|y| + 1) at most; E4M3 rounds it to
+    # 4 significant bits (error <= 2**-4 |y|) above its subnormals, and by at
+    # most half the subnormal step, 2**-10, in scaled units below them.
+    y = np.asarray(q.astype(jnp.float32), np.float64) / SCALE
+    bound = 2**-4 * np.abs(want_y) + 2e-5 * (np.abs(want_y) + 1) + 2**-10 / SCALE
+    assert np.all(np.abs(y - want_y) <= bound), float(np.max(np.abs(y - want_y) - bound))
+    # The amax is that of the f32 output, within its 1e-5 relative error.
+    np.testing.assert_allclose(float(jnp.max(maxima)), np.abs(want_y).max(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["interpret", "xla"])
+def test_statistics_of_rows_far_from_zero(path):
+    # Rows of 4096 + 32 k, k in -2..2 (all exact in bf16): the mean is about
+    # 90 times the spread. E[x^2] - E[x]^2 in f32 would cancel all but about
+    # 1e-4 of its leading digits; the two-pass statistics keep rstd within
+    # f32 rounding of the exact value.
+    k = jax.random.randint(jax.random.key(3), (ROWS, HIDDEN), -2, 3)
+    x = (4096 + 32 * k).astype(jnp.bfloat16)
+    gamma, beta = jnp.ones(HIDDEN), jnp.zeros(HIDDEN)
+    _, mean, rstd, _ = _run(path, x, gamma, beta, "layernorm")
+    _, want_mean, want_rstd = _reference("layernorm", x, gamma, beta)
+    np.testing.assert_allclose(mean, want_mean, rtol=1e-6)
+    np.testing.assert_allclose(rstd, want_rstd, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def test_normalize_and_cast_matches_the_norm_and_quantize(norm_type, zero_centered_gamma):
+    # The public entry (here XLA's path, on the CPU) on a (2, rows/2, hidden)
+    # input: the same bytes as quantize_with_scale of fp8jax.ops.norm's own
+    # normalize, and its statistics.
+    from fp8jax.ops import norm
+    from fp8jax.quantize import quantize_with_scale
+
+    x, gamma, beta = _inputs(norm_type, seed=1)
+    x = x.reshape(2, ROWS // 2, HIDDEN)
+    config = NormConfig(norm_type, zero_centered_gamma)
+    q, maxima, mean, rstd = norm_forward.normalize_and_cast(
+        x, gamma, beta, config, jnp.float32(SCALE), FMT
+    )
+    y, want_mean, want_rstd = norm.normalize(x, gamma, beta, config)
+    np.testing.assert_array_equal(q, quantize_with_scale(y, FMT, jnp.float32(SCALE)).data)
+    # One maximum per ROWS_PER_PROGRAM rows.
+    per_program = jnp.abs(y).reshape(-1, norm_forward.ROWS_PER_PROGRAM * HIDDEN).max(axis=1)
+    np.testing.assert_array_equal(maxima, per_program[:, None])
+    if norm_type == "layernorm":
+        np.testing.assert_array_equal(mean, want_mean)
+    else:
+        assert mean is None
+    np.testing.assert_array_equal(rstd, want_rstd)
+
+
+P = norm_forward.ROWS_PER_PROGRAM
+
+
+@pytest.mark.parametrize(
+    ("rows", "shards", "fits"),
+    [(2 * P, 1, True), (2 * P, 2, True), (2 * P, 4, False), (P + P // 2, 1, False)],
+)
+def test_fits_needs_whole_programs_of_rows_per_device(rows, shards, fits):
+    assert norm_forward.fits((rows, 4096), shards) is fits
+
+
+@pytest.mark.parametrize("hidden", [64, 128, 768, 4096, 16384, 32768])
+def test_fits_takes_the_hidden_sizes_the_backward_takes(hidden):
+    # A power of two a row in registers can hold: the same rule both ways.
+    want = norm_backward.fits((norm_backward.ROWS_PER_PROGRAM, hidden))
+    assert norm_forward.fits((P, hidden)) is want
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("op", ["layernorm_dense", "layernorm_mlp"])
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()], ids=lambda r: type(r).__name__
+)
+def test_fused_ops_run_the_kernel_under_delayed_scaling_only(op, recipe):
+    # Current scaling needs the whole output's amax before the cast, so its
+    # ops keep XLA's passes (module docstring).
+    from fp8jax.verify import compile_for
+
+    delayed = isinstance(recipe, fp8jax.DelayedScaling)
+    group = fp8jax.MlpScaleState if op == "layernorm_mlp" else fp8jax.DotScaleState
+    state = fp8jax.init_state(recipe, group) if delayed else None
+    x = jax.ShapeDtypeStruct((2, 512, 256), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((256,), jnp.float32)
+    k1 = jax.ShapeDtypeStruct((256, 1, 512) if op == "layernorm_mlp" else (256, 384), jnp.bfloat16)
+    k2 = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+
+    def loss(x, gamma, beta, k1, k2, state):
+        if op == "layernorm_mlp":
+            y = fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=("gelu",),
+                                     recipe=recipe, state=state)  # fmt: skip
+        else:
+            y = fp8jax.layernorm_dense(x, gamma, beta, k1, recipe=recipe, state=state)
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    hlo = compile_for(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), x, gamma, gamma, k1, k2, state,
+                      target="h100")  # fmt: skip
+    assert ("fp8jax_norm_forward" in hlo) is delayed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.usefixtures("one_device")
+def test_live_kernel_matches_the_f64_forward(norm_type):
+    device = jax.devices()[0]
+    assert device.platform == "gpu"
+    x, gamma, beta = jax.device_put(_inputs(norm_type), device)
+    step = jax.jit(norm_forward.normalize_and_cast, static_argnums=(3, 5))
+    args = (x, gamma, beta, NormConfig(norm_type), jnp.float32(SCALE), FMT)
+    assert "fp8jax_norm_forward" in step.lower(*args).as_text()
+    q, maxima, mean, rstd = step(*args)
+    amax = jnp.max(maxima)
+    want_y, want_mean, want_rstd = _reference(norm_type, x, gamma, beta)
+    if want_mean is not None:
+        np.testing.assert_allclose(mean, want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(rstd, want_rstd, rtol=1e-5)
+    y = np.asarray(q.astype(jnp.float32), np.float64) / SCALE
+    bound = 2**-4 * np.abs(want_y) + 2e-5 * (np.abs(want_y) + 1) + 2**-10 / SCALE
+    assert np.all(np.abs(y - want_y) <= bound), float(np.max(np.abs(y - want_y) - bound))
+    np.testing.assert_allclose(float(amax), np.abs(want_y).max(), rtol=1e-5)
