@@ -20,7 +20,8 @@ Under current scaling the scale depends on the amax of the whole output,
 so the cast cannot share the pass; those ops keep XLA's path. The kernel's
 shape rules and its placement under a mesh are the backward's
 (:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with
-``FP8JAX_PALLAS=0``, XLA computes the same values.
+``FP8JAX_PALLAS=0``, XLA runs the same arithmetic, its sums in its own
+order (at the layer's shape the FP8 bytes came out equal, run L2).
 """
 
 from __future__ import annotations
