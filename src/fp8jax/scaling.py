@@ -201,7 +201,7 @@ def update_group(group, amaxes, recipe: DelayedScaling):
                 f"amaxes of states stacked as {tensor_shape} must have that shape, one amax "
                 f"per layer; got shapes {wrong}."
             )
-    if _unequal(states):
+    if len({s.amax_history.shape for s in states}) != 1:
         # Stacking needs one shape; states of unequal history lengths (hand-made)
         # are updated one by one, with the same values.
         amaxes = amaxes if tensor_shape else [jnp.max(a) for a in amaxes]
@@ -218,10 +218,6 @@ def update_group(group, amaxes, recipe: DelayedScaling):
     else:
         new = _update_from_maxima(states, amaxes, fp8_maxes, recipe)
     return _rebuild(group, iter(new))
-
-
-def _unequal(states) -> bool:
-    return len({s.amax_history.shape for s in states}) != 1
 
 
 # Maxima beyond this many a tensor are first reduced on their own, so that a

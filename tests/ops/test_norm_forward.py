@@ -128,6 +128,7 @@ def test_fits_needs_whole_programs_of_rows_per_device(rows, shards, fits):
 def test_fits_takes_the_hidden_sizes_the_backward_takes(hidden):
     # A power of two a row in registers can hold: the same rule both ways.
     want = norm_backward.fits((norm_backward.ROWS_PER_PROGRAM, hidden))
+    assert norm_backward.hidden_fits(hidden) is want
     assert norm_forward.fits((P, hidden)) is want
 
 

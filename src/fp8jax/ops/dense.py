@@ -390,10 +390,9 @@ def quantize_gradient(
     column_max = lax.optimization_barrier(jnp.max(jnp.abs(g32), axis=leading))
     if state is None:
         g_amax = _partitioning.reduce_amax(jnp.max(column_max), recipe)
-        q = quantize_with_scale(g, fmt, _scale(g_amax, fmt, state, recipe))
     else:  # the update reduces the maxima (fp8jax.scaling.update_group)
         g_amax = amax_for_update(column_max, recipe)
-        q = quantize_with_scale(g, fmt, state.scale)
+    q = quantize_with_scale(g, fmt, _scale(g_amax, fmt, state, recipe))
     return q, g_amax, jnp.sum(g32, axis=leading)
 
 

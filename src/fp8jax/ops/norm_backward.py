@@ -45,15 +45,15 @@ ROWS_PER_PROGRAM, WARPS = 64, 4
 MIN_HIDDEN, MAX_HIDDEN = 128, 16384
 
 
+def hidden_fits(hidden: int) -> bool:
+    """Whether the norm kernels take rows of ``hidden``: a power of two registers can hold."""
+    return hidden & (hidden - 1) == 0 and MIN_HIDDEN <= hidden <= MAX_HIDDEN
+
+
 def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
     """Whether the kernel takes a (rows, hidden) norm input split over ``row_shards`` devices."""
     rows, hidden = shape
-    power_of_two = hidden & (hidden - 1) == 0
-    return (
-        rows % (row_shards * ROWS_PER_PROGRAM) == 0
-        and power_of_two
-        and MIN_HIDDEN <= hidden <= MAX_HIDDEN
-    )
+    return rows % (row_shards * ROWS_PER_PROGRAM) == 0 and hidden_fits(hidden)
 
 
 def _row_gradients(dy, x, mean, rstd, gamma):

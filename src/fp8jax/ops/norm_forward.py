@@ -46,12 +46,11 @@ ROWS_PER_PROGRAM, ROWS_PER_STEP, WARPS = 8, 2, 4
 def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
     """Whether the kernel takes a (rows, hidden) norm input split over ``row_shards`` devices.
 
-    The hidden size follows the backward kernel's rule (a power of two that
-    a row in registers can hold).
+    Its hidden sizes are the backward kernel's
+    (:func:`fp8jax.ops.norm_backward.hidden_fits`).
     """
     rows, hidden = shape
-    hidden_fits = norm_backward.fits((norm_backward.ROWS_PER_PROGRAM, hidden))
-    return hidden_fits and rows % (row_shards * ROWS_PER_PROGRAM) == 0
+    return norm_backward.hidden_fits(hidden) and rows % (row_shards * ROWS_PER_PROGRAM) == 0
 
 
 def _kernel(fmt: Fp8Format, centred: bool, has_beta: bool, epsilon: float, *refs):
