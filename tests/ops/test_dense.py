@@ -362,6 +362,16 @@ _DELAYED = fp8jax.DelayedScaling(amax_history_len=4)
             r"state.x.amax_history has shape \(8,\), but .* needs \(4,\)",
         ),
         (
+            lambda: fp8jax.dense(
+                _X,
+                _W,
+                recipe=_DELAYED,
+                state=jax.tree.map(lambda a: a.astype(jnp.bfloat16), fp8jax.init_state(_DELAYED)),
+            ),
+            TypeError,
+            r"state.x must hold float32 \(amax_history, scale\), got \('bfloat16', 'bfloat16'\)",
+        ),
+        (
             lambda: fp8jax.dot_general(
                 _X, _W, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float8_e5m2
             ),

@@ -577,6 +577,13 @@ def check_state(state, recipe, group=DotScaleState) -> None:
         state, is_leaf=lambda node: isinstance(node, ScaleState)
     )
     for path, scale_state in scale_states:
+        dtypes = tuple(jnp.result_type(a).name for a in scale_state)
+        if dtypes != ("float32", "float32"):
+            raise TypeError(
+                f"state{jax.tree_util.keystr(path)} must hold float32 (amax_history, scale), "
+                f"got {dtypes}: cast only parameters to a lower precision, not the "
+                "fp8_state collection."
+            )
         shape = jnp.shape(scale_state.amax_history)
         if shape != expected:
             raise ValueError(
