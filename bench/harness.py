@@ -138,11 +138,16 @@ def start(args) -> dict:
     return env
 
 
-def bf16_matrices(tree):
-    """Flax variables with every f32 matrix in bf16: kernels as the activations' dtype."""
-    return jax.tree.map(
-        lambda p: p.astype(jnp.bfloat16) if p.dtype == jnp.float32 and p.ndim > 1 else p, tree
+def bf16_matrices(variables):
+    """Flax variables with every f32 matrix of ``params`` in bf16, as the activations.
+
+    Other collections, fp8jax's delayed-scaling state among them, stay as they are.
+    """
+    params = jax.tree.map(
+        lambda p: p.astype(jnp.bfloat16) if p.dtype == jnp.float32 and p.ndim > 1 else p,
+        variables["params"],
     )
+    return {**variables, "params": params}
 
 
 def _call(fn, args: list, carry: bool):
