@@ -34,6 +34,30 @@ def test_kernel_matches_quantize_with_scale_and_f32_sums(fmt):
     assert float(g_amax) == np.abs(g64).max()
 
 
+@pytest.mark.parametrize("through", ["kernel", "pieces_kernel", "xla"])
+def test_without_column_sums_the_same_bytes_and_maxima_come_out(through):
+    # A GEMM input or kernel has no bias to sum for: the kernel (interpret
+    # mode; from one matrix or from pieces) and XLA's path then return no
+    # sums and, bit for bit, the same q, q_t and maxima as with them.
+    g = jax.random.normal(jax.random.key(3), (2 * ct.BLOCK_ROWS, 2 * ct.BLOCK_COLS)) * 4
+    g, scale, fmt = g.astype(jnp.bfloat16), jnp.float32(100.0), fp8jax.E4M3
+    if through == "pieces_kernel":
+        g = _interleaved(2 * ct.BLOCK_ROWS, 2, (128, 256))
+    if through != "xla":
+        run = jax.jit(ct._pallas_partials, static_argnames=("fmt", "interpret", "column_sums"))
+        q, q_t, sums, maxima = run(g, scale, fmt=fmt, interpret=True)
+        without = run(g, scale, fmt=fmt, interpret=True, column_sums=False)
+    else:
+        run = jax.jit(ct.cast_transpose, static_argnums=2, static_argnames="column_sums")
+        q, q_t, sums, maxima = run(g, scale, fmt)
+        without = run(g, scale, fmt, column_sums=False)
+        assert without.column_sums is None
+        without = (without.q, without.q_t, without.maxima)
+    assert sums is not None and len(without) == 3
+    for got, want in zip(without, (q, q_t, maxima), strict=True):
+        np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
+
+
 def test_off_gpu_the_same_values_come_from_xla():
     g = jax.random.normal(jax.random.key(1), (ct.BLOCK_ROWS, ct.BLOCK_COLS)).astype(jnp.bfloat16)
     scale = jnp.float32(3.0)

@@ -153,17 +153,21 @@ class CastTransposed(NamedTuple):
 
     q: jax.Array  # (rows, columns), the FP8 cast
     q_t: jax.Array  # (columns, rows), its transpose
-    column_sums: jax.Array  # (columns,) f32 sums of g over its rows
+    column_sums: jax.Array | None  # (columns,) f32 sums of g over its rows, if asked for
     maxima: jax.Array  # f32 maxima of |g| per tile (whose max is the amax), or the amax
 
 
 def cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
-    """One tile's outputs: q, its transpose, column sums and maxima (inside a Pallas kernel)."""
+    """One tile's outputs: q, its transpose, column sums and maxima (inside a Pallas kernel).
+
+    ``sum_ref`` None: no column sums.
+    """
     g = g.astype(jnp.float32)
     q = quantize_with_scale(g, fmt, scale).data
     q_ref[...] = q
     qt_ref[...] = q.T
-    sum_ref[...] = jnp.sum(g, axis=0)[None, :]
+    if sum_ref is not None:
+        sum_ref[...] = jnp.sum(g, axis=0)[None, :]
     max_ref[...] = tile_max(g)
 
 
@@ -183,14 +187,23 @@ def tile_max(g) -> jax.Array:
     return jnp.max(jnp.max(jnp.abs(g), axis=1, keepdims=True), axis=0, keepdims=True)
 
 
-def _kernel(fmt: Fp8Format, g_ref, scale_ref, *out_refs):
-    cast_tile(fmt, g_ref[...], scale_ref[0], *out_refs)
+def _with_sum_ref(out_refs, column_sums: bool):
+    """``(q_ref, qt_ref, sum_ref or None, max_ref)`` from the kernel's output refs."""
+    if column_sums:
+        return out_refs
+    q_ref, qt_ref, max_ref = out_refs
+    return q_ref, qt_ref, None, max_ref
 
 
-def _pieces_kernel(fmt: Fp8Format, tiles_per_piece: tuple[int, ...], *refs):
+def _kernel(fmt: Fp8Format, column_sums: bool, g_ref, scale_ref, *out_refs):
+    cast_tile(fmt, g_ref[...], scale_ref[0], *_with_sum_ref(out_refs, column_sums))
+
+
+def _pieces_kernel(fmt: Fp8Format, column_sums: bool, tiles_per_piece: tuple[int, ...], *refs):
     from jax.experimental import pallas as pl
 
     piece_refs, (scale_ref, *out_refs) = refs[: len(tiles_per_piece)], refs[len(tiles_per_piece) :]
+    out_refs = _with_sum_ref(out_refs, column_sums)
     unit = pl.program_id(1) % sum(tiles_per_piece)
     start = 0
     for piece_ref, count in zip(piece_refs, tiles_per_piece, strict=True):
@@ -212,8 +225,11 @@ def _piece_index_map(start: int, count: int, per_period: int):
     return index
 
 
-def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
-    """The kernel: q, q_t, column sums per tile of rows, one maximum per tile (:func:`_tile`)."""
+def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_sums: bool = True):
+    """The kernel: q, q_t, column sums per tile of rows, one maximum per tile (:func:`_tile`).
+
+    ``column_sums`` False: the sums are neither computed nor returned.
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
@@ -222,7 +238,7 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
     grid = (rows // tile_rows, cols // tile_cols)
     if isinstance(g, Interleaved):
         tiles_per_piece = tuple(w // tile_cols for w in g.widths)
-        kernel = functools.partial(_pieces_kernel, fmt, tiles_per_piece)
+        kernel = functools.partial(_pieces_kernel, fmt, column_sums, tiles_per_piece)
         operands = g.pieces
         starts = [sum(tiles_per_piece[:k]) for k in range(len(tiles_per_piece))]
         piece_specs = [
@@ -231,7 +247,7 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
             for start, count in zip(starts, tiles_per_piece, strict=True)
         ]  # fmt: skip
     else:
-        kernel, operands = functools.partial(_kernel, fmt), (g,)
+        kernel, operands = functools.partial(_kernel, fmt, column_sums), (g,)
         piece_specs = [pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j))]
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
     return pl.pallas_call(
@@ -241,13 +257,13 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
         out_specs=[
             pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j)),
             pl.BlockSpec((tile_cols, tile_rows), lambda i, j: (j, i)),
-            pl.BlockSpec((1, tile_cols), lambda i, j: (i, j)),
+            *[pl.BlockSpec((1, tile_cols), lambda i, j: (i, j))] * column_sums,
             pl.BlockSpec((1, 1), lambda i, j: (i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
             jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
-            jax.ShapeDtypeStruct((grid[0], cols), jnp.float32),
+            *[jax.ShapeDtypeStruct((grid[0], cols), jnp.float32)] * column_sums,
             jax.ShapeDtypeStruct(grid, jnp.float32),
         ],
         interpret=interpret,
@@ -256,31 +272,39 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False):
     )(*operands, scale.astype(jnp.float32).reshape(1))
 
 
-def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False):
+def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False, column_sums: bool = True):
+    if not column_sums:
+        q, qt, partial_maxima = _pallas_partials(g, scale, fmt, interpret, column_sums=False)
+        return q, qt, None, jnp.max(partial_maxima)
     q, qt, partial_sums, partial_maxima = _pallas_partials(g, scale, fmt, interpret)
     return q, qt, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima)
 
 
-def _xla(g, scale, fmt: Fp8Format):
+def _xla(g, scale, fmt: Fp8Format, column_sums: bool = True):
     if isinstance(g, Interleaved):
         g = g.joined()
     q = quantize_with_scale(g, fmt, scale).data
     g32 = g.astype(jnp.float32)
-    return q, q.T, jnp.sum(g32, axis=0), jnp.max(jnp.abs(g32))
+    return q, q.T, jnp.sum(g32, axis=0) if column_sums else None, jnp.max(jnp.abs(g32))
 
 
-def xla_partials(g, scale, fmt: Fp8Format, tile: tuple[int, int] | None = None):
+def xla_partials(g, scale, fmt: Fp8Format, tile: tuple[int, int] | None = None,
+                 column_sums: bool = True):  # fmt: skip
     """:func:`_pallas_partials`'s values from XLA: sums per tile of rows, one maximum per tile.
 
     ``tile``: the kernel's (rows, columns) tile; :func:`_tile` by default.
+    ``column_sums`` False: no sums, as from the kernel.
     """
     tile = tile or _tile(g)
     if isinstance(g, Interleaved):
         g = g.joined()
     q = quantize_with_scale(g, fmt, scale).data
     g32 = g.astype(jnp.float32)
+    maxima = tile_maxima(g32, tile)
+    if not column_sums:
+        return q, q.T, maxima
     sums = jnp.sum(g32.reshape(g.shape[0] // tile[0], tile[0], g.shape[1]), axis=1)
-    return q, q.T, sums, tile_maxima(g32, tile)
+    return q, q.T, sums, maxima
 
 
 def tile_maxima(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
@@ -322,8 +346,9 @@ def on_each_device(pallas_fn, xla_fn, operands, n_row_split: int, out_layouts, r
 
 
 def cast_transpose(
-    g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format, row_axes: tuple[str, ...] = ()
-) -> CastTransposed:
+    g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format, row_axes: tuple[str, ...] = (),
+    *, column_sums: bool = True,
+) -> CastTransposed:  # fmt: skip
     """The saturating FP8 cast of a 2-D ``g`` at ``scale``, its transpose, column sums and maxima.
 
     ``q`` holds exactly the bytes of ``quantize_with_scale(g, fmt, scale).data``;
@@ -336,7 +361,10 @@ def cast_transpose(
     ``row_axes``: mesh axes (of the mesh in context, ``Auto``) that split
     ``g``'s rows and nothing else: each device then casts its own rows.
     With the kernel switched off (:func:`enabled`) XLA computes the same
-    values on every platform.
+    values on every platform. ``column_sums`` False: ``column_sums`` is None,
+    and the kernel does not compute them (a bias's gradient needs them; a
+    GEMM's input or kernel does not, and they cost the kernel about 6% at
+    (16384, 16384) on the H200, bench/results/h200-2026-11-30-m, run M1b).
     """
     shards = devices_along(row_axes)
     if not fits(g, shards):
@@ -357,9 +385,15 @@ def cast_transpose(
             f"{BLOCK_COLS}, got shape {g.shape}."
         )
     if not enabled():
-        return CastTransposed(*_xla(g, scale, fmt))
-    q, q_t, partial_sums, maxima = on_each_device(
-        functools.partial(_pallas_partials, fmt=fmt), functools.partial(xla_partials, fmt=fmt),
-        (g, scale.astype(jnp.float32)), 1, ("rows", "columns", "rows", "rows"), tuple(row_axes),
+        return CastTransposed(*_xla(g, scale, fmt, column_sums))
+    outputs = on_each_device(
+        functools.partial(_pallas_partials, fmt=fmt, column_sums=column_sums),
+        functools.partial(xla_partials, fmt=fmt, column_sums=column_sums),
+        (g, scale.astype(jnp.float32)), 1,
+        ("rows", "columns", *["rows"] * column_sums, "rows"), tuple(row_axes),
     )  # fmt: skip
+    if not column_sums:
+        q, q_t, maxima = outputs
+        return CastTransposed(q, q_t, None, maxima)
+    q, q_t, partial_sums, maxima = outputs
     return CastTransposed(q, q_t, jnp.sum(partial_sums, axis=0), maxima)

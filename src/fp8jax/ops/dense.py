@@ -117,9 +117,9 @@ def _pinned(value, fmt: Fp8Format, state: ScaleState | None, recipe):
 
 def quantize_transposed(
     value: jax.Array, fmt: Fp8Format, state: ScaleState | None, recipe, rows_ndim: int,
-    *, rows_are_tokens: bool = False,
-) -> tuple[Fp8Array, Fp8Array, jax.Array, jax.Array] | None:  # fmt: skip
-    """Quantizes ``value`` in one pass that also writes its transposed FP8 copy and column sums.
+    *, rows_are_tokens: bool = False, column_sums: bool = False,
+) -> tuple[Fp8Array, Fp8Array, jax.Array, jax.Array | None] | None:  # fmt: skip
+    """Quantizes ``value`` in one pass that also writes its transposed FP8 copy (and column sums).
 
     ``value``'s leading ``rows_ndim`` axes are its rows, the rest its
     columns. cuBLASLt's FP8 GEMMs read both operands with the contracting
@@ -148,8 +148,11 @@ def quantize_transposed(
     A :class:`~fp8jax.ops.split.SplitGradient` ``value`` is read from its
     pieces, where every piece's share of a row fills whole kernel tiles.
 
+    ``column_sums``: also sum ``value`` over its rows (a bias's gradient).
+
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
-    as (columns, rows), ``column_sums`` (f32) in the columns' shape. Under
+    as (columns, rows), ``column_sums`` (f32) in the columns' shape, or None
+    unless asked for. Under
     delayed scaling ``amax`` is the kernel's per-tile maxima, whose maximum
     is the amax: the state's update reduces them with the histories, in one
     kernel for all of an op's tensors (:func:`fp8jax.scaling.update_group`).
@@ -166,7 +169,8 @@ def quantize_transposed(
         value, value_amax, scale = _pinned(value, fmt, state, recipe)
     else:
         scale = state.scale
-    out = cast_transpose.cast_transpose(_as_matrix(value, rows_ndim), scale, fmt, row_axes)
+    out = cast_transpose.cast_transpose(_as_matrix(value, rows_ndim), scale, fmt, row_axes,
+                                        column_sums=column_sums)  # fmt: skip
     if state is not None:
         value_amax = amax_for_update(out.maxima, recipe)
     scale_inv = 1.0 / scale.astype(jnp.float32)  # as quantize_with_scale computes it
@@ -174,7 +178,7 @@ def quantize_transposed(
         Fp8Array(out.q.reshape(value.shape), scale_inv, fmt),
         Fp8Array(out.q_t, scale_inv, fmt),
         value_amax,
-        out.column_sums.reshape(value.shape[rows_ndim:]),
+        None if out.column_sums is None else out.column_sums.reshape(value.shape[rows_ndim:]),
     )
 
 
@@ -234,10 +238,10 @@ def quantize_output_gradient(
     Returns ``(g_q, g_t or None, amax, bias_gradient or None)``, the last in f32.
     """
     if rows_ndim is not None and bias_ndim in (0, g.ndim - rows_ndim):
-        transposed = quantize_transposed(g, fmt, state, recipe, rows_ndim, rows_are_tokens=True)
+        transposed = quantize_transposed(g, fmt, state, recipe, rows_ndim, rows_are_tokens=True,
+                                         column_sums=bias_ndim > 0)  # fmt: skip
         if transposed is not None:
-            g_q, g_t, g_amax, sums = transposed
-            return g_q, g_t, g_amax, sums if bias_ndim else None
+            return transposed
     if isinstance(g, SplitGradient):
         g = g.joined()
     g_q, g_amax, d_bias = quantize_gradient(g, fmt, state, recipe, bias_ndim)

@@ -422,7 +422,7 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     # bf16 write (with the amax) and 0.63 ms for the cast with the sum; one
     # kernel doing all of it took 5.3 ms (bench/results/h200-2026-11-30-e).
     transposed = quantize_transposed(dpre, bwd, fc1 and fc1.grad, recipe, x.ndim - 1,
-                                     rows_are_tokens=True)  # fmt: skip
+                                     rows_are_tokens=True, column_sums=b1 is not None)  # fmt: skip
     if transposed is None:
         dpre_q, dpre_amax, dpre = quantize_stored(dpre, bwd, fc1 and fc1.grad, recipe)
         dpre_t = None
