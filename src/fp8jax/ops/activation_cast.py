@@ -224,8 +224,14 @@ def _forward_kernel(activations, fmt, dtype, m, pre_ref, *refs):
     max_ref[...] = cast_transpose.tile_max(h)
 
 
-def _gradient_kernel(activations, fmt, h_fmt, dtype, m, dh_ref, pre_ref, *refs):
-    *bias_refs, scale_ref, h_scale_ref, q_ref, qt_ref, sum_ref, max_ref, ht_ref = refs
+def _gradient_kernel(activations, fmt, h_fmt, dtype, m, has_bias, dh_ref, pre_ref, *refs):
+    # The column sums are the bias's gradient: without a bias there are none.
+    if has_bias:
+        bias_ref, scale_ref, h_scale_ref, q_ref, qt_ref, sum_ref, max_ref, ht_ref = refs
+        bias_refs = (bias_ref,)
+    else:
+        scale_ref, h_scale_ref, q_ref, qt_ref, max_ref, ht_ref = refs
+        bias_refs, sum_ref = (), None
     h, factors = _gated(activations, _biased(pre_ref, bias_refs), m)
     dh = dh_ref[...].astype(jnp.float32)
     d_pre = _interleaved([f * dh for f in factors]).astype(dtype)
@@ -292,7 +298,10 @@ def _pallas_forward(pre, biases, scale, *, activations, fmt, interpret=False, ti
 
 def _pallas_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt,
                      interpret=False, tile=None, warps=None):  # fmt: skip
-    """The backward kernel: ``(q, q_t, column sums per tile of rows, maxima per tile, h_t)``."""
+    """The backward kernel: ``(q, q_t, column sums per tile of rows, maxima per tile, h_t)``.
+
+    Without a bias (``biases`` ()) there are no column sums: ``(q, q_t, maxima, h_t)``.
+    """
     from jax.experimental import pallas as pl
 
     n = len(activations)
@@ -301,12 +310,13 @@ def _pallas_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt
     grid = (rows // tile[0], cols // tile[1])
     biases = tuple(b.reshape(1, -1) for b in biases)
     m = _XlaMath if interpret else _GpuMath
-    kernel = functools.partial(_gradient_kernel, activations, fmt, h_fmt, pre.dtype, m)
+    kernel = functools.partial(_gradient_kernel, activations, fmt, h_fmt, pre.dtype, m,
+                               bool(biases))  # fmt: skip
     inputs = ["h", "pre", *["bias"] * len(biases), "scalar", "scalar"]
     outputs = [
         ("pre", (rows, n * cols), fmt.dtype),
         ("pre_t", (n * cols, rows), fmt.dtype),
-        ("pre_partial", (grid[0], n * cols), jnp.float32),
+        *[("pre_partial", (grid[0], n * cols), jnp.float32)] * len(biases),
         ("tile_max", grid, jnp.float32),
         ("h_t", (cols, rows), h_fmt.dtype),
     ]
@@ -334,11 +344,11 @@ def _xla_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt):
     dh = dh.astype(jnp.float32)
     d_pre = _interleaved([f * dh for f in factors]).astype(pre.dtype)
     (tile_rows, tile_cols), n = GRADIENT_TILES[len(activations)][0], len(activations)
-    q, q_t, sums, maxima = cast_transpose.xla_partials(
-        d_pre, scale, fmt, (tile_rows, n * tile_cols)
+    partials = cast_transpose.xla_partials(
+        d_pre, scale, fmt, (tile_rows, n * tile_cols), column_sums=bool(biases)
     )
     h_t = quantize_with_scale(h.astype(pre.dtype), h_fmt, h_scale).data.T
-    return q, q_t, sums, maxima, h_t
+    return *partials, h_t
 
 
 def fits(shape: tuple[int, ...], n: int = 1, row_shards: int = 1) -> bool:
@@ -387,7 +397,8 @@ def cast_activation_gradient(
     ``pre``, ``bias``, ``activations`` as for :func:`cast_activation`; ``dh``
     is (rows, columns). The gradient, interleaved as ``pre``, is rounded to
     ``pre.dtype`` and cast at ``scale`` to ``fmt``, with its transposed copy,
-    f32 column sums and maxima (:class:`~fp8jax.ops.cast_transpose.CastTransposed`).
+    f32 column sums (with a bias, whose gradient they are; else None) and
+    maxima (:class:`~fp8jax.ops.cast_transpose.CastTransposed`).
     ``h`` is computed again as :func:`cast_activation` computes it and cast
     at ``h_scale`` to ``h_fmt``, as (columns, rows): the operand the second
     GEMM's wgrad reads.
@@ -402,14 +413,17 @@ def cast_activation_gradient(
             f"{pre.shape} and {n} activation(s), got {dh.shape}."
         )
     biases = () if bias is None else (bias,)
-    q, q_t, sums, maxima, h_t = cast_transpose.on_each_device(
+    outputs = cast_transpose.on_each_device(
         functools.partial(_pallas_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
         functools.partial(_xla_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
         (dh, pre, biases, scale.astype(jnp.float32), h_scale.astype(jnp.float32)), 2,
-        ("rows", "columns", "rows", "rows", "columns"), tuple(row_axes),
+        ("rows", "columns", *["rows"] * len(biases), "rows", "columns"), tuple(row_axes),
     )  # fmt: skip
-    out = cast_transpose.CastTransposed(q, q_t, jnp.sum(sums, axis=0), maxima)
-    return out, h_t
+    if biases:
+        q, q_t, sums, maxima, h_t = outputs
+        return cast_transpose.CastTransposed(q, q_t, jnp.sum(sums, axis=0), maxima), h_t
+    q, q_t, maxima, h_t = outputs
+    return cast_transpose.CastTransposed(q, q_t, None, maxima), h_t
 
 
 def _check(pre, activations, row_axes) -> tuple[str, ...]:
