@@ -65,8 +65,12 @@ from fp8jax.quantize import quantize_with_scale
 # as wide. The fastest on the H200 of 5-10 shapes (16-128 rows, 32-128
 # columns, 2-8 warps) for gelu_tanh at (16384, 16384) and for GeGLU and
 # SwiGLU at (16384, 2 x 8192) (bench/results/h200-2026-11-30-i, 9B and 9D).
+# Swept again once the gradient kernel stored h_t first (2b6e20a), 16-256
+# rows, 32-256 columns, 2-8 warps (bench/results/h200-2026-11-30-n, N1, N2):
+# for two activations 32 x 64 took SwiGLU's gradient from 0.566 to 0.507 ms
+# and GeGLU's from 0.660 to 0.653 ms; for one, 64 x 64 stayed the fastest.
 FORWARD_TILES = {1: ((64, 64), 4), 2: ((64, 64), 4)}
-GRADIENT_TILES = {1: ((64, 64), 4), 2: ((64, 32), 4)}
+GRADIENT_TILES = {1: ((64, 64), 4), 2: ((32, 64), 4)}
 ROWS_MULTIPLE, COLUMNS_MULTIPLE = 64, 64
 
 _GELU_C = math.sqrt(2 / math.pi)
