@@ -106,6 +106,31 @@ def test_normalize_backward_matches_the_norms_own(norm_type, with_residual, zero
         np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+def test_xla_fallback_rounds_dx_once_with_the_residual(norm_type):
+    # A hidden size the kernel does not take (768, not a power of two) goes
+    # to fp8jax.ops.norm.normalize_backward. dx plus the residual's gradient
+    # must be rounded to bf16 once: within bf16's unit roundoff (2**-8
+    # relative, 8 significant bits) of the f64 sum, plus the f32 arithmetic's
+    # 1e-4 (see _check). Rounding dx to bf16 first and then the sum errs by up
+    # to twice that where dx dominates, which the 98304 entries here reach.
+    rows, hidden = 128, 768
+    assert not norm_backward.hidden_fits(hidden)
+    k = jax.random.split(jax.random.key(5), 4)
+    x = (jax.random.normal(k[0], (rows, hidden)) * 2 + 0.5).astype(jnp.bfloat16)
+    dy = (jax.random.normal(k[1], (rows, hidden)) * 8).astype(jnp.bfloat16)
+    residual = (jax.random.normal(k[2], (rows, hidden)) * 0.01).astype(jnp.bfloat16)
+    gamma = jax.random.normal(k[3], (hidden,)) * 0.1 + 1
+    beta = jnp.zeros((hidden,)) if norm_type == "layernorm" else None
+    config = NormConfig(norm_type)
+    _, mean, rstd = norm.normalize(x, gamma, beta, config)
+    dx = norm_backward.normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)[0]
+    want = _reference(norm_type, x, dy, residual, gamma)[0]
+    error = np.abs(np.asarray(dx, np.float64) - want)
+    bound = 2.0**-8 * np.abs(want) + 1e-4
+    assert np.all(error <= bound), float(np.max(error / bound))
+
+
 P = norm_backward.ROWS_PER_PROGRAM
 
 

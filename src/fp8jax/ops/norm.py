@@ -98,8 +98,12 @@ def normalize_rows(x, gamma, beta, centred: bool, epsilon: float):
     return y, mean, rstd
 
 
-def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig):
-    """Gradients ``(dx, dgamma, dbeta)`` of :func:`normalize` from its saved statistics."""
+def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):
+    """Gradients ``(dx, dgamma, dbeta)`` of :func:`normalize` from its saved statistics.
+
+    ``residual``: a gradient added to ``dx`` in f32, before its one rounding
+    to ``x.dtype`` (a pre-norm residual's, where the norm's input also feeds it).
+    """
     dy = dy.astype(jnp.float32)
     # Without the barrier XLA recomputes the row mean from x inside the
     # fusion, a row reduction, which then cannot also take dgamma's column
@@ -112,6 +116,8 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig):
     rows = tuple(range(x.ndim - 1))
     dgamma = jnp.sum(dy_xhat, axis=rows).astype(gamma.dtype)
     dbeta = None if beta is None else jnp.sum(dy, axis=rows).astype(beta.dtype)
+    if residual is not None:
+        dx = dx + residual.astype(jnp.float32)
     return dx.astype(x.dtype), dgamma, dbeta
 
 

@@ -179,10 +179,8 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, resid
     """
     row_axes = kernel_row_axes(x)
     if row_axes is None:
-        dx, dgamma, dbeta = norm.normalize_backward(dy, x, mean, rstd, gamma, beta, config)
-        if residual is not None:
-            dx = (dx.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
-        return dx, dgamma, dbeta
+        # dx and the residual's gradient are summed in f32 and rounded once, as in the kernel.
+        return norm.normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)
 
     def rows(v):
         return None if v is None else v.reshape(-1, v.shape[-1])
