@@ -74,18 +74,29 @@ def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
     hidden = x_ref.shape[1]
     gamma = gamma_ref[...]
 
-    def row(i, sums):
-        rows = pl.ds(i, 1)
-        dy = dy_ref[rows, :]
+    def load(i):
+        rows = pl.ds(jnp.minimum(i, ROWS_PER_PROGRAM - 1), 1)
         mean = None if mean_ref is None else mean_ref[rows, :]
-        dx, dy_xhat = _row_gradients(dy, x_ref[rows, :], mean, rstd_ref[rows, :], gamma)
-        if residual_ref is not None:
-            dx = dx + residual_ref[rows, :].astype(jnp.float32)
-        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
-        return sums[0] + dy_xhat, sums[1] + dy.astype(jnp.float32)
+        residual = None if residual_ref is None else residual_ref[rows, :]
+        return dy_ref[rows, :], x_ref[rows, :], mean, rstd_ref[rows, :], residual
+
+    # Each row's loads are issued one row ahead, before the row sums of the
+    # row before, so that their latency overlaps that row's math: (16384,
+    # 4096) makes 256 programs of 4 warps for 132 SMs, too few warps to hide
+    # it by switching between them. Same arithmetic;
+    # 0.181 -> 0.168-0.172 ms at (16384, 4096) on the H200
+    # (bench/results/h200-2026-11-30-n, run N5).
+    def row(i, carry):
+        sums, (dy, x, mean, rstd, residual) = carry
+        ahead = load(i + 1)
+        dx, dy_xhat = _row_gradients(dy, x, mean, rstd, gamma)
+        if residual is not None:
+            dx = dx + residual.astype(jnp.float32)
+        dx_ref[pl.ds(i, 1), :] = dx.astype(dx_ref.dtype)
+        return (sums[0] + dy_xhat, sums[1] + dy.astype(jnp.float32)), ahead
 
     zeros = jnp.zeros((1, hidden), jnp.float32)
-    dgamma, dbeta = lax.fori_loop(0, ROWS_PER_PROGRAM, row, (zeros, zeros))
+    (dgamma, dbeta), _ = lax.fori_loop(0, ROWS_PER_PROGRAM, row, ((zeros, zeros), load(0)))
     dgamma_ref[...] = dgamma
     if dbeta_ref is not None:
         dbeta_ref[...] = dbeta
