@@ -423,11 +423,9 @@ def cast_activation_gradient(
         (dh, pre, biases, scale.astype(jnp.float32), h_scale.astype(jnp.float32)), 2,
         ("rows", "columns", *["rows"] * len(biases), "rows", "columns"), tuple(row_axes),
     )  # fmt: skip
-    if biases:
-        q, q_t, sums, maxima, h_t = outputs
-        return cast_transpose.CastTransposed(q, q_t, jnp.sum(sums, axis=0), maxima), h_t
-    q, q_t, maxima, h_t = outputs
-    return cast_transpose.CastTransposed(q, q_t, None, maxima), h_t
+    q, q_t, *partial_sums, maxima, h_t = outputs
+    column_sums = cast_transpose.summed_partials(partial_sums)
+    return cast_transpose.CastTransposed(q, q_t, column_sums, maxima), h_t
 
 
 def _check(pre, activations, row_axes) -> tuple[str, ...]:

@@ -273,11 +273,13 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_s
 
 
 def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False, column_sums: bool = True):
-    if not column_sums:
-        q, qt, partial_maxima = _pallas_partials(g, scale, fmt, interpret, column_sums=False)
-        return q, qt, None, jnp.max(partial_maxima)
-    q, qt, partial_sums, partial_maxima = _pallas_partials(g, scale, fmt, interpret)
-    return q, qt, jnp.sum(partial_sums, axis=0), jnp.max(partial_maxima)
+    q, qt, *partial_sums, partial_maxima = _pallas_partials(g, scale, fmt, interpret, column_sums)
+    return q, qt, summed_partials(partial_sums), jnp.max(partial_maxima)
+
+
+def summed_partials(partial_sums: list) -> jax.Array | None:
+    """The column sums from a kernel's outputs after q and q_t: [] without sums, else [partials]."""
+    return jnp.sum(partial_sums[0], axis=0) if partial_sums else None
 
 
 def _xla(g, scale, fmt: Fp8Format, column_sums: bool = True):
@@ -393,8 +395,5 @@ def cast_transpose(
         (g, scale.astype(jnp.float32)), 1,
         ("rows", "columns", *["rows"] * column_sums, "rows"), tuple(row_axes),
     )  # fmt: skip
-    if not column_sums:
-        q, q_t, maxima = outputs
-        return CastTransposed(q, q_t, None, maxima)
-    q, q_t, partial_sums, maxima = outputs
-    return CastTransposed(q, q_t, jnp.sum(partial_sums, axis=0), maxima)
+    q, q_t, *partial_sums, maxima = outputs
+    return CastTransposed(q, q_t, summed_partials(partial_sums), maxima)

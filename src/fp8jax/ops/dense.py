@@ -152,10 +152,10 @@ def quantize_transposed(
 
     Returns ``(q, q_t, amax, column_sums)``: ``q`` in ``value``'s shape, ``q_t``
     as (columns, rows), ``column_sums`` (f32) in the columns' shape, or None
-    unless asked for. Under
-    delayed scaling ``amax`` is the kernel's per-tile maxima, whose maximum
-    is the amax: the state's update reduces them with the histories, in one
-    kernel for all of an op's tensors (:func:`fp8jax.scaling.update_group`).
+    unless asked for. Under delayed scaling ``amax`` is the kernel's per-tile
+    maxima, whose maximum is the amax: the state's update reduces them with
+    the histories, in one kernel for all of an op's tensors
+    (:func:`fp8jax.scaling.update_group`).
     """
     row_axes = cast_kernel_row_axes(rows_are_tokens)
     if row_axes is None:
