@@ -42,11 +42,10 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp8jax.flax._common import ACT, BATCH, EMBED, HEADS, KV, LENGTH, MLP, QKV
+from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, QKV
 from fp8jax.quantize import amax
 
 ROLES = ("dp", "fsdp", "sp", "tp")  # mesh order: outermost (across nodes) to innermost
-LAYERS = "layers"  # the stacking axis nn.scan adds (PARTITION_NAME in the tests and docs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,7 @@
 """What the Linen and NNX modules share: argument checks, kernel inits, axis names.
 
+The axis names are :mod:`fp8jax.axes`'s, re-exported here for the modules.
+
 Checks live here so that both APIs raise the same message for the same
 mistake. Each names the module and the argument, and says what was expected.
 """
@@ -13,22 +15,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+# Re-exported: the modules and models take their axis names from here.
+from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LENGTH, MLP, QKV, RESIDUAL  # noqa: F401
 from fp8jax.ops.fused import ACTIVATIONS
 from fp8jax.ops.norm import NORM_TYPES
 from fp8jax.recipes import DelayedScaling, resolve_recipe
-
-# Logical axis names of the parameters, mapped to mesh axes by sharding rules
-# (e.g. flax.linen.logical_axis_rules); names no rule mentions stay replicated.
-EMBED = "embed"  # the model (hidden) width
-MLP = "mlp"  # the MLP's inner width
-ACT = "act"  # the branches of a gated activation (2 for GeGLU / SwiGLU)
-HEADS = "heads"  # attention heads; for the fused QKV kernel, the key/value heads
-QKV = "qkv"  # inside a key/value group: its query heads, then the key, then the value
-KV = "kv"  # the per-head width
-# Logical axis names of activations, for sharding constraints inside the layers.
-BATCH = "batch"  # the batch axis
-LENGTH = "length"  # the sequence axis where tokens are independent (norms, MLP, residuals)
-RESIDUAL = (BATCH, LENGTH, None)  # the residual stream (batch, seq, hidden)
 
 NORM_POSITIONS = ("pre", "post")
 
