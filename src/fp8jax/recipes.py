@@ -13,6 +13,7 @@ is no global recipe). Two are available:
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 from jax import lax
@@ -22,16 +23,36 @@ from fp8jax.formats import HYBRID, FormatPair
 _AMAX_ALGOS = ("max", "most_recent")
 
 
+# A margin scales by 2**-margin. The FP8 formats span at most 2**31 between
+# their smallest normal and largest value (E5M2), so a margin beyond 32 only
+# pushes every value into the subnormals and zero; and 2**margin must stay a
+# finite f32 for the scale to be finite and nonzero.
+_MAX_MARGIN = 32
+
+
 def _check_margin(cls_name: str, margin) -> None:
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or margin < 0:
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
+        raise TypeError(
+            f"{cls_name}.margin must be a real number (int or float) >= 0, got {margin!r}."
+        )
+    if margin < 0:
         raise ValueError(f"{cls_name}.margin must be a real number >= 0, got {margin!r}.")
+    if not math.isfinite(margin) or margin > _MAX_MARGIN:
+        raise ValueError(
+            f"{cls_name}.margin must be finite and at most {_MAX_MARGIN} (powers of two of "
+            f"headroom), got {margin!r}. Typical margins are 0 to 2."
+        )
 
 
 def _check_reduction_axes(cls_name: str, axes) -> None:
-    if not isinstance(axes, tuple) or not all(isinstance(a, str) for a in axes):
+    if not isinstance(axes, tuple) or not all(isinstance(a, str) and a for a in axes):
         raise TypeError(
             f"{cls_name}.amax_reduction_axes must be a tuple of mesh axis names such as "
             f"('dp', 'fsdp'), got {axes!r}."
+        )
+    if len(set(axes)) != len(axes):
+        raise ValueError(
+            f"{cls_name}.amax_reduction_axes names an axis twice: {axes!r}; name each once."
         )
 
 
@@ -60,7 +81,8 @@ class CurrentScaling:
     gets scale 1 so that one bad batch cannot poison the result's scale.
 
     Attributes:
-      margin: extra headroom, in powers of two.
+      margin: extra headroom, in powers of two: a finite real number in
+        [0, 32].
       formats: forward and gradient formats (default E4M3 / E5M2).
       forward_precision: accumulation of the forward GEMM. DEFAULT lets
         cuBLASLt use fast (FP8-rate) accumulation.
@@ -104,8 +126,9 @@ class DelayedScaling:
     history length.
 
     Attributes:
-      margin: extra headroom, in powers of two.
-      amax_history_len: number of steps remembered.
+      margin: extra headroom, in powers of two: a finite real number in
+        [0, 32].
+      amax_history_len: number of steps remembered, an int >= 1.
       amax_compute_algo: ``"max"`` or ``"most_recent"``.
       formats: forward and gradient formats (default E4M3 / E5M2).
       forward_precision: accumulation of the forward GEMM.
@@ -135,7 +158,7 @@ class DelayedScaling:
         n = self.amax_history_len
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
             raise ValueError(f"DelayedScaling.amax_history_len must be an int >= 1, got {n!r}.")
-        if self.amax_compute_algo not in _AMAX_ALGOS:
+        if not isinstance(self.amax_compute_algo, str) or self.amax_compute_algo not in _AMAX_ALGOS:
             raise ValueError(
                 f"DelayedScaling.amax_compute_algo must be one of {_AMAX_ALGOS}, "
                 f"got {self.amax_compute_algo!r}."

@@ -1,0 +1,61 @@
+"""Every recipe field is validated when the recipe is made (issue 32, item 6).
+
+A margin of inf made every scale 0 and every output NaN; such settings now
+fail at construction, naming the field, the expected and the given value.
+"""
+
+import math
+
+import pytest
+
+import fp8jax
+
+RECIPES = [fp8jax.CurrentScaling, fp8jax.DelayedScaling]
+
+
+@pytest.mark.parametrize("cls", RECIPES)
+@pytest.mark.parametrize("margin", [math.inf, -math.inf, math.nan, 33, 1e6])
+def test_non_finite_or_huge_margin_is_rejected(cls, margin):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.margin must be"):
+        cls(margin=margin)
+
+
+@pytest.mark.parametrize("cls", RECIPES)
+@pytest.mark.parametrize("margin", ["1", True, None, 1 + 0j])
+def test_margin_of_wrong_type_is_a_type_error(cls, margin):
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\.margin must be a real number"):
+        cls(margin=margin)
+
+
+@pytest.mark.parametrize("cls", RECIPES)
+@pytest.mark.parametrize("margin", [0, 0.5, 2, 32])
+def test_margins_in_range_are_accepted_and_give_finite_output(cls, margin):
+    import jax.numpy as jnp
+
+    recipe = cls(margin=margin)
+    x = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32).reshape(4, 16)
+    w = jnp.ones((16, 8), jnp.float32)
+    state = fp8jax.init_state(recipe)
+    y = fp8jax.dense(x, w, recipe=recipe, state=state)
+    assert bool(jnp.all(jnp.isfinite(y)))
+
+
+@pytest.mark.parametrize("cls", RECIPES)
+@pytest.mark.parametrize(
+    ("axes", "error"), [(("dp", "dp"), ValueError), (("",), TypeError), (["dp"], TypeError)]
+)
+def test_reduction_axes_are_checked(cls, axes, error):
+    with pytest.raises(error, match="amax_reduction_axes"):
+        cls(amax_reduction_axes=axes)
+
+
+@pytest.mark.parametrize("algo", [["max"], None, 1])
+def test_amax_compute_algo_of_wrong_type_is_rejected(algo):
+    with pytest.raises(ValueError, match="amax_compute_algo must be one of"):
+        fp8jax.DelayedScaling(amax_compute_algo=algo)
+
+
+@pytest.mark.parametrize("length", [True, -3, 1.0, "4", None])
+def test_history_length_must_be_a_positive_int(length):
+    with pytest.raises(ValueError, match="amax_history_len must be an int >= 1"):
+        fp8jax.DelayedScaling(amax_history_len=length)
