@@ -3,7 +3,7 @@
 Under dense work the H200 reaches its 700 W cap within about a second and
 lowers its SM clock from 1980 MHz to 1450-1600 MHz for BF16 GEMMs
 (``clocks_event_reasons`` 0x4, software power cap), less for FP8 ones
-(bench/results/h200-2026-11-30-k, runs K5 and K6). A row timed right after
+(docs/design.md#timing-at-the-power-cap). A row timed right after
 an idle spell therefore runs faster than the same program in a training
 job, and a short row (an FP8 one) escapes more of the cap than a long one
 (its BF16 baseline). The harness heats each row to that steady state

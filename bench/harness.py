@@ -50,10 +50,10 @@ def standard_variants(flax_variant, fp8jax_variant) -> dict:
 
 
 # How a benchmark reduces its model's output to the loss it differentiates (--loss).
-# "mean", as in ../shared/anchors, makes the output gradient a constant: XLA may
-# then start the backward before the forward has finished and fuse the two (an
-# activation's forward with its gradient's recompute), which a real loss rules
-# out. "square" (half the mean square) makes the gradient the output itself.
+# "mean" makes the output gradient a constant: XLA may then start the backward
+# before the forward has finished and fuse the two (an activation's forward with
+# its gradient's recompute), which a real loss rules out. "square" (half the mean
+# square) makes the gradient the output itself.
 LOSSES = {
     "mean": lambda y: y.astype(jnp.float32).mean(),
     "square": lambda y: 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))),
@@ -72,7 +72,7 @@ def add_loss_argument(parser) -> None:
     """``--loss``: a key of :data:`LOSSES`; pass the parsed value to :func:`set_loss`."""
     parser.add_argument(
         "--loss", default="mean", choices=sorted(LOSSES),
-        help="mean of the output (the anchors') or half its mean square (a real loss)",
+        help="mean of the output (constant gradient) or half its mean square (a real loss)",
     )  # fmt: skip
 
 
@@ -89,7 +89,7 @@ def add_heat_argument(parser) -> None:
     """``--heat SECONDS``: run each row back to back this long before timing it.
 
     Three seconds bring an H200 to its power-capped clock under any of the
-    benchmarks' programs (bench/results/h200-2026-11-30-k, run K6); 0 times
+    benchmarks' programs (docs/design.md#timing-at-the-power-cap); 0 times
     each row from wherever the previous one left the GPU.
     """
     parser.add_argument(
@@ -202,8 +202,8 @@ def _pipelined(fn, args: list, iters: int, carry: bool) -> float:
 
     What a train loop sees: the host queues the next step while the GPU runs
     this one, so per-call dispatch and synchronization, which the median of
-    synchronized calls includes, are hidden. ``../shared/anchors`` timed the
-    Flax anchors this way.
+    synchronized calls includes, are hidden
+    (docs/design.md#synchronized-and-pipelined-time).
     """
     start = time.perf_counter()
     jax.block_until_ready(_pipelined_calls(fn, args, iters, carry))
@@ -241,7 +241,8 @@ def compiled_facts(compiled, hlo: str) -> dict:
         "fp8_gemms": len(report.fp8_gemms),
         "backends": backends,
         "attention": len(report.attention),
-        # The slow relayouts of BENCHMARKS.md's kernel-transpose section: [dtype, shape] each.
+        # The slow untiled FP8 transposes, [dtype, shape] each
+        # (docs/design.md#the-forward-kernel-transposed-in-the-program).
         "untiled_fp8_transposes": [[r.dtype, list(r.shape)] for r in untiled],
         "peak_memory_gib": None if peak is None else peak / 2**30,
         "report": report,

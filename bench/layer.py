@@ -1,10 +1,10 @@
 """One transformer layer forward+backward: fp8jax vs BF16 vs Flax's FP8 ops (issue 8).
 
-TransformerEngine's published configuration, as in ../shared/anchors/
-flax_layer_anchor.py: hidden 4096, ffn 16384 (gelu), 32 heads, seq 2048,
+TransformerEngine's published configuration: hidden 4096, ffn 16384 (gelu), 32 heads, seq 2048,
 batch 8, causal cuDNN attention, bf16 activations and kernels, gradients with
-respect to the input and every parameter. The Flax variants are the anchor's
-layer; fp8jax runs its own TransformerLayer with the same shapes.
+respect to the input and every parameter. The BF16 and Flax FP8 variants run
+:class:`FlaxLayer`, the layer as a Flax user writes it, with the variant's
+``dot_general_cls``; fp8jax runs its own TransformerLayer with the same shapes.
 
     PYTHONPATH=src python bench/layer.py [--variants ...] [--out F]
 """
@@ -35,8 +35,8 @@ from fp8jax.flax import linen as fnn
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-class AnchorLayer(nn.Module):
-    """The anchor's Flax layer; ``dot_general_cls`` picks the matmul."""
+class FlaxLayer(nn.Module):
+    """A pre-norm transformer layer in plain Flax; ``dot_general_cls`` picks the matmul."""
 
     heads: int
     ffn: int
@@ -57,8 +57,8 @@ class AnchorLayer(nn.Module):
         return x + nn.Dense(hidden, dtype=BF16, **kw)(y)
 
 
-def anchor_variant(x, heads, ffn, attention, dot_general_cls):
-    model = AnchorLayer(heads, ffn, attention, dot_general_cls)
+def flax_variant(x, heads, ffn, attention, dot_general_cls):
+    model = FlaxLayer(heads, ffn, attention, dot_general_cls)
     variables = bf16_matrices(jax.jit(model.init)(jax.random.key(0), x))
 
     def loss(variables, x):
@@ -69,7 +69,7 @@ def anchor_variant(x, heads, ffn, attention, dot_general_cls):
 
 def fp8jax_variant(x, heads, ffn, attention, recipe):
     layer = fnn.TransformerLayer(
-        # The anchor's nn.gelu is the tanh approximation.
+        # FlaxLayer's nn.gelu is the tanh approximation.
         num_heads=heads, intermediate_dim=ffn, activations=("gelu_tanh",), causal=True,
         attention_implementation=attention, dtype=BF16, recipe=recipe,
     )  # fmt: skip
@@ -86,7 +86,7 @@ def fp8jax_variant(x, heads, ffn, attention, recipe):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (params, x, state)
 
 
-VARIANTS = standard_variants(anchor_variant, fp8jax_variant)
+VARIANTS = standard_variants(flax_variant, fp8jax_variant)
 
 
 def main():
