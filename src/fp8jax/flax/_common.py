@@ -15,9 +15,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-# Re-exported: the modules and models take their axis names from here.
+from fp8jax import activations as activations_
+
+# Re-exported: the modules take their axis names from here.
 from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LENGTH, MLP, QKV, RESIDUAL  # noqa: F401
-from fp8jax.ops.fused import ACTIVATIONS
 from fp8jax.ops.norm import NORM_TYPES
 from fp8jax.recipes import DelayedScaling, resolve_recipe
 
@@ -56,14 +57,7 @@ def norm_type(owner: str, value: str) -> str:
 
 def activations(owner: str, value) -> tuple[str, ...]:
     """Activation names as a tuple; one name is a plain MLP, two a gated one."""
-    names = (value,) if isinstance(value, str) else tuple(value)
-    if not 1 <= len(names) <= 2 or any(a not in ACTIVATIONS for a in names):
-        raise ValueError(
-            f"{_name(owner, 'activations')} must be one or two names from "
-            f"{sorted(ACTIVATIONS)}, e.g. ('gelu', 'linear') for GeGLU or ('silu', 'linear') "
-            f"for SwiGLU; got {value!r}."
-        )
-    return names
+    return activations_.check(value, owner)
 
 
 def dropout_rate(owner: str, value) -> float:

@@ -41,8 +41,9 @@ benchmarks' mean loss and 1.72 ms with a square loss; the layer's step went
 from 18.70-18.76 to 18.54 ms, and from 19.13-19.24 to 18.84 ms with the
 square loss (bench/results/h200-2026-11-30-i, run 9C). Which activations
 :func:`fp8jax.layernorm_mlp` sends here is its own choice, by measurement
-(``fused._KERNEL_ACTIVATIONS``).
+(:attr:`fp8jax.activations.Activation.kernel`).
 
+The kernels' formulas are :attr:`fp8jax.activations.Activation.value_and_slope`.
 One or two activations among :data:`KERNEL_ACTIVATIONS`, and whole tiles
 (:func:`fits`), take this path.
 """
@@ -54,8 +55,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from fp8jax import activations as activations_
 from fp8jax.formats import Fp8Format
 from fp8jax.ops import cast_transpose
 from fp8jax.quantize import quantize_with_scale
@@ -73,26 +74,14 @@ FORWARD_TILES = {1: ((64, 64), 4), 2: ((64, 64), 4)}
 GRADIENT_TILES = {1: ((64, 64), 4), 2: ((32, 64), 4)}
 ROWS_MULTIPLE, COLUMNS_MULTIPLE = 64, 64
 
-_GELU_C = math.sqrt(2 / math.pi)
-_GELU_A = 0.044715
 _LOG2_E = math.log2(math.e)
-_RSQRT_2 = 1 / math.sqrt(2)
-_RSQRT_2PI = 1 / math.sqrt(2 * math.pi)
 # Numerical Recipes' erfc: t * exp(-z*z + poly(t)), t = 1 / (1 + z / 2), z >= 0,
 # within 1.2e-7 relative everywhere; these are its published coefficients.
 _ERFC_POLY = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
               0.27886807, -1.13520398, 1.48851587, -0.82215223, 0.17087277)  # fmt: skip
 
 
-class _XlaMath:
-    """The elementary functions as XLA computes them (and interpret mode, on the CPU)."""
-
-    exp = staticmethod(jnp.exp)
-    erfc = staticmethod(lax.erfc)
-
-    @staticmethod
-    def rcp(v):
-        return 1 / v
+_XlaMath = activations_.XlaMath
 
 
 class _GpuMath:
@@ -139,50 +128,13 @@ def erfc_approximation(w, m=_XlaMath):
     return jnp.where(w >= 0, r, 2 - r)
 
 
-def _sigmoid(z, m):
-    # Where exp overflows, rcp of infinity gives 0, the limit.
-    return m.rcp(1 + m.exp(-z))
-
-
-def _gelu_tanh(x, m):
-    # 0.5 * (1 + tanh(u)) is sigmoid(2u): in this form f32 keeps its relative
-    # precision in the negative tail, where 1 + tanh(u) cancels (x = -4.8:
-    # the slope is -3e-6, and the tanh form's f32 error is 20% of it).
-    two_u_slope = 2 * _GELU_C * (1 + 3 * _GELU_A * x * x)
-    s = _sigmoid(2 * _GELU_C * (x + _GELU_A * x * x * x), m)
-    return x * s, s + x * s * (1 - s) * two_u_slope
-
-
-def _gelu(x, m):
-    # Phi(x) through erfc, not 1 + erf, for the same reason.
-    phi = 0.5 * m.erfc(-x * _RSQRT_2)
-    return x * phi, phi + x * _RSQRT_2PI * m.exp(-0.5 * x * x)
-
-
-def _relu(x, m):
-    del m
-    return jnp.maximum(x, 0.0), jnp.where(x > 0, 1.0, 0.0).astype(x.dtype)
-
-
-def _silu(x, m):
-    s = _sigmoid(x, m)
-    return x * s, s * (1 + x * (1 - s))
-
-
-def _linear(x, m):
-    del m
-    return x, jnp.ones_like(x)
-
-
-# name -> (value, slope) in f32, given the elementary functions.
-_ACTIVATIONS = {"gelu": _gelu, "gelu_tanh": _gelu_tanh, "relu": _relu, "silu": _silu,
-                "linear": _linear}  # fmt: skip
-KERNEL_ACTIVATIONS = frozenset(_ACTIVATIONS)
+# Every registered activation has the kernels' formula.
+KERNEL_ACTIVATIONS = frozenset(activations_.REGISTRY)
 
 
 def activation_and_slope(name: str, x: jax.Array, math_=_XlaMath):
     """``(act(x), act'(x))`` of f32 ``x`` for a name in :data:`KERNEL_ACTIVATIONS`."""
-    return _ACTIVATIONS[name](x, math_)
+    return activations_.REGISTRY[name].value_and_slope(x, math_)
 
 
 def _branches(x, n: int):
@@ -429,12 +381,7 @@ def cast_activation_gradient(
 
 
 def _check(pre, activations, row_axes) -> tuple[str, ...]:
-    activations = (activations,) if isinstance(activations, str) else tuple(activations)
-    if not 1 <= len(activations) <= 2 or not set(activations) <= KERNEL_ACTIVATIONS:
-        raise ValueError(
-            f"activations must be one or two names from {sorted(KERNEL_ACTIVATIONS)}, got "
-            f"{activations!r}."
-        )
+    activations = activations_.check(activations)
     n, shards = len(activations), cast_transpose.devices_along(tuple(row_axes))
     if not fits(pre.shape, n, shards):
         raise ValueError(

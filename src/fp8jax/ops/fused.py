@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8jax import activations as activations_
+from fp8jax.activations import gelu  # noqa: F401  (fp8jax.ops.fused.gelu, as before)
 from fp8jax.ops import (
     _partitioning,
     activation_cast,
@@ -68,34 +70,8 @@ from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import resolve_recipe
 from fp8jax.scaling import DotScaleState, MlpScaleState, update_group
 
-_SQRT_HALF = 0.7071067811865476
-
-
-def gelu(x):
-    """Exact gelu, ``x * Phi(x)``, with Phi written through ``erf``.
-
-    ``jax.nn.gelu(approximate=False)`` writes Phi through ``erfc``, which XLA
-    expands into several polynomials, an ``exp`` and selects: on the H200 a
-    fusion computing it over GeGLU's (16384, 16384) pre-activation took
-    0.79 ms and XLA kept its f32 value alive for the backward rather than pay
-    again. XLA's f32 ``erf`` is one rational polynomial, cheap enough to
-    recompute, so gelu takes the same path as every other activation
-    (GeGLU block 17.54 to 17.17 ms, BF16 baseline 31.08 to 30.55 ms with
-    the same change, same GPU; bench/results/h200-2026-11-30-b). ``erfc`` is
-    more accurate only in the negative tail, where ``1 + erf`` cancels: in
-    f32 this form stays within 1.1e-6 of the exact value over [-12, 12],
-    under a thousandth of bf16's spacing at 1, 2**-7 (tests/ops/test_fused.py).
-    """
-    return x * (1 + lax.erf(x * _SQRT_HALF)) * 0.5
-
-
-ACTIVATIONS = {
-    "gelu": gelu,
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "linear": lambda x: x,
-}
+# XLA's formula of each activation, by name (fp8jax.activations.REGISTRY).
+ACTIVATIONS = {name: a.xla for name, a in activations_.REGISTRY.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,18 +435,6 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved, dpre_q, dpre_t, dpre_a
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-# The activations layernorm_mlp computes in fp8jax.ops.activation_cast's
-# kernels: those that measured faster there than on XLA's path, alternating
-# in one process on the H200 (bench/results/h200-2026-11-30-i). gelu_tanh:
-# the transformer layer 18.70-18.76 to 18.54 ms (run 9C). SwiGLU: the MLP
-# block 16.14-16.16 to 15.86-16.04 ms, GPT medium 120.2 to 116.0-117.4 ms and
-# 1.85 GiB less peak memory (9E). relu: timed alone only (9B), its kernels
-# 0.26 + 0.67 ms where the gradient's cast alone takes 0.35. Not erf's gelu,
-# whose erfc costs the kernels more math than XLA's fusions: the gelu block
-# 10.90-10.97 to 11.17-11.19 ms (9D), GeGLU 16.24-16.33 to 16.32-16.41 (9E).
-_KERNEL_ACTIVATIONS = frozenset({"gelu_tanh", "relu", "silu", "linear"})
-
-
 def _activation_kernel_axes(pre, config: FusedConfig, delayed: bool) -> tuple[str, ...] | None:
     """The mesh axes splitting the rows the activation kernels run on, or None for XLA's path.
 
@@ -478,15 +442,15 @@ def _activation_kernel_axes(pre, config: FusedConfig, delayed: bool) -> tuple[st
     or a gated pair and need their scales before their values: delayed
     scaling. They run where the cast kernel runs on token rows
     (:func:`~fp8jax.ops.dense.cast_kernel_row_axes`), for the activations
-    in ``_KERNEL_ACTIVATIONS``.
+    the registry's kernel serves (:attr:`fp8jax.activations.Activation.kernel`).
     """
     activations = config.activations
     if not delayed or len(activations) > 2:
         return None
-    if not set(activations) <= _KERNEL_ACTIVATIONS:
+    if not activations_.kernel_serves(activations):
         return None
     row_axes = cast_kernel_row_axes(rows_are_tokens=True)
-    if row_axes is None:
+    if row_axes is None or pre.size == 0:  # an empty pre-activation fills no tile
         return None
     rows_by_width = (pre.size // (pre.shape[-2] * pre.shape[-1]), pre.shape[-2] * pre.shape[-1])
     if not activation_cast.fits(rows_by_width, len(activations),
@@ -525,18 +489,6 @@ def _cast_activation_gradient(dh, pre, b1, scale, h_scale, config: FusedConfig, 
     db1 = None if b1 is None else out.column_sums.reshape(pre.shape[-2:]).astype(b1.dtype)
     h_t = Fp8Array(h_t, 1.0 / h_scale.astype(jnp.float32), h_fmt)
     return dpre_q, dpre_t, amax_for_update(out.maxima, recipe), db1, h_t
-
-
-def _check_activations(activations) -> tuple[str, ...]:
-    if isinstance(activations, str):
-        activations = (activations,)
-    activations = tuple(activations)
-    if not 1 <= len(activations) <= 2 or any(a not in ACTIVATIONS for a in activations):
-        raise ValueError(
-            f"activations must be one or two names from {sorted(ACTIVATIONS)}, e.g. "
-            f"('gelu', 'linear') for GeGLU or ('silu', 'linear') for SwiGLU; got {activations!r}."
-        )
-    return activations
 
 
 def _check_bias(name: str, bias, shape: tuple[int, ...]) -> None:
@@ -606,7 +558,7 @@ def layernorm_mlp(
       >>> y.shape, y.dtype
       ((2, 8, 64), dtype(bfloat16))
     """
-    activations = _check_activations(activations)
+    activations = activations_.check(activations)
     norm = NormConfig(norm_type, zero_centered_gamma, epsilon)
     check_norm_args(x, gamma, beta, norm)
     check_high_precision("kernel_1", kernel_1)
