@@ -12,16 +12,30 @@ import breakdown  # noqa: E402
 DATA = ROOT / "tests" / "verify" / "data"
 
 
-def test_triton_fp8_gemms_and_quantize_fusions_are_told_apart():
-    classes = breakdown.fusion_classes((DATA / "h100_dense_triton.hlo.txt").read_text())
+def test_triton_fp8_gemms_and_quantize_kernels_are_told_apart():
+    hlo = (DATA / "h100_dense_triton.hlo.txt").read_text()
+    classes = breakdown.fusion_classes(hlo)
     # dense fwd+bwd: three Triton FP8 GEMMs (XLA's nested-gemm fusion kind).
     assert sorted(k for k, v in classes.items() if v == "gemm") == [
         "gemm_fusion_dot", "gemm_fusion_dot_1", "gemm_fusion_dot_general_2",
     ]  # fmt: skip
-    # x, the kernel and the gradient each quantized from bf16 by one fusion.
+    # x, the kernel and the gradient are each quantized from high precision by
+    # one fp8jax.ops.cast_transpose call; the trace names all three after the
+    # one pallas_call, and no XLA fusion quantizes.
+    assert sorted(k for k, v in classes.items() if v == "quantize") == ["fp8jax_cast_transpose"]
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 3
+    assert "fp8-relayout" not in classes.values()
+
+
+def test_sharded_quantize_fusions_and_the_fp8_transpose_are_told_apart():
+    # Under FSDP the operands are quantized by XLA fusions, not the kernel
+    # (sample h100_dense_fsdp8_triton), and one FP8 transpose is a relayout.
+    classes = breakdown.fusion_classes((DATA / "h100_dense_fsdp8_triton.hlo.txt").read_text())
     assert sorted(k for k, v in classes.items() if v == "quantize") == [
-        "input_convert_reduce_fusion", "input_transpose_fusion", "loop_convert_fusion",
+        "input_convert_reduce_fusion", "loop_convert_fusion", "loop_convert_fusion_1",
     ]  # fmt: skip
+    assert [k for k, v in classes.items() if v == "fp8-relayout"] == ["transpose_1"]
+    assert sum(v == "gemm" for v in classes.values()) == 3
 
 
 def test_fp8_to_fp8_transposes_are_relayouts_not_quantization():

@@ -1,5 +1,11 @@
 """Regenerates the HLO samples in this folder: ``python tests/verify/data/generate.py``.
 
+``--check`` compiles the samples of fp8jax's own programs again and compares
+the structural facts the tests read from them (the GEMM report, the FP8
+relayouts, bench/breakdown.py's kernel classes) with the committed files;
+test_samples_current.py runs it, so a library change that alters the compiled
+program fails until the samples are regenerated. ``--out DIR`` writes to DIR.
+
 On a GPU machine, ``python tests/verify/data/generate.py --live DIR`` writes
 the live samples (``h200_live_*.hlo.txt``) to DIR and prints their reports;
 their expectations are then written by reading the HLO.
@@ -28,10 +34,12 @@ from jax.sharding import PartitionSpec as P
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parents[2] / "bench"))
 
+import breakdown  # noqa: E402
 import verify_programs as programs  # noqa: E402
 
-from fp8jax.verify import compile_for, gemm_report  # noqa: E402
+from fp8jax.verify import compile_for, fp8_relayouts, gemm_report  # noqa: E402
 
 TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
 E4, E5 = "f8e4m3fn", "f8e5m2"
@@ -104,6 +112,10 @@ SAMPLES = [
 ]  # fmt: skip
 
 
+# The samples whose program runs fp8jax's ops: a library change alters these,
+# so --check recompiles them; the others change only with JAX.
+FP8JAX_PROGRAMS = (programs.fp8_train_step, programs.scanned_fp8_step)
+
 # Compiled on the GPU at hand; the autotuner picks each GEMM's backend.
 LIVE = [
     ("h200_live_dense", programs.fp8_train_step, programs.args(), None),
@@ -159,7 +171,51 @@ def _is_fp8(gemm: list) -> bool:
     return gemm[1].startswith("f8") and gemm[2].startswith("f8")
 
 
-def main() -> int:
+def structural_facts(hlo: str) -> dict[str, Any]:
+    """What the tests read from a sample: report, relayouts and kernel classes.
+
+    Exact text would also change with instruction numbering that no test
+    reads; these facts change when the compiled program does.
+    """
+    return {
+        **observed(gemm_report(hlo)),
+        "fp8_relayouts": sorted(
+            [r.dtype, list(r.shape), r.untiled_transpose] for r in fp8_relayouts(hlo)
+        ),
+        "kernel_classes": sorted(breakdown.fusion_classes(hlo).items()),
+        "pallas_calls": hlo.count('custom_call_target="__gpu$xla.gpu.triton"'),
+    }
+
+
+def check(names: list[str]) -> int:
+    """Compiles ``names`` (all samples of fp8jax's programs when empty) and
+    compares their structural facts with the committed samples; 1 if any differ.
+    """
+    chosen = [s for s in SAMPLES if s.name in names] if names else [
+        s for s in SAMPLES if s.fn in FP8JAX_PROGRAMS
+    ]  # fmt: skip
+    unknown = set(names) - {s.name for s in SAMPLES}
+    if unknown:
+        print(f"no sample named {sorted(unknown)}; samples: {[s.name for s in SAMPLES]}")
+        return 2
+    stale = 0
+    for sample in chosen:
+        committed = structural_facts((HERE / f"{sample.name}.hlo.txt").read_text())
+        fresh = structural_facts(_compile(sample))
+        if committed != fresh:
+            stale += 1
+            diff = {k: (committed[k], fresh[k]) for k in fresh if committed[k] != fresh[k]}
+            print(f"{sample.name} is stale; (committed, fresh compile) differ in:")
+            for key, (old, new) in diff.items():
+                print(f"  {key}:\n    committed {old}\n    fresh     {new}")
+        else:
+            print(f"{sample.name} is current")
+    if stale:
+        print("Regenerate with: python tests/verify/data/generate.py, and commit the samples.")
+    return 1 if stale else 0
+
+
+def main(out: pathlib.Path = HERE) -> int:
     failed = 0
     for sample in SAMPLES:
         hlo = _compile(sample)
@@ -190,8 +246,9 @@ def main() -> int:
             "producer": producer,
             "source_file": "verify_programs.py",
         }
-        (HERE / f"{sample.name}.hlo.txt").write_text(hlo)
-        (HERE / f"{sample.name}.expect.json").write_text(dump_expectation({**meta, **expected}))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{sample.name}.hlo.txt").write_text(hlo)
+        (out / f"{sample.name}.expect.json").write_text(dump_expectation({**meta, **expected}))
         print(f"wrote {sample.name} ({len(hlo):,} chars)")
     return 1 if failed else 0
 
@@ -199,4 +256,8 @@ def main() -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--live"]:
         sys.exit(write_live(pathlib.Path(sys.argv[2])))
+    if sys.argv[1:2] == ["--check"]:
+        sys.exit(check(sys.argv[2:]))
+    if sys.argv[1:2] == ["--out"]:
+        sys.exit(main(pathlib.Path(sys.argv[2])))
     sys.exit(main())
