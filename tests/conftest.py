@@ -20,6 +20,9 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# tests/verify/test_deviceless_gate.py runs this conftest's hooks in a pytester session.
+pytest_plugins = ["pytester"]
+
 # Silent upcasts are exactly the bug class fp8jax exists to catch, so tests
 # refuse implicit dtype and rank promotion.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -29,14 +32,13 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def pytest_collection_modifyitems(config, items):
     """Deviceless GPU compiles need fp8jax[verify]; where it is missing, say so.
 
-    A developer without the extra gets every ``deviceless`` test skipped with
-    the reason. In CI (``CI`` set) the README's test command installs the
-    extra, so a missing toolchain there is a broken install: fail, don't skip.
+    Without the extra (no jax-cuda13-plugin distribution), every
+    ``deviceless`` test is skipped with the reason. With the extra installed
+    but broken (a version mismatch, no ptxas, no libdevice), the toolchain
+    check's error fails every ``deviceless`` test: a skip would hide the
+    broken install. In CI (``CI`` set) the README's test command installs the
+    extra, so there a missing extra fails too.
     """
-    import pytest
-
-    from fp8jax.verify import toolchain
-
     if GPU_MODE:
         cpu_only = pytest.mark.skip(reason="FP8JAX_TEST_GPU=1 runs only the tests marked gpu")
         for item in items:
@@ -47,15 +49,43 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(on_gpus)
+    problem = deviceless_problem()
+    if problem is None:
+        return
+    installed, reason = problem
+    if installed or os.environ.get("CI"):
+        state = "installed but broken" if installed else "not installed, and CI is set"
+        config.stash[_DEVICELESS_BROKEN] = f"fp8jax[verify] is {state}: {reason}"
+        return
+    skip = pytest.mark.skip(reason=f"fp8jax[verify] is not installed: {reason}")
+    for item in items:
+        if "deviceless" in item.keywords:
+            item.add_marker(skip)
+
+
+_DEVICELESS_BROKEN = pytest.StashKey[str]()
+
+
+def deviceless_problem(check=None) -> tuple[bool, str] | None:
+    """None if deviceless compiles can run, else (extra installed, the check's error).
+
+    Installed means the ``jax-cuda13-plugin`` distribution is present; the
+    check is ``fp8jax.verify.toolchain.check_deviceless`` (``check`` replaces
+    it in tests of this function).
+    """
+    from fp8jax.verify import toolchain
+
     try:
-        toolchain.check_deviceless()
+        (check or toolchain.check_deviceless)()
     except ImportError as e:
-        if os.environ.get("CI"):
-            raise
-        skip = pytest.mark.skip(reason=f"no deviceless GPU compiles here: {e}")
-        for item in items:
-            if "deviceless" in item.keywords:
-                item.add_marker(skip)
+        return toolchain.distribution_version(toolchain.PLUGIN) is not None, str(e)
+    return None
+
+
+def pytest_runtest_setup(item):
+    reason = item.config.stash.get(_DEVICELESS_BROKEN, None)
+    if reason is not None and "deviceless" in item.keywords:
+        pytest.fail(reason, pytrace=False)
 
 
 @pytest.fixture
