@@ -18,13 +18,14 @@ by ``nn.scan``/``jax.lax.scan`` over layers (history ``(layers, L)``, scale
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.recipes import CurrentScaling, DelayedScaling, resolve_recipe
+from fp8jax.recipes import CurrentScaling, DelayedScaling, Recipe, resolve_recipe
 
 
 class ScaleState(NamedTuple):
@@ -46,6 +47,9 @@ class DotScaleState(NamedTuple):
     x: ScaleState
     kernel: ScaleState
     grad: ScaleState
+    # Which half of recipe.formats each role is quantized to. Unannotated, so
+    # NamedTuple keeps it a class attribute, not a field.
+    ROLE_FORMATS = MappingProxyType({"x": "forward", "kernel": "forward", "grad": "backward"})
 
 
 class MlpScaleState(NamedTuple):
@@ -53,12 +57,7 @@ class MlpScaleState(NamedTuple):
 
     fc1: DotScaleState
     fc2: DotScaleState
-
-
-# Which half of recipe.formats each role of a state group is quantized to.
-# (NamedTuple turns annotated class attributes into fields, so these are set here.)
-DotScaleState.ROLE_FORMATS = {"x": "forward", "kernel": "forward", "grad": "backward"}
-MlpScaleState.SUBGROUPS = (DotScaleState, DotScaleState)
+    SUBGROUPS = (DotScaleState, DotScaleState)  # each field's group (a class attribute)
 
 
 def init_scale_state(recipe: DelayedScaling) -> ScaleState:
@@ -69,7 +68,7 @@ def init_scale_state(recipe: DelayedScaling) -> ScaleState:
     )
 
 
-def init_state(recipe, group=DotScaleState):
+def init_state(recipe: Recipe | None, group: type = DotScaleState):
     """Creates the scale state an op needs under ``recipe``.
 
     Args:

@@ -20,7 +20,7 @@ from fp8jax import activations as activations_
 # Re-exported: the modules take their axis names from here.
 from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LENGTH, MLP, QKV, RESIDUAL  # noqa: F401
 from fp8jax.ops.norm import NORM_TYPES
-from fp8jax.recipes import DelayedScaling, resolve_recipe
+from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 
 NORM_POSITIONS = ("pre", "post")
 
@@ -136,12 +136,12 @@ def contracted_axes(owner: str, axis, ndim: int) -> tuple[int, ...]:
     return normalized
 
 
-def is_delayed(recipe) -> bool:
+def is_delayed(recipe: Recipe | None) -> bool:
     """Whether the recipe keeps FP8 scale state (validates it on the way)."""
     return isinstance(resolve_recipe(recipe), DelayedScaling)
 
 
-def no_custom_dot_with_state(owner: str, dot_general, recipe) -> None:
+def no_custom_dot_with_state(owner: str, dot_general, recipe: Recipe | None) -> None:
     if dot_general is not None and is_delayed(recipe):
         raise ValueError(
             f"{owner}: dot_general= replaces the FP8 op, so it cannot use "

@@ -24,6 +24,7 @@ from fp8jax.flax import FP8_COLLECTION
 from fp8jax.flax import linen as fnn
 from fp8jax.flax._common import BATCH, EMBED, LENGTH, RESIDUAL
 from fp8jax.models.bf16_layer import Bf16TransformerLayer
+from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
 
 PRECISIONS = ("fp8", "bf16")
@@ -147,7 +148,7 @@ class Gpt(nn.Module):
 
     config: GptConfig
     precision: str = "fp8"
-    recipe: Any = None
+    recipe: Recipe | None = None
     attention_implementation: str | None = None
     unroll_layers: bool = True
 

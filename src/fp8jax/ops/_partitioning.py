@@ -39,6 +39,8 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fp8jax.recipes import Recipe
+
 
 class InputType(NamedTuple):
     """What an op input's cotangent must match besides shape and dtype."""
@@ -47,7 +49,7 @@ class InputType(NamedTuple):
     sharding: NamedSharding | None  # its sharding over Explicit mesh axes, if any
 
 
-def reduce_amax(amax: jax.Array, recipe) -> jax.Array:
+def reduce_amax(amax: jax.Array, recipe: Recipe) -> jax.Array:
     """``amax`` max-reduced over the recipe's ``amax_reduction_axes`` (inside shard_map)."""
     axes = recipe.amax_reduction_axes
     if not axes:

@@ -28,7 +28,7 @@ from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.ops import _partitioning, cast_transpose, dimensions
 from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
-from fp8jax.recipes import DelayedScaling, resolve_recipe
+from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 from fp8jax.scaling import DotScaleState, ScaleState, scale_from_amax, update_group
 
 
@@ -37,7 +37,7 @@ class DotConfig:
     """Everything static about one FP8 dot_general; the custom_vjp's only static argument."""
 
     dimension_numbers: dimensions.DimensionNumbers
-    recipe: object
+    recipe: Recipe
     out_dtype: np.dtype
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
@@ -613,7 +613,7 @@ def dot_general(
     rhs: jax.Array,
     dimension_numbers,
     *,
-    recipe=None,
+    recipe: Recipe | None = None,
     state: DotScaleState | None = None,
     preferred_element_type=None,
 ) -> jax.Array:
@@ -679,7 +679,7 @@ def dense(
     bias: jax.Array | None = None,
     contracting_dims=((-1,), (0,)),
     *,
-    recipe=None,
+    recipe: Recipe | None = None,
     state: DotScaleState | None = None,
     split: Sequence[int] | None = None,
     split_axis: int = -2,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from fp8jax.ops.dense import dot_general
 from fp8jax.quantize import check_high_precision
+from fp8jax.recipes import Recipe
 
 
 def _split_spec(spec: str) -> tuple[str, str, str]:
@@ -46,7 +47,8 @@ def _check_labels(name: str, labels: str, ndim: int, spec: str) -> None:
         raise ValueError(f"spec {spec!r} repeats an axis label in {name}; traces are unsupported.")
 
 
-def einsum(spec: str, x, w, *, recipe=None, state=None, preferred_element_type=None):
+def einsum(spec: str, x, w, *, recipe: Recipe | None = None, state=None,
+           preferred_element_type=None):  # fmt: skip
     """FP8 ``jnp.einsum`` for ``x`` (activations) and ``w`` (kernel).
 
     Axes in both operands and the output are batch axes; axes in both

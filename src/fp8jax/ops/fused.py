@@ -67,7 +67,7 @@ from fp8jax.ops.dense import (
 from fp8jax.ops.norm import NormConfig, check_norm_args, normalize
 from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, check_high_precision
-from fp8jax.recipes import resolve_recipe
+from fp8jax.recipes import Recipe, resolve_recipe
 from fp8jax.scaling import DotScaleState, MlpScaleState, update_group
 
 # XLA's formula of each activation, by name (fp8jax.activations.REGISTRY).
@@ -79,7 +79,7 @@ class FusedConfig:
     """Static settings of a fused op; its custom_vjp's only static argument."""
 
     norm: NormConfig
-    recipe: object
+    recipe: Recipe
     x_dtype: jnp.dtype  # also the dtype of every activation the op outputs
     kernel_dtypes: tuple[jnp.dtype, ...]  # cotangents come back in these
     activations: tuple[str, ...] = ()
@@ -112,7 +112,7 @@ def _contract_last(lhs_ndim: int):
     return (((lhs_ndim - 1,), (0,)), ((), ()))
 
 
-def _backward_dots(lhs_ndim, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe, g_t=None):
+def _backward_dots(lhs_ndim, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe: Recipe, g_t=None):
     """:func:`~fp8jax.ops.dense.backward_dots` of a GEMM contracting lhs's last axis."""
     return backward_dots(_contract_last(lhs_ndim), lhs_ndim, lhs_q, rhs_q, g_q, lhs_dtype,
                          rhs_dtype, recipe, g_t=g_t)  # fmt: skip
@@ -212,7 +212,7 @@ def layernorm_dense(
     norm_type: str = "layernorm",
     zero_centered_gamma: bool = False,
     epsilon: float = 1e-6,
-    recipe=None,
+    recipe: Recipe | None = None,
     state: DotScaleState | None = None,
     return_normalized: bool = False,
     return_residual: bool = False,
@@ -512,7 +512,7 @@ def layernorm_mlp(
     norm_type: str = "layernorm",
     zero_centered_gamma: bool = False,
     epsilon: float = 1e-6,
-    recipe=None,
+    recipe: Recipe | None = None,
     state: MlpScaleState | None = None,
     return_residual: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:

@@ -6,7 +6,7 @@ import flax.linen as nn
 
 from fp8jax.flax._common import is_delayed
 from fp8jax.flax.train import FP8_COLLECTION
-from fp8jax.recipes import resolve_recipe
+from fp8jax.recipes import Recipe, resolve_recipe
 from fp8jax.scaling import DotScaleState, init_state
 
 
@@ -15,7 +15,7 @@ def param(module: nn.Module, name: str, init, shape, dtype, axes):
     return module.param(name, nn.with_logical_partitioning(init, axes), tuple(shape), dtype)
 
 
-def scale_state(module: nn.Module, recipe, group=DotScaleState):
+def scale_state(module: nn.Module, recipe: Recipe | None, group: type = DotScaleState):
     """The module's delayed-scaling state, created at init; None under CurrentScaling.
 
     It lives in the ``"fp8_state"`` collection, read-only during ``apply``:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from fp8jax.flax import _attention, _common
 from fp8jax.flax._common import EMBED, HEADS, KV, QKV, RESIDUAL
 from fp8jax.flax.linen.dense import DenseGeneral, LayerNormDenseGeneral, default_kernel_init
+from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
 
 
@@ -76,7 +77,7 @@ class MultiHeadAttention(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
     bias_init: Any = jax.nn.initializers.zeros
-    recipe: Any = None
+    recipe: Recipe | None = None
 
     def __post_init__(self):
         owner = type(self).__name__

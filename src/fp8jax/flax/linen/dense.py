@@ -15,6 +15,7 @@ from fp8jax.flax import _common
 from fp8jax.flax._common import EMBED
 from fp8jax.flax.linen._base import param, scale_state
 from fp8jax.ops.split import split_output
+from fp8jax.recipes import Recipe
 
 default_kernel_init = nn.initializers.lecun_normal()
 
@@ -60,7 +61,7 @@ class DenseGeneral(nn.Module):
     bias_init: Any = jax.nn.initializers.zeros
     kernel_axes: Sequence[str | None] | None = None
     bias_axes: Sequence[str | None] | None = None
-    recipe: Any = None
+    recipe: Recipe | None = None
     dot_general: Callable | None = None
     split: Sequence[int] | None = None
     split_axis: int = -2
@@ -149,7 +150,7 @@ class LayerNormDenseGeneral(nn.Module):
     ln_bias_init: Any = jax.nn.initializers.zeros
     kernel_axes: Sequence[str | None] | None = None
     bias_axes: Sequence[str | None] | None = None
-    recipe: Any = None
+    recipe: Recipe | None = None
     split: Sequence[int] | None = None
     split_axis: int = -2
 

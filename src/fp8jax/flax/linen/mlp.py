@@ -15,6 +15,7 @@ from fp8jax.flax import _common
 from fp8jax.flax._common import ACT, EMBED, MLP
 from fp8jax.flax.linen._base import param, scale_state
 from fp8jax.flax.linen.dense import default_kernel_init
+from fp8jax.recipes import Recipe
 from fp8jax.scaling import MlpScaleState
 
 
@@ -65,7 +66,7 @@ class LayerNormMLP(nn.Module):
     bias_init: Any = jax.nn.initializers.zeros
     scale_init: Any = None
     ln_bias_init: Any = jax.nn.initializers.zeros
-    recipe: Any = None
+    recipe: Recipe | None = None
 
     def __post_init__(self):
         owner = type(self).__name__

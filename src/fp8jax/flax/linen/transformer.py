@@ -16,6 +16,7 @@ from fp8jax.flax.linen.attention import MultiHeadAttention
 from fp8jax.flax.linen.dense import default_kernel_init
 from fp8jax.flax.linen.mlp import LayerNormMLP
 from fp8jax.flax.linen.norm import LayerNorm
+from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
 
 
@@ -79,7 +80,7 @@ class TransformerLayer(nn.Module):
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
     bias_init: Any = jax.nn.initializers.zeros
-    recipe: Any = None
+    recipe: Recipe | None = None
 
     def __post_init__(self):
         owner = type(self).__name__

@@ -6,7 +6,7 @@ from flax import nnx
 from flax.core import meta
 
 from fp8jax.flax._common import is_delayed
-from fp8jax.recipes import resolve_recipe
+from fp8jax.recipes import Recipe, resolve_recipe
 from fp8jax.scaling import DotScaleState, init_state
 
 
@@ -32,7 +32,7 @@ def param(init, rngs: nnx.Rngs, shape, dtype, axes, *, enabled: bool = True) -> 
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=eager)
 
 
-def scale_state(recipe, group=DotScaleState) -> Fp8State | None:
+def scale_state(recipe: Recipe | None, group: type = DotScaleState) -> Fp8State | None:
     """The op's delayed-scaling state; None under CurrentScaling."""
     if not is_delayed(recipe):
         return None

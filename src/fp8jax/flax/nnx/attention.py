@@ -9,6 +9,7 @@ from flax import nnx
 from fp8jax.flax import _attention, _common
 from fp8jax.flax._common import EMBED, HEADS, KV, QKV, RESIDUAL
 from fp8jax.flax.nnx.dense import DenseGeneral, LayerNormDenseGeneral, default_kernel_init
+from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
 
 
@@ -72,7 +73,7 @@ class MultiHeadAttention(nnx.Module):
         param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
         bias_init=jax.nn.initializers.zeros,
-        recipe=None,
+        recipe: Recipe | None = None,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__

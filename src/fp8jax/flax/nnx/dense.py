@@ -13,6 +13,7 @@ from fp8jax.flax import _common
 from fp8jax.flax._common import EMBED
 from fp8jax.flax.nnx._base import param, scale_state, state_value, value_of
 from fp8jax.ops.split import split_output
+from fp8jax.recipes import Recipe
 
 default_kernel_init = nnx.initializers.lecun_normal()
 
@@ -60,7 +61,7 @@ class DenseGeneral(nnx.Module):
         bias_init=jax.nn.initializers.zeros,
         kernel_axes: Sequence[str | None] | None = None,
         bias_axes: Sequence[str | None] | None = None,
-        recipe=None,
+        recipe: Recipe | None = None,
         dot_general: Callable | None = None,
         split: Sequence[int] | None = None,
         split_axis: int = -2,
@@ -157,7 +158,7 @@ class LayerNormDenseGeneral(nnx.Module):
         ln_bias_init=jax.nn.initializers.zeros,
         kernel_axes: Sequence[str | None] | None = None,
         bias_axes: Sequence[str | None] | None = None,
-        recipe=None,
+        recipe: Recipe | None = None,
         split: Sequence[int] | None = None,
         split_axis: int = -2,
         rngs: nnx.Rngs,

@@ -13,6 +13,7 @@ from fp8jax.flax import _common
 from fp8jax.flax._common import ACT, EMBED, MLP
 from fp8jax.flax.nnx._base import param, scale_state, state_value, value_of
 from fp8jax.flax.nnx.dense import default_kernel_init
+from fp8jax.recipes import Recipe
 from fp8jax.scaling import MlpScaleState
 
 
@@ -60,7 +61,7 @@ class LayerNormMLP(nnx.Module):
         bias_init=jax.nn.initializers.zeros,
         scale_init=None,
         ln_bias_init=jax.nn.initializers.zeros,
-        recipe=None,
+        recipe: Recipe | None = None,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__

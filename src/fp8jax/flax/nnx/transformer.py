@@ -14,6 +14,7 @@ from fp8jax.flax.nnx.attention import MultiHeadAttention
 from fp8jax.flax.nnx.dense import default_kernel_init
 from fp8jax.flax.nnx.mlp import LayerNormMLP
 from fp8jax.flax.nnx.norm import LayerNorm
+from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
 
 
@@ -71,7 +72,7 @@ class TransformerLayer(nnx.Module):
         param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
         bias_init=jax.nn.initializers.zeros,
-        recipe=None,
+        recipe: Recipe | None = None,
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
