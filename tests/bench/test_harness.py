@@ -51,7 +51,7 @@ def test_heat_is_a_start_option_recorded_in_the_environment(compile_cache_reset,
 
 
 def test_the_square_loss_makes_the_output_gradient_depend_on_the_output():
-    # With the anchors' mean the output gradient is a constant, so XLA may
+    # With the mean loss the output gradient is a constant, so XLA may
     # fuse a layer's forward with its backward; the square loss rules it out.
     import jax
     import pytest
