@@ -189,7 +189,7 @@ def test_update_group_names_a_wrong_number_of_amaxes():
 )
 def test_a_group_update_compiles_to_three_kernels(group):
     # Each kernel costs a synchronized step a few microseconds of launch
-    # (bench/results/h200-2026-11-30-k). Written with jnp.roll and .at[0].set,
+    # (docs/design.md#the-state-update-in-few-kernels). Written with jnp.roll and .at[0].set,
     # XLA made four a tensor: a concatenate, a dynamic-update-slice, the
     # history's max and the scale. With the shift as a pad and a select, two
     # a tensor: six for an op's three. Stacked by update_group, the whole

@@ -112,7 +112,7 @@ def test_jaxpr_has_exactly_three_fp8_dots_per_dense(recipe, dtype):
 
 # cuBLASLt's FP8 GEMM needs the kernel's contracting axis minor. fp8jax transposes the kernel
 # in the program, as a (free, contracting) matrix, because XLA's own transpose of it is an
-# untiled kernel at ~0.3 TB/s on the H200 (BENCHMARKS.md, run K). Only where the kernel is
+# untiled kernel at ~0.3 TB/s on the H200 (docs/design.md). Only where the kernel is
 # whole on each device: under a sharding mesh the view costs collectives.
 def _forward_kernel_operand(fn, *args):
     """The forward GEMM's kernel operand as the jaxpr hands it to XLA: (shape, contracting)."""

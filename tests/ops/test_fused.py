@@ -414,9 +414,8 @@ def test_activation_and_its_gradient_are_computed_in_the_cast_kernels(activation
     # pre and writes h in FP8; another reads pre and dh and writes pre's
     # gradient in FP8 in both layouts and h again, transposed, for kernel_2's
     # wgrad. No bf16 (tokens, ffn) array is written but the GEMMs' outputs.
-    # XLA's path took 0.63 (h) + 0.54 (gradient in bf16) + 0.32 (its cast) +
-    # 0.22 ms (h's FP8 transpose) on the H200's transformer layer, the kernels
-    # 0.30 + 0.78 (bench/results/h200-2026-11-30-i, run 9C). Current scaling
+    # XLA's path wrote h, the gradient in bf16, its cast and h's FP8 transpose
+    # (docs/design.md#the-activation-inside-the-cast-kernels). Current scaling
     # needs each amax before its cast: XLA's path, which writes h and the
     # gradient in bf16. All six GEMMs are FP8 either way.
     from fp8jax.verify import _hlo, gemm_report
@@ -1098,7 +1097,7 @@ def test_bad_input_is_explained(call, error, message):
 def test_live_mlp_step_transposes_fp8_only_with_tiled_kernels(recipe):
     # Before the forward kernel became an explicit matrix transpose (ops.dense
     # _as_kernel_matrices), XLA relayouted both GeGLU kernels with untiled kLoop
-    # transposes at ~0.3 TB/s on the H200 (jaxlib 0.11.2; BENCHMARKS.md, runs H-K).
+    # transposes at ~0.3 TB/s on the H200 (jaxlib 0.11.2; docs/design.md).
     # Shapes are the benchmark's, scaled down 4x in each dimension.
     from fp8jax import verify
 

@@ -78,7 +78,7 @@ def test_live_sharded_step_runs_fp8_gemms_and_gathers_fp8(layout):
 # the FP8 tensor cores' accumulator precision (not proven: noise of that size
 # gives differences of that size in a CPU proxy). The comparison therefore uses the GPU tolerances
 # derived in test_sharded_train_step.py. With them all 4 layouts passed on 2
-# H200s (2026-11-29, bench/results/h200-2026-11-29-night/live_tests_gpu_tolerances.log).
+# H200s (2026-11-29).
 F32_ACCURATE = fp8jax.DelayedScaling(
     amax_history_len=sl.RECIPE.amax_history_len, forward_precision=jax.lax.Precision.HIGHEST
 )

@@ -264,7 +264,7 @@ def test_xla_cannot_give_an_fp8_gemm_a_gelu_aux_epilogue():
     # GEMM's epilogue, and where the pre-activation is an output too it asks
     # for GELU_AUX, which its FP8 GEMM cannot emit. jaxlib 0.10.2 deviceless:
     # "RET_CHECK failure ... !has_aux_output"; jaxlib 0.11.2 live on the H200:
-    # "No candidates could be compiled" (bench/results/h200-2026-11-30-i, 9H).
+    # "No candidates could be compiled" (2026-11-30).
     # Default flags compile it (a Triton FP8 GEMM), and so does a train step,
     # whose backward reads the pre-activation (docs/verify.md). If this test
     # fails, XLA has lifted the limit: update docs/verify.md.

@@ -203,7 +203,7 @@ def test_live_cudnn_attention_sample():
 
 
 def test_only_the_live_sample_has_untiled_fp8_transposes():
-    """The slow kernel transposes (BENCHMARKS.md) appear in live jaxlib 0.11.2 compiles only.
+    """The slow kernel transposes (docs/design.md) appear in live jaxlib 0.11.2 compiles only.
 
     The deviceless samples (jaxlib 0.10.x) write both layouts of an FP8 operand
     in one fusion, so no deviceless test can catch them; the live sample keeps
