@@ -43,7 +43,11 @@ _SHORT_ROW = 128
 
 
 def amax(x: jax.Array) -> jax.Array:
-    """Largest magnitude of ``x`` as an f32 scalar (NaN if ``x`` holds a NaN)."""
+    """Largest magnitude of ``x`` as an f32 scalar (NaN if ``x`` holds a NaN, 0 if it is empty)."""
+    if x.size == 0:
+        # An empty MoE group or batch holds no values: amax 0 (no information),
+        # which current scaling turns into scale 1 and delayed scaling ignores.
+        return jnp.zeros((), jnp.float32)
     magnitude = jnp.abs(x)
     if x.ndim >= 2:
         # Row maxima first: a row reduction fuses into XLA's GPU normalization
@@ -69,15 +73,27 @@ def check_high_precision(name: str, x) -> None:
 def quantize_with_scale(x: jax.Array, fmt: Fp8Format, scale: jax.Array) -> Fp8Array:
     """Saturating cast of ``x * scale`` to ``fmt`` (no validation; for op internals)."""
     scale = scale.astype(jnp.float32)
-    scaled = x.astype(jnp.float32) * scale
+    x32 = x.astype(jnp.float32)
+    scaled = x32 * scale
     # XLA's f32->f8 convert maps out-of-range values to NaN (e4m3fn) or Inf
-    # (e5m2); clipping first makes overflow saturate instead.
-    clipped = jnp.clip(scaled, -fmt.max, fmt.max)
+    # (e5m2); clipping first makes finite overflow saturate instead. A NaN
+    # passes the clip; an infinite input is let through too, so that it
+    # stays non-finite (NaN in E4M3, Inf in E5M2) and the caller's NaN/Inf
+    # checks see it. One compare and select per element, fused into the
+    # cast (and identical in the Pallas kernels, which call this).
+    clipped = jnp.where(jnp.abs(x32) == jnp.inf, scaled, jnp.clip(scaled, -fmt.max, fmt.max))
     return Fp8Array(clipped.astype(fmt.dtype), 1.0 / scale, fmt)
 
 
 def quantize(x: jax.Array, fmt: Fp8Format, scale: jax.Array | None = None, *, margin: float = 0):
-    """Quantizes ``x`` to FP8, saturating at the format's maximum.
+    """Quantizes ``x`` to FP8, saturating finite overflow at the format's maximum.
+
+    Finite values beyond the format's range saturate to ``±fmt.max``.
+    Non-finite values propagate: a NaN stays NaN and ±Inf becomes ±Inf in
+    E5M2 and NaN in E4M3 (which has no infinity), so a NaN/Inf in an op's
+    input or gradient gives a non-finite result in the rows it reaches, and
+    the caller's overflow checks still fire. Every fp8jax op quantizes this
+    way, on the XLA path and in the Pallas kernels.
 
     Args:
       x: a float32, bfloat16 or float16 array.

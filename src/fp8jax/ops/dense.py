@@ -157,6 +157,8 @@ def quantize_transposed(
     the histories, in one kernel for all of an op's tensors
     (:func:`fp8jax.scaling.update_group`).
     """
+    if value.size == 0:
+        return None  # no tiles to fill; the XLA path handles empty arrays
     row_axes = cast_kernel_row_axes(rows_are_tokens)
     if row_axes is None:
         return None  # before any reshape: Explicit mesh axes refuse some
@@ -389,6 +391,9 @@ def quantize_gradient(
         return (*quantize_operand(g, fmt, state, recipe), None)
     leading = tuple(range(g.ndim - bias_ndim))
     g32 = g.astype(jnp.float32)
+    if g.size == 0:  # an empty batch, or an empty bias: zero sums, amax 0 (no information)
+        q, g_amax = quantize_operand(g, fmt, state, recipe)
+        return q, g_amax, jnp.zeros(g.shape[g.ndim - bias_ndim :], jnp.float32)
     # The barrier keeps XLA from merging the two maxima into one full
     # reduction, which it computes apart from the column sum.
     column_max = lax.optimization_barrier(jnp.max(jnp.abs(g32), axis=leading))
@@ -431,12 +436,13 @@ def scaled_dot(
 def kernel_contraction(dims, a_ndim: int, kernel_ndim: int) -> int | None:
     """How many leading kernel axes ``dims`` contracts against ``a``'s trailing ones, or None.
 
-    None for any other form: batch axes, a kernel with no free axis, or
-    contracted axes elsewhere.
+    None for any other form: batch axes, a kernel with no free axis, no
+    contracted axis (an outer product: the backward of a rank-1 operand's
+    dot), or contracted axes elsewhere.
     """
     (a_contract, k_contract), (a_batch, k_batch) = dims
     n = len(k_contract)
-    if a_batch or k_batch or kernel_ndim == n:
+    if a_batch or k_batch or kernel_ndim == n or n == 0:
         return None
     if tuple(k_contract) != tuple(range(n)):
         return None

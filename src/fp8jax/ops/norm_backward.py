@@ -177,7 +177,7 @@ def kernel_row_axes(x, kernel_fits=fits) -> tuple[str, ...] | None:
     ``kernel_fits``: the kernel's ``fits``; this module's by default.
     """
     row_axes = cast_kernel_row_axes(rows_are_tokens=True)
-    if row_axes is None:
+    if row_axes is None or x.size == 0:  # an empty x fills no tile
         return None
     matrix = (x.size // x.shape[-1], x.shape[-1])
     return row_axes if kernel_fits(matrix, cast_transpose.devices_along(row_axes)) else None
