@@ -84,11 +84,14 @@ def test_train_batches_are_a_function_of_seed_and_step():
 
 
 def test_validation_batches_cover_the_stream_evenly():
-    stream = np.arange(1000, dtype=np.uint8)
+    # Under 256 bytes, each byte is its own offset, so a window's first byte is its start.
+    stream = np.arange(250, dtype=np.uint8)
     v = data.validation_batches(stream, batches=2, batch_size=3, seq_len=9)
     assert v.shape == (2, 3, 10)
-    starts = v[:, :, 0].reshape(-1)
-    assert starts[0] == 0 and starts[-1] == (1000 - 10) % 256
+    starts = v[:, :, 0].reshape(-1).astype(np.int64)
+    # Six windows from the first (0) to the last possible start (250 - 10), equally spaced.
+    np.testing.assert_array_equal(starts, [0, 48, 96, 144, 192, 240])
+    np.testing.assert_array_equal(v, starts.reshape(2, 3, 1) + np.arange(10))
 
 
 def test_docstring_examples_run():

@@ -50,7 +50,7 @@ def test_the_proof_block_finds_fp8_gemms_and_gathers(quick_start):
         if c.kind == "all-gather" and len(c.shape) > 1
     }
     # Combined gathers list several dtypes; each holds an FP8 one.
-    assert all("f8e" in dtype for dtype in gathered), gathered
+    assert gathered and all("f8e" in dtype for dtype in gathered), gathered
 
 
 def test_readme_sharding_example_runs():
