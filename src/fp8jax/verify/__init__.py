@@ -4,9 +4,11 @@
 process, 1 to 16+ devices over any mesh) or for the GPU at hand
 (``target="live"``), and returns the optimized HLO. ``gemm_report`` reads that
 HLO and lists every GEMM with its backend, operand dtypes and source line, and
-every collective with its dtype. ``assert_fp8_gemms`` fails, naming the line,
-when a GEMM is not FP8. ``fp8_relayouts`` lists the kernels that only move FP8
-data into another layout, and flags the transposes XLA emits untiled (slow).
+every collective with its dtype. ``jaxpr_dots`` lists a function's
+dot_generals before any compiler pass, without compiling. ``assert_fp8_gemms``
+fails, naming the line, when a GEMM is not FP8. ``fp8_relayouts`` lists the
+kernels that only move FP8 data into another layout, and flags the transposes
+XLA emits untiled (slow).
 ``fp8jax verify MODULE:FUNCTION`` does the same from the shell.
 
 What counts as FP8: a GEMM whose kernel reads two FP8 operands, i.e. a
@@ -43,6 +45,11 @@ Example:
 
 from fp8jax.verify.assertions import Fp8VerificationError, assert_fp8_gemms
 from fp8jax.verify.compilation import CompileError, compile_for, compile_many
+
+# The function, not its module: importing the submodule binds ``verify.jaxpr_dots`` to the
+# module, and this line rebinds it, so ``fp8jax.verify.jaxpr_dots(fn, *args)`` works as the
+# README says (``from fp8jax.verify.jaxpr_dots import jaxpr_dots`` still does too).
+from fp8jax.verify.jaxpr_dots import JaxprDot, jaxpr_dots
 from fp8jax.verify.relayouts import RelayoutRow, fp8_relayouts
 from fp8jax.verify.report import CollectiveRow, GemmRow, Report, gemm_report
 
@@ -51,6 +58,7 @@ __all__ = [
     "CompileError",
     "Fp8VerificationError",
     "GemmRow",
+    "JaxprDot",
     "RelayoutRow",
     "Report",
     "assert_fp8_gemms",
@@ -58,4 +66,5 @@ __all__ = [
     "compile_many",
     "fp8_relayouts",
     "gemm_report",
+    "jaxpr_dots",
 ]
