@@ -1,9 +1,69 @@
-"""The ``fp8jax`` command: one subcommand per job."""
+"""The ``fp8jax`` command: one subcommand per job.
+
+As the command (``main()`` without arguments: the console script, ``python -m
+fp8jax.cli``) it owns its process, and so it decides two things a library must
+not: the JAX platform when the user left ``JAX_PLATFORMS`` unset and no NVIDIA
+GPU is visible (:func:`choose_platform`), and what Ctrl-C does
+(:mod:`fp8jax.training.interrupts`). ``main(argv)`` with a list, as tests call
+it, leaves both alone.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import pathlib
 import sys
+from collections.abc import Mapping
+
+import fp8jax
+
+# The device files whose absence makes JAX skip its CUDA backend
+# (jax._src.hardware_utils.has_visible_nvidia_gpu, the same list).
+_NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+_CUDA_PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+
+def choose_platform(
+    environ: Mapping[str, str] | None = None,
+    *,
+    gpu_visible: bool | None = None,
+    cuda_plugin: bool | None = None,
+) -> str | None:
+    """The platform the command pins JAX to before its backends start, or None.
+
+    JAX imports every installed plugin when it starts its backends, and the
+    CUDA plugin (``fp8jax[verify]`` installs it for deviceless compiles)
+    checks its CUDA libraries even on a machine without a GPU, logging a
+    20-line traceback before JAX falls back to the CPU; ``JAX_PLATFORMS=cpu``
+    skips that check. So ``"cpu"`` is returned only when all of these hold,
+    and JAX's choice is otherwise left alone: the user did not set
+    ``JAX_PLATFORMS``, a CUDA plugin is installed, and none of the device
+    files is present whose absence makes JAX skip CUDA anyway. A GPU machine
+    therefore still uses its GPU, and a broken CUDA install on it still says
+    so.
+
+    Args:
+      environ: the environment (default ``os.environ``).
+      gpu_visible, cuda_plugin: for tests; None looks at the machine.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("JAX_PLATFORMS") or environ.get("JAX_PLATFORM_NAME"):
+        return None
+    if cuda_plugin is None:
+        cuda_plugin = any(_module_exists(name) for name in _CUDA_PLUGINS)
+    if gpu_visible is None:
+        gpu_visible = any(os.path.exists(path) for path in _NVIDIA_DEVICE_FILES)
+    return "cpu" if cuda_plugin and not gpu_visible else None
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -17,22 +77,49 @@ def _error(command: str, message: str, code: int) -> int:
     return code
 
 
+def _given_options(args: argparse.Namespace) -> dict:
+    """The TrainOptions fields given on the command line (every train default is None)."""
+    from fp8jax.training import TrainOptions
+
+    fields = TrainOptions.__dataclass_fields__
+    return {k: v for k, v in vars(args).items() if k in fields and v is not None}
+
+
+def _resumed_options(out: str, given: dict) -> dict:
+    """``--resume``: the run's saved options, overridden by those given on the command line.
+
+    An unreadable or missing config.json is left for ``train`` to report.
+    """
+    from fp8jax.data import default_corpus_path
+    from fp8jax.training.config import saved_options
+
+    try:
+        saved = json.loads((pathlib.Path(out) / "config.json").read_text())
+    except (OSError, ValueError):
+        return given
+    if not isinstance(saved, dict):
+        return given
+    return saved_options(saved, str(default_corpus_path())) | given
+
+
 def _train(args: argparse.Namespace) -> int:
     from fp8jax.data import DataError
     from fp8jax.training import TrainError, TrainOptions, train
 
-    if args.out is None:
-        args.out = f"runs/{args.config}-{args.precision}" + (
-            f"-{args.recipe}" if args.recipe else ""
-        )
-    fields = TrainOptions.__dataclass_fields__
-    options = TrainOptions(**{k: v for k, v in vars(args).items() if k in fields})
+    given = _given_options(args)
+    if "out" not in given:
+        if args.resume:
+            return _error("train", "--resume needs --out, the run directory to continue.", 2)
+        config, precision = given.get("config", "tiny"), given.get("precision", "fp8")
+        recipe = given.get("recipe")
+        given["out"] = f"runs/{config}-{precision}" + (f"-{recipe}" if recipe else "")
+    options = _resumed_options(given["out"], given) if args.resume else given
     try:
-        result = train(options, progress=False if args.no_progress else None)
+        result = train(TrainOptions(**options), progress=False if args.no_progress else None)
     except (TrainError, DataError) as e:
         return _error("train", str(e), getattr(e, "exit_code", 2))
-    except KeyboardInterrupt:
-        return _error("train", "interrupted before the first step; nothing was saved.", 130)
+    except KeyboardInterrupt:  # only when called from Python: the command raises none
+        return _error("train", "interrupted before the first step; no checkpoint was saved.", 130)
     return 130 if result.status == "interrupted" else 0
 
 
@@ -58,36 +145,39 @@ def _add_train(sub) -> None:
             "Options left out take the preset's value."
         ),
     )
-    p.add_argument("--config", default="tiny", help="preset: tiny (CPU), small, medium (GPU)")
-    p.add_argument("--precision", default="fp8", help="fp8 (block GEMMs in FP8) or bf16")
+    p.add_argument("--config", help="preset: tiny (CPU, the default), small, medium (GPU)")
+    p.add_argument("--precision", help="fp8 (block GEMMs in FP8, the default) or bf16")
     p.add_argument("--recipe", default=None, help="FP8 scaling: current (default) or delayed")
     p.add_argument("--steps", type=int, help="total steps of the run")
     p.add_argument("--out", help="run directory (default runs/CONFIG-PRECISION[-RECIPE])")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out; options left out take the run's saved values",
+    )
     p.add_argument("--data", help="text file or folder (default: the Python stdlib's source)")
     p.add_argument("--mesh", help="devices, e.g. fsdp=8 or dp=2,fsdp=4 (default: one device)")
     p.add_argument("--batch-size", type=int, help="sequences per step, over all devices")
     p.add_argument("--seq-len", type=int, help="bytes per sequence")
     p.add_argument("--lr", type=float, dest="learning_rate", help="peak learning rate")
-    p.add_argument("--seed", type=int, default=0, help="initialization and batch order")
+    p.add_argument("--seed", type=int, help="initialization and batch order (default 0)")
     p.add_argument("--log-every", type=int, help="steps per metrics line")
     p.add_argument("--eval-every", type=int, help="steps per validation loss")
     p.add_argument("--eval-batches", type=int, help="validation batches per evaluation")
     p.add_argument("--checkpoint-every", type=int, help="steps per checkpoint")
-    p.add_argument("--keep-checkpoints", type=int, default=3, help="newest checkpoints kept")
+    p.add_argument("--keep-checkpoints", type=int, help="newest checkpoints kept (default 3)")
     p.add_argument(
         "--attention",
-        default="auto",
         help="attention core: xla, cudnn, or auto (cuDNN on a GPU, XLA elsewhere)",
     )
     p.add_argument(
         "--rolled-layers",
         action="store_true",
+        default=None,
         help="keep the layer scan a loop: faster compile, less FSDP memory, slower steps",
     )
     p.add_argument(
         "--compile-cache",
-        default="auto",
         help="JAX's persistent compilation cache: auto (a cache under ~/.cache/fp8jax on a GPU, "
         "none on a CPU), none, or a directory; spares later runs XLA's minutes of FP8 GEMM "
         "autotuning",
@@ -123,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fp8jax", description="FP8 training for JAX and Flax on NVIDIA Hopper GPUs."
     )
+    parser.add_argument("--version", action="version", version=f"fp8jax {fp8jax.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="FP8 vs f32 results for one dense layer (CPU is fine).")
     demo.set_defaults(func=_demo)
@@ -134,9 +225,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_INTERRUPTED = {
+    "train": "interrupted before the first step; no checkpoint was saved.",
+    "verify": "interrupted; nothing was checked.",
+    "compare": "interrupted; no plot was written.",
+    "demo": "interrupted.",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fp8jax`` console script."""
+    """Entry point of the ``fp8jax`` console script.
+
+    Args:
+      argv: the arguments; None reads ``sys.argv`` and makes this the process's
+        command, which picks the platform (:func:`choose_platform`) and takes
+        over Ctrl-C (:mod:`fp8jax.training.interrupts`).
+    """
+    command = argv is None
+    if command:  # first, so that a Ctrl-C while the parser imports is handled too
+        from fp8jax.training import interrupts
+
+        interrupts.install("", "interrupted.")
     args = build_parser().parse_args(argv)
+    if command:
+        interrupts.install(args.command, _INTERRUPTED.get(args.command, "interrupted."))
+        platform = choose_platform()
+        if platform is not None:
+            import jax
+
+            jax.config.update("jax_platforms", platform)
     return args.func(args)
 
 

@@ -173,5 +173,35 @@ def compare(paths: list[str], out: str | os.PathLike | None = None, title: str |
     if not paths:
         raise CompareError("fp8jax compare needs at least one run directory.")
     runs = [load_run(p) for p in paths]
-    out = out or runs[0].path.parent / "compare.png"
-    return table(runs), plot(runs, out, title=title)
+    out = pathlib.Path(out or runs[0].path.parent / "compare.png")
+    check_out(out)
+    try:
+        return table(runs), plot(runs, out, title=title)
+    except OSError as e:
+        raise CompareError(f"--out {str(out)!r} cannot be written: {e.strerror or e}.") from None
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def check_out(out: pathlib.Path) -> None:
+    """Checks, before anything is written, that the plot can be written to ``out``.
+
+    Raises:
+      CompareError: for a suffix matplotlib is not asked to write, a directory,
+        or a path below a file or without write permission.
+    """
+    if out.suffix.lower() not in PLOT_SUFFIXES:
+        raise CompareError(
+            f"--out {str(out)!r} must end in one of {PLOT_SUFFIXES} (the plot's format), got "
+            f"{out.suffix or 'no suffix'!r}."
+        )
+    if out.is_dir():
+        raise CompareError(f"--out {str(out)!r} is a directory; pass a file path.")
+    existing = out.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CompareError(f"--out {str(out)!r} cannot be created: {str(existing)!r} is a file.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CompareError(f"--out {str(out)!r} cannot be written: no permission in {existing}.")

@@ -54,6 +54,26 @@ def resolve(setting: str | None, backend: str | None = None) -> str | None:
     return setting
 
 
+def check(directory: str) -> str:
+    """Checks, without creating anything, that ``directory`` can be used; returns its path.
+
+    Raises:
+      ValueError: if it is a file, or it cannot be created or written.
+    """
+    path = os.path.abspath(os.path.expanduser(directory))
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{existing!r} is a file, not a directory; pass a directory.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{path!r} cannot be written (no permission in {existing!r}, or a read-only file "
+            "system); pass another directory, or 'none'."
+        )
+    return path
+
+
 def enable(directory: str) -> str:
     """Turns JAX's persistent compilation cache on in ``directory`` (created if missing).
 

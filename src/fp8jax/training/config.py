@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any
 
@@ -190,6 +191,43 @@ class RunConfig:
         )
 
 
+# The RunConfig fields a resumed run takes from config.json when the command line leaves
+# them out (the name is the preset's; the model follows from it).
+_SAVED_OPTIONS = (
+    "precision",
+    "recipe",
+    "seq_len",
+    "batch_size",
+    "learning_rate",
+    "seed",
+    "steps",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+)
+
+
+def saved_options(saved: dict[str, Any], default_data: str) -> dict[str, Any]:
+    """The :class:`TrainOptions` fields that a run's ``config.json`` recorded.
+
+    ``fp8jax train --out DIR --resume`` starts from these and applies only the
+    options given on the command line, so a resume needs no options repeated.
+
+    Args:
+      saved: the parsed ``config.json``.
+      default_data: the corpus source recorded when ``--data`` was left out
+        (the standard library's path); such a run resumes with ``data=None``.
+    """
+    options = {k: saved[k] for k in _SAVED_OPTIONS if k in saved}
+    if isinstance(saved.get("name"), str):
+        options["config"] = saved["name"]
+    source = saved.get("data", {}).get("source") if isinstance(saved.get("data"), dict) else None
+    if isinstance(source, str) and source != default_data:
+        options["data"] = source
+    return options
+
+
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"--{name.replace('_', '-')} must be an int >= 1, got {value!r}.")
@@ -232,8 +270,12 @@ def resolve(options: TrainOptions) -> RunConfig:
     learning_rate = preset.learning_rate if options.learning_rate is None else options.learning_rate
     if not isinstance(learning_rate, numbers.Real) or not learning_rate > 0:
         raise ConfigError(f"--lr must be a number > 0, got {learning_rate!r}.")
-    if isinstance(options.seed, bool) or not isinstance(options.seed, numbers.Integral):
-        raise ConfigError(f"--seed must be an int, got {options.seed!r}.")
+    if not math.isfinite(learning_rate):
+        raise ConfigError(f"--lr must be a finite number > 0, got {learning_rate!r}.")
+    seed = options.seed
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        # jax.random.key and numpy's batch order both take an unsigned 32-bit seed.
+        raise ConfigError(f"--seed must be an int in [0, 2**32), got {seed!r}.")
     return RunConfig(
         name=options.config,
         model=preset.model,

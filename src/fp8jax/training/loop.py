@@ -128,6 +128,17 @@ def _check_options(options: TrainOptions) -> None:
         )
     if options.attention not in ATTENTION:
         raise ConfigError(f"--attention must be one of {ATTENTION}, got {options.attention!r}.")
+    if options.attention == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(
+            "--attention cudnn runs cuDNN's attention kernel, which needs an NVIDIA GPU; JAX's "
+            f"backend here is {jax.default_backend()!r}. Use --attention xla, or auto (cuDNN on "
+            "a GPU, XLA elsewhere)."
+        )
+    nan_at = options.inject_nan_at
+    if nan_at is not None and (
+        isinstance(nan_at, bool) or not isinstance(nan_at, int) or nan_at < 1
+    ):
+        raise ConfigError(f"--inject-nan-at must be an int >= 1, got {nan_at!r}.")
     if not isinstance(options.rolled_layers, bool):
         raise ConfigError(f"rolled_layers must be a bool, got {options.rolled_layers!r}.")
     if not isinstance(options.compile_cache, str):
@@ -164,14 +175,26 @@ def train(
         anything is written, for bad options, data or run directories.
       DivergedError: the loss became NaN/Inf; the last good checkpoint is kept.
     """
+    # Every check comes before the first file is written (the run directory, the cache).
     _check_options(options)
     config = resolve(options)
-    cache_dir = _use_compile_cache(options.compile_cache)
+    run = RunDir(options.out)
+    run.check_usable()
+    cache_dir = _compile_cache_dir(options.compile_cache)
     axes = mesh_lib.parse_mesh(options.mesh)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
-    corpus = data.load_corpus(options.data)
+    try:
+        corpus = data.load_corpus(options.data)
+    except OSError as e:  # unreadable files, a folder in a file's place: not a DataError
+        raise ConfigError(
+            f"--data {options.data!r} cannot be read: {e}; pass readable text files."
+        ) from None
     data.check_size(corpus, config.seq_len)
-    run = RunDir(options.out)
+    if cache_dir is not None:  # created first: a run directory left without a run is worse
+        try:
+            compile_cache.enable(cache_dir)
+        except ValueError as e:
+            raise ConfigError(f"--compile-cache: {e}") from None
     fingerprint = {"data": {"source": corpus.source, "fingerprint": corpus.fingerprint}}
     record = config.to_dict() | fingerprint
     start = 0
@@ -185,11 +208,6 @@ def train(
     else:
         run.start(record)
     say = say or tqdm.write
-    if options.resume and run.saved_config.get("steps") != config.steps:
-        say(
-            f"note: --steps changed from {run.saved_config.get('steps')} to {config.steps}; the "
-            "learning-rate schedule now decays over the new length."
-        )
     if cache_dir is not None:
         say(f"compile cache: {cache_dir}")
     # Optax's AdamW mixes its int32 step count with f32: standard promotion.
@@ -202,18 +220,23 @@ def train(
             state = run.restore(start, state)
             # Only now, with the checkpoint accepted, is anything in the run rewritten.
             run.resumed(record, start)
+            if run.saved_config.get("steps") != config.steps:
+                say(
+                    f"note: --steps changed from {run.saved_config.get('steps')} to "
+                    f"{config.steps}; the learning-rate schedule now decays over the new length."
+                )
         loop = _Loop(program, run, corpus, options, say)
         with program.sharding_context():
             return loop.run(state, start, progress, on_step)
 
 
-def _use_compile_cache(setting: str) -> str | None:
-    """Turns the compilation cache on as ``setting`` asks; returns its directory, or None."""
+def _compile_cache_dir(setting: str) -> str | None:
+    """The cache directory ``setting`` asks for (checked, not yet created), or None."""
     try:
         directory = compile_cache.resolve(setting)
-        return None if directory is None else compile_cache.enable(directory)
+        return None if directory is None else compile_cache.check(directory)
     except ValueError as e:
-        raise ConfigError(f"--compile-cache: {e}") from e
+        raise ConfigError(f"--compile-cache: {e}") from None
 
 
 class _Loop:
@@ -307,7 +330,11 @@ class _Loop:
         status, step, t0 = "completed", start, time.perf_counter()
         try:
             try:
-                with stop_on_ctrl_c(self.say) as stop_requested:
+                abort = (
+                    "aborted by a second Ctrl-C; the complete checkpoints in "
+                    f"{self.run_dir.checkpoints} are kept."
+                )
+                with stop_on_ctrl_c(self.say, abort) as stop_requested:
                     for step in range(start + 1, c.steps + 1):
                         batch = self.batch(step)
                         if self.options.inject_nan_at == step:  # testing aid, see TrainOptions

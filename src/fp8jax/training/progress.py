@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from fp8jax.training import interrupts
+
 
 class Window:
     """Losses and timing between two metrics lines; eval and checkpoint time excluded."""
@@ -87,14 +89,23 @@ def postfix(record: dict) -> dict:
 
 
 @contextlib.contextmanager
-def stop_on_ctrl_c(say: Callable[[str], None]) -> Iterator[Callable[[], bool]]:
+def stop_on_ctrl_c(
+    say: Callable[[str], None], abort_note: str = "aborted."
+) -> Iterator[Callable[[], bool]]:
     """Turns the first Ctrl-C into a stop request the loop polls between steps.
 
-    Yields a function that says whether a stop was requested. A second
-    Ctrl-C raises KeyboardInterrupt at once. Outside the main thread (where
-    Python cannot install signal handlers) Ctrl-C keeps its default
-    behaviour, and the loop still catches KeyboardInterrupt.
+    Yields a function that says whether a stop was requested. Under the
+    ``fp8jax`` command (:mod:`fp8jax.training.interrupts`), a second Ctrl-C
+    ends the process at once with ``abort_note``, even inside a compile.
+    Called from Python, a second Ctrl-C raises KeyboardInterrupt; outside the
+    main thread (where Python cannot install signal handlers) Ctrl-C keeps
+    its default behaviour, and the loop still catches KeyboardInterrupt.
     """
+    command = interrupts.active()
+    if command is not None:
+        with command.training_loop(say, abort_note) as stop_requested:
+            yield stop_requested
+        return
     requested = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield requested.is_set

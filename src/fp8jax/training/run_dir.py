@@ -14,10 +14,13 @@ checkpoint is unreadable, before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import pathlib
-import tempfile
+import secrets
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,13 +31,26 @@ from fp8jax.flax import checkpoint
 from fp8jax.training.errors import CheckpointError, RunDirError
 
 
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes ``text`` to a temporary file beside ``path``, then renames it over ``path``.
+
+    The file is created with mode 0o666 less the umask, like every other file
+    of the run (``tempfile.mkstemp`` would make it 0o600).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: pathlib.Path, value: Any) -> None:
-    """Writes JSON to a temporary file beside ``path``, then renames it over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(value, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Writes ``value`` as JSON to ``path`` atomically (a temporary file, then a rename)."""
+    _write_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def _differences(saved: dict, wanted: dict, prefix: str = "") -> list[str]:
@@ -63,6 +79,45 @@ def _leaves_by_path(tree) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
+_CAUSE_CHARS = 300
+
+
+def _cause(error: BaseException) -> str:
+    """The root cause of a failed checkpoint read, in one line of at most 300 characters.
+
+    Orbax wraps TensorStore's error in one that embeds the whole TensorStore
+    spec (over a kilobyte); the innermost exception names the file and the
+    problem.
+    """
+    seen = {id(error)}
+    while True:
+        inner = error.__cause__
+        if inner is None and not error.__suppress_context__:
+            inner = error.__context__  # raised while handling it: often the real failure
+        if inner is None or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        error = inner
+    text = str(error).strip()
+    line = text.splitlines()[0].split(" See full TensorStore details")[0] if text else ""
+    line = line if len(line) <= _CAUSE_CHARS else line[: _CAUSE_CHARS - 3] + "..."
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """Silences the loggers that repeat a failed read's error (the CLI prints it once)."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio", "orbax")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 class RunDir:
     """The files of one run; see the module docstring for the layout."""
 
@@ -74,11 +129,35 @@ class RunDir:
         self.checkpoints = self.path / "checkpoints"
         self.saved_config: dict = {}  # what check_resume read
 
+    def check_usable(self) -> None:
+        """Checks, before anything is written, that the run directory can be written.
+
+        Raises:
+          RunDirError: if the path is a file, or it cannot be created or written.
+        """
+        where = f"--out {str(self.path)!r}"
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"{where} is a file, not a directory; pass a directory path.")
+        existing = self.path
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise RunDirError(
+                f"{where} cannot be created: {str(existing)!r} is a file, not a directory."
+            )
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "written to" if existing == self.path else f"created in {str(existing)!r}"
+            raise RunDirError(
+                f"{where} cannot be {what} (no write permission or a read-only file "
+                "system); choose another --out."
+            )
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
         if not self.checkpoints.is_dir():
             return None
-        return checkpoint.latest_step(self.checkpoints)
+        with _quiet_orbax():  # orbax logs an unreadable step's metadata, then skips the step
+            return checkpoint.latest_step(self.checkpoints)
 
     def has_run(self) -> bool:
         """Whether the directory holds a run that trained: metrics or a checkpoint.
@@ -99,8 +178,14 @@ class RunDir:
                 f"{self.path} already holds a run (metrics or checkpoints); pass --resume to "
                 "continue it, or choose another --out. Nothing was changed."
             )
-        self.path.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.config_path, config)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.config_path, config)
+        except OSError as e:
+            raise RunDirError(
+                f"--out {str(self.path)!r} cannot be written ({e.strerror or e}); choose "
+                "another --out."
+            ) from None
         self.metrics_path.unlink(missing_ok=True)
         self.summary_path.unlink(missing_ok=True)
 
@@ -130,8 +215,9 @@ class RunDir:
             raise CheckpointError(
                 f"--resume: the run in {self.path} was made with a different configuration:\n  "
                 + "\n  ".join(diffs)
-                + "\nPass the same options (only --steps and the log/eval/checkpoint intervals "
-                "may change), or choose another --out. Nothing was changed."
+                + "\nLeave these options out to resume with the run's saved values (only "
+                "--steps and the log/eval/checkpoint intervals may change), or choose another "
+                "--out. Nothing was changed."
             )
         step = self.latest_step()
         if step is None:
@@ -152,16 +238,18 @@ class RunDir:
           CheckpointError: if its tree, shapes or dtypes differ from ``like``, or it is unreadable.
         """
         where = self.checkpoints / str(step)
+        hint = "It was left as is; delete that step's folder to resume from an older one."
         try:
-            with ocp.CheckpointManager(
-                self.checkpoints.absolute(), item_handlers=ocp.StandardCheckpointHandler()
-            ) as manager:
+            with (
+                _quiet_orbax(),
+                ocp.CheckpointManager(
+                    self.checkpoints.absolute(), item_handlers=ocp.StandardCheckpointHandler()
+                ) as manager,
+            ):
                 stored = _leaves_by_path(manager.item_metadata(step).tree)
         except Exception as e:
             raise CheckpointError(
-                f"--resume: checkpoint {where} is unreadable ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); it was left as is. Delete that "
-                "step's folder to resume from an older one."
+                f"--resume: checkpoint {where} is unreadable: {_cause(e)}\n{hint}"
             ) from None
         wanted = _leaves_by_path(like)
         if stored != wanted:
@@ -175,12 +263,11 @@ class RunDir:
                 f"({len(diffs)} arrays differ, e.g. {diffs[0]}); it was left as is."
             )
         try:
-            return checkpoint.restore(self.checkpoints, like, step)
+            with _quiet_orbax():
+                return checkpoint.restore(self.checkpoints, like, step)
         except Exception as e:
             raise CheckpointError(
-                f"--resume: checkpoint {where} could not be read ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); it was left as is. Delete that "
-                "step's folder to resume from an older one."
+                f"--resume: checkpoint {where} is unreadable: {_cause(e)}\n{hint}"
             ) from None
 
     def resumed(self, config: dict, step: int) -> None:
@@ -198,10 +285,7 @@ class RunDir:
             return
         lines = read_metrics(self.metrics_path)
         kept = "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines if r["step"] <= step)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".metrics.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(kept)
-        os.replace(tmp, self.metrics_path)
+        _write_atomic(self.metrics_path, kept)
 
     def write_summary(self, summary: dict) -> None:
         write_json_atomic(self.summary_path, summary)
