@@ -288,10 +288,12 @@ def test_inf_in_input_does_not_poison_current_scale():
     x = jnp.ones((4, 16), jnp.float32).at[0, 0].set(jnp.inf)
     w = jnp.ones((16, 4), jnp.float32)
     y = fp8jax.dense(x, w)
-    # The Inf saturates to 448 under the fallback scale 1. w's scale_inv,
-    # 1/448, is inexact in f32: allow its rounding (2**-24) and no more.
+    # The other rows quantize under the fallback scale 1. w's scale_inv,
+    # 1/448, is inexact in f32: allow its rounding (2**-24) and no more. The
+    # Inf's own row stays non-finite (docs of fp8jax.quantize), so NaN/Inf
+    # guards see it.
     np.testing.assert_allclose(y[1:], jnp.full((3, 4), 16.0), rtol=2.0**-22)
-    np.testing.assert_allclose(y[0], jnp.full((4,), 448.0 + 15.0), rtol=2.0**-22)
+    assert not bool(jnp.any(jnp.isfinite(y[0])))
 
 
 _X, _W = jnp.ones((4, 16)), jnp.ones((16, 8))
