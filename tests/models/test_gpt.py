@@ -101,9 +101,18 @@ def test_unrolled_layers_compile_to_no_layer_loop_and_all_fp8_gemms(unroll_layer
     ]  # fmt: skip
     assert bool(loops) != unroll_layers
     report = gemm_report(hlo)
-    # Unrolled, each layer's 12 block GEMMs appear on their own.
-    if unroll_layers:
-        assert len(report.fp8_gemms) == 12 * CONFIG.layers
+    # Rolled, the report walks the loop body once: one layer's GEMMs. Unrolled,
+    # each layer's appear on their own.
+    copies = CONFIG.layers if unroll_layers else 1
+    # Per layer: QKV, out, fc1, fc2, forward and 2 backward each, all FP8.
+    assert len(report.fp8_gemms) == 12 * copies
+    assert {(g.lhs_dtype, g.rhs_dtype) for g in report.fp8_gemms} == {
+        ("f8e4m3fn", "f8e4m3fn"), ("f8e5m2", "f8e4m3fn"), ("f8e4m3fn", "f8e5m2"),
+    }  # fmt: skip
+    # The rest, by design not FP8 (as in the jaxpr test above): the attention
+    # core (6 per layer), the LM head (3) and the byte embedding's gradient (2).
+    assert len(report.non_fp8_gemms) == 6 * copies + 5
+    assert not any(g.upcast_from_fp8 for g in report.gemms)
 
 
 def test_bf16_train_step_has_the_same_gemms_in_bf16():
