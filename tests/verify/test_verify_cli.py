@@ -68,3 +68,15 @@ def test_errors_are_json_too_with_json(capsys):
 def test_wired_into_the_fp8jax_command(capsys):
     assert fp8jax_cli.main(["verify", "verify_programs:fp8_entry", "--target", "a100"]) == 2
     assert "target must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize(("expect", "status", "verdict"), [
+    ("3", 0, "OK: 3 FP8 GEMMs, no other GEMMs."),
+    ("4", 1, "FAIL:\nexpected exactly 4 FP8 GEMMs, found 3."),
+])  # fmt: skip
+def test_expect_checks_the_exact_count_in_plain_text(capsys, expect, status, verdict):
+    assert _run("verify_programs:fp8_entry", "--expect", expect) == status
+    out = capsys.readouterr().out
+    assert out.startswith("verify_programs:fp8_entry on 1 x H100\nGEMMs: 3 (3 FP8, 0 not FP8)\n")
+    assert out.rstrip().endswith(verdict)
