@@ -132,6 +132,13 @@ def test_lower_layers_import_no_flax(name):
     assert not _flax_imports(name), f"{name} imports {_flax_imports(name)}; it is below Flax"
 
 
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("fp8jax.kernels")))
+def test_kernels_import_nothing_from_the_ops(name):
+    # The dispatcher decides for the ops; it must not depend on them.
+    ops = sorted(m for m in GRAPH[name] if m.startswith("fp8jax.ops"))
+    assert not ops, f"{name} imports {ops}"
+
+
 def test_flax_check_sees_flax_imports():
     # A Flax module imports fp8jax.flax: the check must see that to mean anything.
     assert "fp8jax.flax._common" in _flax_imports("fp8jax.flax.linen.dense")

@@ -15,8 +15,10 @@ described:
 * :func:`make_mesh`, :func:`variable_shardings`, :func:`logical_spec` build
   the mesh and the ``NamedSharding``s; :func:`use_mesh` activates both for the
   modules' activation constraints (:func:`constrain`).
-* :func:`data_parallel_axes` tells the ops when the token rows alone are
-  split, so that they can run their kernels per device.
+* :func:`use_mesh` also declares the config's batch axes to the kernel
+  dispatcher (:func:`fp8jax.kernels.data_parallel`), and
+  :func:`data_parallel_axes` says when the token rows alone are split, so
+  that the ops can run their kernels per device.
 * :func:`global_amax` is the amax of a tensor sharded inside ``shard_map``;
   the ops do the same when a recipe sets ``amax_reduction_axes``.
 
@@ -42,6 +44,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fp8jax import kernels
 from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, QKV
 from fp8jax.quantize import amax
 
@@ -340,7 +343,10 @@ def use_mesh(mesh, config: ShardingConfig | None = None):
 
     Inside it, the :mod:`fp8jax.flax` modules constrain their activations
     (:func:`constrain`) and Linen applies parameter constraints; outside it
-    they do neither. Trace (``jax.jit``) and run the step inside it.
+    they do neither. It also declares ``config``'s batch axes (``dp``,
+    ``fsdp``) to the kernel dispatcher (:func:`fp8jax.kernels.data_parallel`),
+    so that the ops run their kernels on each device's token rows where only
+    those axes split. Trace (``jax.jit``) and run the step inside it.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax.sharding as fs
@@ -351,7 +357,13 @@ def use_mesh(mesh, config: ShardingConfig | None = None):
     """
     from flax.core import spmd
 
-    with jax.set_mesh(mesh), spmd.logical_axis_rules(_rules(config, None)):
+    roles = config or DEFAULT
+    batch = tuple(a for a in (roles.dp, roles.fsdp) if a is not None)
+    with (
+        jax.set_mesh(mesh),
+        spmd.logical_axis_rules(_rules(config, None)),
+        kernels.data_parallel(batch),
+    ):
         yield mesh
 
 
@@ -393,9 +405,11 @@ def data_parallel_axes() -> tuple[str, ...] | None:
     Under :func:`use_mesh` with only batch axes (``dp``, ``fsdp``) of size > 1,
     all ``Auto``, every activation and its gradient is split along its
     leading (token) axes over them and whole along the rest: the ops then run
-    per-device kernels on the token rows (:mod:`fp8jax.ops.cast_transpose`)
-    without moving data. None without a mesh or logical rules, or when
-    another axis (``tp``, ``sp``) splits, or an axis is ``Explicit`` or manual.
+    per-device kernels on the token rows (:mod:`fp8jax.kernels.dispatch`)
+    without moving data. None without a mesh or declared batch axes
+    (:func:`fp8jax.kernels.data_parallel`, which :func:`use_mesh` enters), or
+    when another axis (``tp``, ``sp``) splits, or an axis is ``Explicit`` or
+    manual.
 
     Example:
       >>> import fp8jax.sharding as fs
@@ -406,23 +420,7 @@ def data_parallel_axes() -> tuple[str, ...] | None:
       ...     fs.data_parallel_axes() is None
       True
     """
-    from flax.core import spmd
-
-    rules = spmd.get_logical_axis_rules()
-    mesh = jax.sharding.get_abstract_mesh()
-    if not rules or mesh.empty:
-        return None
-    split = [
-        (name, kind)
-        for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types, strict=True)
-        if size > 1
-    ]  # fmt: skip
-    (batch,) = logical_spec((BATCH,), rules=rules, mesh=mesh)
-    batch_axes = _as_axes(batch)
-    if not split or any(kind != AxisType.Auto or name not in batch_axes for name, kind in split):
-        return None
-    names = {name for name, _ in split}
-    return tuple(a for a in batch_axes if a in names)
+    return kernels.data_parallel_axes()
 
 
 def global_amax(x: jax.Array, axis_names: str | Sequence[str] = ()) -> jax.Array:

@@ -31,7 +31,7 @@ from Numerical Recipes' approximation (within 1.2e-7): a Triton kernel with
 libdevice's ``tanhf`` took 0.875 ms for the transformer layer's forward
 activation, where XLA's two kernels took about 0.75 ms
 (bench/results/h200-2026-11-30-f). Off the GPU, and with the kernels off
-(``FP8JAX_PALLAS=0``), XLA computes the same formulas with ``exp``,
+(``fp8jax.kernels.use_pallas(False)``), XLA computes the same formulas with ``exp``,
 ``erfc`` and division. Both round ``h`` and the gradient to the activations'
 dtype before the cast, as the XLA path of :func:`fp8jax.layernorm_mlp` does.
 
@@ -58,6 +58,7 @@ import jax.numpy as jnp
 
 from fp8jax import activations as activations_
 from fp8jax.formats import Fp8Format
+from fp8jax.kernels import dispatch
 from fp8jax.ops import cast_transpose
 from fp8jax.quantize import quantize_with_scale
 
@@ -335,7 +336,7 @@ def cast_activation(
     """
     activations = _check(pre, activations, row_axes)
     biases = () if bias is None else (bias,)
-    q, maxima = cast_transpose.on_each_device(
+    q, maxima = dispatch.on_each_device(
         functools.partial(_pallas_forward, activations=activations, fmt=fmt),
         functools.partial(_xla_forward, activations=activations, fmt=fmt),
         (pre, biases, scale.astype(jnp.float32)), 1, ("rows", "rows"), tuple(row_axes),
@@ -369,7 +370,7 @@ def cast_activation_gradient(
             f"{pre.shape} and {n} activation(s), got {dh.shape}."
         )
     biases = () if bias is None else (bias,)
-    outputs = cast_transpose.on_each_device(
+    outputs = dispatch.on_each_device(
         functools.partial(_pallas_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
         functools.partial(_xla_gradient, activations=activations, fmt=fmt, h_fmt=h_fmt),
         (dh, pre, biases, scale.astype(jnp.float32), h_scale.astype(jnp.float32)), 2,
@@ -382,7 +383,7 @@ def cast_activation_gradient(
 
 def _check(pre, activations, row_axes) -> tuple[str, ...]:
     activations = activations_.check(activations)
-    n, shards = len(activations), cast_transpose.devices_along(tuple(row_axes))
+    n, shards = len(activations), dispatch.devices_along(tuple(row_axes))
     if not fits(pre.shape, n, shards):
         raise ValueError(
             f"pre must be 2-D with rows a multiple of {ROWS_MULTIPLE} per device ({shards} "

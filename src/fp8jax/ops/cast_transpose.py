@@ -14,13 +14,11 @@ bias's gradient) and one maximum per tile (delayed scaling's amax). On the H200 
 (16384, 32768) bf16 gradient took 0.63 ms where XLA's two kernels took
 0.78 + 0.46 ms. Elsewhere (the CPU tests) XLA computes the same values.
 
-The kernel sees whole arrays. A ``pallas_call`` has no partitioning rule,
-so under a sharded ``jit`` XLA would gather its operands in high precision.
-Where the operand is local to each device (no mesh axis splits it, or
-inside ``shard_map``) it runs as is. Where data parallelism alone splits the
-operand's rows (``row_axes``, from ``fp8jax.sharding.data_parallel_axes``)
-it runs on each device's rows inside ``shard_map``. Elsewhere the callers
-keep XLA's path (``fp8jax.ops.dense.cast_kernel_row_axes``).
+The kernel sees whole arrays. Whether it runs, and on which rows, is
+decided by :mod:`fp8jax.kernels.dispatch`: as is where the operand is local
+to each device, on each device's rows inside ``shard_map`` where data
+parallelism alone splits them (``row_axes``), and nowhere else (the callers
+keep XLA's path).
 
 A gradient that arrives in pieces (a fused QKV projection's, as cuDNN's
 attention backward writes dq, dk and dv apart) is read from its pieces
@@ -32,51 +30,27 @@ JAX 0.11 deprecates Pallas's Triton backend in favour of Mosaic GPU, and
 warns (DeprecationWarning) when it lowers the kernel. Mosaic GPU in the JAX
 versions fp8jax supports cannot express this kernel: it has no transpose of
 a register array and no reduction over an axis (deviceless H100 compile,
-jax 0.10.2). ``FP8JAX_PALLAS=0`` in the environment turns the kernel off;
-a JAX without the Triton backend turns it off with a warning. Either way
-XLA computes the same values.
+jax 0.10.2). ``fp8jax.kernels.use_pallas(False)`` (default from
+``FP8JAX_PALLAS``) turns the kernel off; a JAX without the Triton backend
+turns it off with a warning. Either way XLA computes the same values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import os
-import warnings
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from fp8jax.formats import Fp8Format
+from fp8jax.kernels import dispatch
 from fp8jax.quantize import quantize_with_scale
 
 # Tile rows x columns of g per program. 64 x 128 with 4 warps was the fastest
 # of five shapes on the H200 (32-128 rows, 64-128 columns, 4-8 warps).
 BLOCK_ROWS, BLOCK_COLS, WARPS = 64, 128, 4
-
-
-def enabled() -> bool:
-    """Whether :func:`cast_transpose` may run its Pallas kernel (see the module docstring)."""
-    return os.environ.get("FP8JAX_PALLAS", "1") != "0" and _triton_backend_available()
-
-
-@functools.cache
-def _triton_backend_available() -> bool:
-    try:
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError:
-        warnings.warn(
-            "fp8jax: this JAX has no Pallas Triton backend, so FP8 gradients are cast and "
-            "transposed by XLA's slower kernels (fp8jax.ops.cast_transpose).",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return True
 
 
 def tiles_fit(shape: tuple[int, ...], tile: tuple[int, int] = (BLOCK_ROWS, BLOCK_COLS)) -> bool:
@@ -130,11 +104,6 @@ def _tile(g: jax.Array | Interleaved) -> tuple[int, int]:
     if isinstance(g, Interleaved) and any(w % BLOCK_COLS for w in g.widths):
         return 2 * BLOCK_ROWS, BLOCK_COLS // 2
     return BLOCK_ROWS, BLOCK_COLS
-
-
-def devices_along(row_axes: tuple[str, ...]) -> int:
-    """How many devices the mesh in context has along ``row_axes``."""
-    return math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in row_axes)
 
 
 def fits(g: jax.Array | Interleaved, row_shards: int = 1) -> bool:
@@ -316,37 +285,6 @@ def tile_maxima(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
     return jnp.max(jnp.abs(blocks), axis=(1, 3))
 
 
-def on_each_device(pallas_fn, xla_fn, operands, n_row_split: int, out_layouts, row_axes=()):
-    """``pallas_fn(*operands)`` on NVIDIA GPUs, ``xla_fn`` elsewhere or with the kernels off.
-
-    With ``row_axes`` the call runs on each device's rows inside
-    ``shard_map`` over the mesh in context: the first ``n_row_split``
-    operands (pytrees) split along their rows, the rest whole on every
-    device. ``out_layouts`` says per output "rows" (split as the operands)
-    or "columns" (a transposed copy, split along its columns). No data
-    moves; per-tile partials the caller reduces become small all-reduces.
-    """
-    if not enabled():
-        return xla_fn(*operands)
-
-    def call(*ops):
-        return lax.platform_dependent(*ops, cuda=pallas_fn, default=xla_fn)
-
-    if not row_axes:
-        return call(*operands)
-    layouts = {"rows": P(row_axes, None), "columns": P(None, row_axes)}
-    specs = [layouts["rows"]] * n_row_split + [P()] * (len(operands) - n_row_split)
-    in_specs = tuple(
-        jax.tree.map(lambda _, spec=spec: spec, operand)
-        for operand, spec in zip(operands, specs, strict=True)
-    )
-    return jax.shard_map(
-        call, in_specs=in_specs, out_specs=tuple(layouts[o] for o in out_layouts),
-        # pallas_call does not type its outputs by the manual axes they vary along.
-        check_vma=False,
-    )(*operands)  # fmt: skip
-
-
 def cast_transpose(
     g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format, row_axes: tuple[str, ...] = (),
     *, column_sums: bool = True,
@@ -362,14 +300,14 @@ def cast_transpose(
     ``g`` is read from its pieces, each of whose widths must be whole tiles.
     ``row_axes``: mesh axes (of the mesh in context, ``Auto``) that split
     ``g``'s rows and nothing else: each device then casts its own rows.
-    With the kernel switched off (:func:`enabled`) XLA computes the same
+    With the kernel switched off (:func:`fp8jax.kernels.enabled`) XLA computes the same
     values on every platform. ``column_sums`` False: ``column_sums`` is None,
     and the kernel does not compute them (a bias's gradient needs them; a
     GEMM's input or kernel does not, and they cost the kernel 6-12% on the
     H200: 0.085-0.089 against 0.078 ms at (16384, 4096) and (4096, 16384),
     bench/results/h200-2026-11-30-n, run N1).
     """
-    shards = devices_along(row_axes)
+    shards = dispatch.devices_along(row_axes)
     if not fits(g, shards):
         tile_rows, tile_cols = _tile(g)
         if row_axes and fits(g):
@@ -387,9 +325,9 @@ def cast_transpose(
             f"g must be 2-D with rows a multiple of {BLOCK_ROWS} and columns a multiple of "
             f"{BLOCK_COLS}, got shape {g.shape}."
         )
-    if not enabled():
+    if not dispatch.enabled():
         return CastTransposed(*_xla(g, scale, fmt, column_sums))
-    outputs = on_each_device(
+    outputs = dispatch.on_each_device(
         functools.partial(_pallas_partials, fmt=fmt, column_sums=column_sums),
         functools.partial(xla_partials, fmt=fmt, column_sums=column_sums),
         (g, scale.astype(jnp.float32)), 1,

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
 
 from fp8jax.formats import Fp8Format, is_fp8
+from fp8jax.kernels import dispatch
 from fp8jax.ops import _partitioning, cast_transpose, dimensions
 from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
@@ -162,7 +162,7 @@ def quantize_transposed(
     row_axes = cast_kernel_row_axes(rows_are_tokens)
     if row_axes is None:
         return None  # before any reshape: Explicit mesh axes refuse some
-    shards = cast_transpose.devices_along(row_axes)
+    shards = dispatch.devices_along(row_axes)
     if not cast_transpose.fits(_as_matrix(value, rows_ndim), shards):
         return None
     if state is None:
@@ -202,18 +202,10 @@ def amax_for_update(maxima: jax.Array, recipe) -> jax.Array:
 def cast_kernel_row_axes(rows_are_tokens: bool) -> tuple[str, ...] | None:
     """The mesh axes the cast kernel splits its rows over here: () for whole arrays, None for none.
 
-    Token rows split by data parallelism alone
-    (:func:`fp8jax.sharding.data_parallel_axes`) go to one kernel per device.
+    Token rows split by data parallelism alone go to one kernel per device;
+    the decision is :func:`fp8jax.kernels.dispatch.row_axes`'s.
     """
-    if not cast_transpose.enabled():
-        return None
-    if _kernel_is_local():
-        return ()
-    if not rows_are_tokens:
-        return None
-    from fp8jax.sharding import data_parallel_axes  # fp8jax.sharding imports the ops
-
-    return data_parallel_axes()
+    return dispatch.row_axes(rows_are_tokens)
 
 
 def _as_matrix(value, rows_ndim: int) -> jax.Array | cast_transpose.Interleaved:
@@ -503,13 +495,7 @@ def _kernel_is_local() -> bool:
     arrays count as whole only where the process has one GPU (or none: the
     deviceless compiles). Trace sharded programs under their mesh.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return jax.default_backend() == "cpu" or jax.device_count() == 1
-    return all(
-        kind == AxisType.Manual or size == 1
-        for kind, size in zip(mesh.axis_types, mesh.axis_sizes, strict=True)
-    )
+    return dispatch.is_local()
 
 
 # The bias is an input here, not added after: its gradient then comes out of

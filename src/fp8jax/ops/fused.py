@@ -40,10 +40,10 @@ from jax import lax
 
 from fp8jax import activations as activations_
 from fp8jax.activations import gelu  # noqa: F401  (fp8jax.ops.fused.gelu, as before)
+from fp8jax.kernels import dispatch
 from fp8jax.ops import (
     _partitioning,
     activation_cast,
-    cast_transpose,
     norm_backward,
     norm_forward,
 )
@@ -51,7 +51,6 @@ from fp8jax.ops.dense import (
     add_bias,
     amax_for_update,
     backward_dots,
-    cast_kernel_row_axes,
     check_bias,
     check_state,
     dgrad_dot,
@@ -440,8 +439,8 @@ def _activation_kernel_axes(pre, config: FusedConfig, delayed: bool) -> tuple[st
 
     The kernels (:mod:`fp8jax.ops.activation_cast`) compute one activation
     or a gated pair and need their scales before their values: delayed
-    scaling. They run where the cast kernel runs on token rows
-    (:func:`~fp8jax.ops.dense.cast_kernel_row_axes`), for the activations
+    scaling. They run where :func:`fp8jax.kernels.dispatch.placement` puts
+    them on token rows, for the activations
     the registry's kernel serves (:attr:`fp8jax.activations.Activation.kernel`).
     """
     activations = config.activations
@@ -449,14 +448,12 @@ def _activation_kernel_axes(pre, config: FusedConfig, delayed: bool) -> tuple[st
         return None
     if not activations_.kernel_serves(activations):
         return None
-    row_axes = cast_kernel_row_axes(rows_are_tokens=True)
-    if row_axes is None or pre.size == 0:  # an empty pre-activation fills no tile
+    if pre.size == 0:  # an empty pre-activation fills no tile
         return None
     rows_by_width = (pre.size // (pre.shape[-2] * pre.shape[-1]), pre.shape[-2] * pre.shape[-1])
-    if not activation_cast.fits(rows_by_width, len(activations),
-                                cast_transpose.devices_along(row_axes)):  # fmt: skip
-        return None
-    return row_axes
+    return dispatch.placement(
+        lambda shards: activation_cast.fits(rows_by_width, len(activations), shards)
+    )
 
 
 def _rows(pre, b1):

@@ -20,10 +20,10 @@ neither the layer's peak memory nor its time (run 10D), so it does not.
 Each program takes :data:`ROWS_PER_PROGRAM` rows, a whole row at a time,
 as the row sums need all of it. Triton's blocks have power-of-two sizes, so
 the hidden size must be a power of two, and at most :data:`MAX_HIDDEN` for
-a row to stay in registers (:func:`fits`). Off NVIDIA GPUs, and with
-``FP8JAX_PALLAS=0``, XLA computes the same values. Where the norm's rows are
+a row to stay in registers (:func:`fits`). Off NVIDIA GPUs, and with the
+kernels off (:mod:`fp8jax.kernels`), XLA computes the same values. Where the norm's rows are
 split by data parallelism the kernel runs on each device's rows, as the
-cast kernel does (:func:`fp8jax.ops.cast_transpose.on_each_device`).
+cast kernel does (:func:`fp8jax.kernels.dispatch.on_each_device`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.ops import cast_transpose, norm
-from fp8jax.ops.dense import cast_kernel_row_axes
+from fp8jax.kernels import dispatch
+from fp8jax.ops import norm
 from fp8jax.ops.norm import NormConfig
 
 # 64 rows a program and 4 warps (128 threads, 32 elements of a 4096-wide row
@@ -162,7 +162,7 @@ def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_a
     # The first five operands split along rows on each device; gamma is whole.
     operands = (dy, x, mean, rstd, residual, gamma)
     n_outputs = 3 if has_beta else 2
-    dx, *sums = cast_transpose.on_each_device(
+    dx, *sums = dispatch.on_each_device(
         functools.partial(_pallas, has_beta=has_beta), functools.partial(_xla, has_beta=has_beta),
         operands, 5, ("rows",) * n_outputs, tuple(row_axes),
     )  # fmt: skip
@@ -174,13 +174,13 @@ def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_a
 def kernel_row_axes(x, kernel_fits=fits) -> tuple[str, ...] | None:
     """The mesh axes splitting a norm kernel's rows for the norm input ``x``; None: XLA's path.
 
-    ``kernel_fits``: the kernel's ``fits``; this module's by default.
+    ``kernel_fits``: the kernel's ``fits``; this module's by default. The
+    decision is :func:`fp8jax.kernels.dispatch.placement`'s.
     """
-    row_axes = cast_kernel_row_axes(rows_are_tokens=True)
-    if row_axes is None or x.size == 0:  # an empty x fills no tile
+    if x.size == 0:  # an empty x fills no tile
         return None
     matrix = (x.size // x.shape[-1], x.shape[-1])
-    return row_axes if kernel_fits(matrix, cast_transpose.devices_along(row_axes)) else None
+    return dispatch.placement(lambda shards: kernel_fits(matrix, shards))
 
 
 def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):

@@ -19,8 +19,8 @@ their spread.
 Under current scaling the scale depends on the amax of the whole output,
 so the cast cannot share the pass; those ops keep XLA's path. The kernel's
 shape rules and its placement under a mesh are the backward's
-(:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with
-``FP8JAX_PALLAS=0``, XLA runs the same arithmetic, its sums in its own
+(:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with the kernels
+off (:mod:`fp8jax.kernels`), XLA runs the same arithmetic, its sums in its own
 order (at the layer's shape the FP8 bytes came out equal, run L2).
 """
 
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax.formats import Fp8Format
+from fp8jax.kernels import dispatch
 from fp8jax.ops import cast_transpose, norm, norm_backward
 from fp8jax.ops.norm import NormConfig
 from fp8jax.quantize import quantize_with_scale
@@ -152,7 +153,7 @@ def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format
     gamma = norm.effective_gamma(gamma, config, 2)
     beta = None if beta is None else beta.astype(jnp.float32).reshape(1, -1)
     kwargs = {"fmt": fmt, "centred": centred, "epsilon": config.epsilon}
-    outputs = cast_transpose.on_each_device(
+    outputs = dispatch.on_each_device(
         functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
         (matrix, gamma, beta, scale.astype(jnp.float32)), 1,
         ("rows",) * (4 if centred else 3), tuple(row_axes),

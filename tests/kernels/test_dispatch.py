@@ -1,0 +1,119 @@
+"""The kernel dispatcher: the switch is in the jit key, and mesh locality needs no Flax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fp8jax
+import fp8jax.sharding as fs
+from fp8jax import kernels
+from fp8jax.kernels import _options
+from fp8jax.ops import cast_transpose as ct
+
+
+def _cast(g):
+    return ct.cast_transpose(g, jnp.float32(1.0), fp8jax.E5M2).q
+
+
+def _has_kernel(jaxpr) -> bool:
+    return "pallas_call" in str(jaxpr)
+
+
+def test_flipping_the_switch_after_a_trace_retraces_and_changes_the_program():
+    traces = []
+
+    @jax.jit
+    def step(g):
+        traces.append(_has_kernel(jax.make_jaxpr(_cast)(g)))
+        return _cast(g)
+
+    g = jnp.ones((ct.BLOCK_ROWS, ct.BLOCK_COLS), jnp.bfloat16)
+    want = step(g)
+    with kernels.use_pallas(False):
+        got_off = step(g)
+    step(g)  # back on: the first trace again, from the cache
+    assert traces == [True, False]
+    # XLA's twin computes the same bytes (on the CPU the kernel's branch is not taken).
+    assert jnp.array_equal(want.view(jnp.uint8), got_off.view(jnp.uint8))
+
+
+def test_the_switch_is_a_jax_config_option():
+    assert kernels.enabled()
+    kernels.set_pallas(False)
+    try:
+        assert not kernels.enabled()
+        assert jax.config.fp8jax_pallas is False
+    finally:
+        kernels.set_pallas(True)
+    assert kernels.enabled()
+
+
+def test_the_switch_takes_a_bool():
+    with pytest.raises(TypeError, match="must be a bool"):
+        kernels.use_pallas("0")
+
+
+def test_a_bad_environment_value_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("FP8JAX_TEST_FLAG", "maybe")
+    with pytest.raises(ValueError, match="FP8JAX_TEST_FLAG must be 0 or 1"):
+        _options._env_flag("FP8JAX_TEST_FLAG", True)
+    monkeypatch.setenv("FP8JAX_TEST_FLAG", "0")
+    assert _options._env_flag("FP8JAX_TEST_FLAG", True) is False
+
+
+def test_the_fallback_option_retraces_too():
+    # Where JAX's private config API is missing, changes clear JAX's caches.
+    option = _options._Fallback(True)
+    traces = []
+
+    @jax.jit
+    def f(x):
+        traces.append(option.value)
+        return x + 1 if option.value else x - 1
+
+    assert float(f(1.0)) == 2.0
+    with option(False):
+        assert float(f(1.0)) == 0.0
+    assert float(f(1.0)) == 2.0
+    assert traces == [True, False, True]
+
+
+def test_data_parallel_rows_are_declared_not_taken_from_flax_rules():
+    mesh = fs.make_mesh(fsdp=8)
+    assert kernels.row_axes() in ((), None)  # no mesh: local on the CPU
+    with jax.set_mesh(mesh):
+        assert kernels.row_axes() is None  # a mesh whose roles nobody declared
+        with kernels.data_parallel(("dp", "fsdp")):
+            assert kernels.row_axes() == ("fsdp",)
+            assert kernels.row_axes(rows_are_tokens=False) is None  # a weight's rows
+            with kernels.use_pallas(False):
+                assert kernels.row_axes() is None
+    with jax.set_mesh(fs.make_mesh(fsdp=4, tp=2)), kernels.data_parallel(("fsdp",)):
+        assert kernels.row_axes() is None  # tp splits columns
+
+
+def test_plain_jax_under_a_declared_mesh_runs_the_kernel_per_device():
+    # No Flax anywhere: jax.set_mesh and the declaration put the cast kernel
+    # in shard_map over the batch axis.
+    x = jnp.ones((8 * ct.BLOCK_ROWS, ct.BLOCK_COLS), jnp.bfloat16)
+    w = jnp.ones((ct.BLOCK_COLS, ct.BLOCK_COLS), jnp.bfloat16)
+
+    def loss(x, w):
+        return jnp.sum(fp8jax.dense(x, w).astype(jnp.float32))
+
+    with jax.set_mesh(fs.make_mesh(dp=8)):
+        plain = str(jax.make_jaxpr(jax.grad(loss))(x, w))
+        with kernels.data_parallel("dp"):
+            declared = str(jax.make_jaxpr(jax.grad(loss))(x, w))
+    assert "pallas_call" not in plain
+    assert "pallas_call" in declared and "shard_map" in declared
+
+
+def test_placement_asks_the_kernel_about_its_share_of_rows():
+    with jax.set_mesh(fs.make_mesh(dp=8)), kernels.data_parallel("dp"):
+        seen = []
+        assert kernels.placement(lambda shards: seen.append(shards) or True) == ("dp",)
+        assert kernels.placement(lambda shards: False) is None
+    assert seen == [8]
