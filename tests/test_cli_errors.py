@@ -207,3 +207,21 @@ def test_compare_out_that_cannot_be_written_is_refused(tmp_path, capsys, where):
         out = a_file(tmp_path) / "plot.png"
     assert cli.main(["compare", str(run), "--out", str(out)]) == 2
     assert capsys.readouterr().err.startswith("fp8jax compare: error: --out")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["no.such.module:make_step"], "module 'no.such.module' of 'no.such.module:make_step' "),
+        (["make_step"], "MODULE:FUNCTION must name a module and a function"),
+        (["os:getcwd", "--expect", "-1"], "--expect must be an int >= 0, got -1."),
+        (["os:getcwd", "--at-least", "-1"], "--at-least must be an int >= 0, got -1."),
+        (["os:getcwd", "--devices", "0"], "devices must be a positive int, got 0."),
+        (["os:getcwd", "--hosts", "-1"], "hosts must be a positive int, got -1."),
+    ],
+)
+def test_verify_refuses_bad_arguments_in_one_line_before_compiling(capsys, argv, message):
+    assert cli.main(["verify", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp8jax verify: error: ") and message in err, err
+    assert len(err.splitlines()) == 1, err

@@ -186,3 +186,63 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert summary["status"] == "interrupted" and step >= 1
     assert (out / "checkpoints" / str(step)).is_dir()
     assert read_metrics(out / "metrics.jsonl")[-1]["step"] == step
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    """A finished 2-step BF16 run with options that differ from the preset's."""
+    out = tmp_path_factory.mktemp("cli") / "bf16"
+    argv = ["--precision", "bf16", "--steps", "2", "--log-every", "1", "--eval-every", "2"]
+    assert fp8jax_train(*argv, "--seed", "7", "--lr", "0.002", "--out", str(out)) == 0
+    return out
+
+
+@pytest.fixture
+def copy_of_bf16_run(bf16_run, tmp_path):
+    out = tmp_path / "bf16"
+    shutil.copytree(bf16_run, out)
+    return out
+
+
+def test_resume_takes_the_options_left_out_from_the_run(copy_of_bf16_run):
+    # Only --out, --resume and a longer --steps: precision, seed, learning rate, batch
+    # and sequence sizes come from config.json, not from the preset.
+    argv = ["--resume", "--steps", "3", "--no-progress", "--out", str(copy_of_bf16_run)]
+    assert cli.main(["train", *argv]) == 0
+    config = json.loads((copy_of_bf16_run / "config.json").read_text())
+    assert (config["precision"], config["seed"], config["learning_rate"]) == ("bf16", 7, 0.002)
+    assert (config["batch_size"], config["seq_len"], config["steps"]) == (8, 32, 3)
+    assert json.loads((copy_of_bf16_run / "summary.json").read_text())["step"] == 3
+
+
+def test_resume_refuses_an_explicit_option_that_differs_from_the_run(copy_of_bf16_run, capsys):
+    before = snapshot(copy_of_bf16_run)
+    argv = ["--resume", "--steps", "3", "--seed", "8", "--out", str(copy_of_bf16_run)]
+    assert cli.main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "seed: checkpoint has 7, this run has 8" in err
+    assert "Leave these options out to resume with the run's saved values" in err
+    assert snapshot(copy_of_bf16_run) == before
+
+
+@pytest.mark.parametrize("corrupt", ["every file", "the array data"])
+def test_a_corrupt_checkpoints_error_is_short_and_keeps_the_hint(copy_of_bf16_run, capsys, corrupt):
+    step_dir = copy_of_bf16_run / "checkpoints" / "2"
+    files = [f for f in step_dir.rglob("*") if f.is_file()]
+    if corrupt == "the array data":  # orbax's metadata intact, TensorStore's chunks not
+        files = [f for f in files if f.parent.name == "d" and "ocdbt" in str(f.parent.parent)]
+    assert files
+    for f in files:
+        f.write_bytes(b"garbage")
+    before = snapshot(copy_of_bf16_run)
+    argv = ["--resume", "--steps", "4", "--no-progress", "--out", str(copy_of_bf16_run)]
+    assert cli.main(["train", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 2 and len(captured.err) < 700, captured.err
+    assert lines[0].startswith(
+        f"fp8jax train: error: --resume: checkpoint {step_dir} is unreadable"
+    )
+    assert lines[1] == "It was left as is; delete that step's folder to resume from an older one."
+    assert "TensorStore" not in captured.err and "absl" not in captured.out + captured.err
+    assert snapshot(copy_of_bf16_run) == before

@@ -308,33 +308,36 @@ class _Loop:
         c, program = self.config, self.program
         self.start, self.last_saved = start, (start or None)
         self.counts["jaxpr"] = gemm_count.jaxpr_counts(program.raw_step, state, self.batch(1))
-        self.say(
-            summary.header(
-                c,
-                self.corpus,
-                program.mesh,
-                self.counts["jaxpr"],
-                program.model.attention_implementation,
-                program.layers,
-            )
-        )
-        if self.options.verify_target:
-            self.counts["deviceless"] = gemm_count.deviceless_counts(
-                program.raw_step, state, self.batch(1),
-                target=self.options.verify_target, mesh=program.mesh,
-            )  # fmt: skip
-            self.say("  " + summary.deviceless_text(self.counts["deviceless"]))
         bar = progress_bar(
             total=c.steps, initial=start, desc=f"{c.name} {c.precision}", enabled=progress
         )
-        status, step, t0 = "completed", start, time.perf_counter()
+        status, step = "completed", start
+        abort = (
+            "aborted by a second Ctrl-C; the complete checkpoints in "
+            f"{self.run_dir.checkpoints} are kept."
+        )
         try:
             try:
-                abort = (
-                    "aborted by a second Ctrl-C; the complete checkpoints in "
-                    f"{self.run_dir.checkpoints} are kept."
-                )
+                # From the header on, Ctrl-C stops the run after the step it interrupts, or
+                # after the first step if it comes earlier, and saves a checkpoint there.
                 with stop_on_ctrl_c(self.say, abort) as stop_requested:
+                    self.say(
+                        summary.header(
+                            c,
+                            self.corpus,
+                            program.mesh,
+                            self.counts["jaxpr"],
+                            program.model.attention_implementation,
+                            program.layers,
+                        )
+                    )
+                    if self.options.verify_target:
+                        self.counts["deviceless"] = gemm_count.deviceless_counts(
+                            program.raw_step, state, self.batch(1),
+                            target=self.options.verify_target, mesh=program.mesh,
+                        )  # fmt: skip
+                        self.say("  " + summary.deviceless_text(self.counts["deviceless"]))
+                    t0 = time.perf_counter()
                     for step in range(start + 1, c.steps + 1):
                         batch = self.batch(step)
                         if self.options.inject_nan_at == step:  # testing aid, see TrainOptions

@@ -10,6 +10,7 @@ status is 0 only if every GEMM is FP8 or matched by ``--allow``; 1 if not;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
+        _check_arguments(args)
         axes = meshes.resolve_mesh(args.mesh) if args.mesh else None
         devices = args.devices if args.devices is not None else (axes.size if axes else 1)
         if axes is not None and axes.size != devices:
@@ -109,6 +111,34 @@ def run(args: argparse.Namespace) -> int:
         )
         print("\n".join(["", "FAIL:", *problems]) if problems else "\n" + verdict)
     return 1 if problems else 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuses bad numbers and an entry whose module cannot be found, before compiling.
+
+    The compile runs in a child process, which would report a missing module
+    as an import traceback.
+    """
+    for option, value in (("--expect", args.expect), ("--at-least", args.at_least)):
+        if value is not None and value < 0:
+            raise ValueError(f"{option} must be an int >= 0, got {value}.")
+    if args.expect is not None and args.at_least is not None:
+        raise ValueError("pass --expect or --at-least, not both.")
+    module, colon, function = args.entry.partition(":")
+    if not colon or not module or not function:
+        raise ValueError(
+            f"MODULE:FUNCTION must name a module and a function, like mypkg.model:make_step; "
+            f"got {args.entry!r}."
+        )
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        found = False
+    if not found:
+        raise ValueError(
+            f"module {module!r} of {args.entry!r} was not found in the working directory or on "
+            "sys.path; run from the folder that holds it, or install its package."
+        )
 
 
 def _target_name(target: str) -> str:

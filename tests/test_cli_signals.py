@@ -1,0 +1,124 @@
+"""Ctrl-C at every phase of ``fp8jax train``: exit 130, one line, no traceback.
+
+Each test starts the command in a subprocess and sends SIGINT once the
+process is known to be in the phase: blocked reading ``--data`` (a FIFO that
+has a reader), or past a line of output that only that phase prints. The
+timeouts only bound a hung process; no assertion depends on timing.
+"""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+FAST = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
+FAST += ["--precision", "bf16", "--log-every", "1", "--eval-every", "1000", "--steps", "100000"]
+PATIENCE_S = 300
+
+
+def start(*argv: str) -> subprocess.Popen:
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "fp8jax.cli", "train", *FAST, *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def read_until(proc: subprocess.Popen, marker: str) -> list[str]:
+    """The lines the process prints, up to and including the first that contains ``marker``."""
+    lines = []
+    deadline = time.monotonic() + PATIENCE_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            pytest.fail(f"exited ({proc.wait()}) before {marker!r}:\n" + "".join(lines))
+        lines.append(line)
+        if marker in line:
+            return lines
+    pytest.fail(f"no {marker!r} in {PATIENCE_S} s:\n" + "".join(lines))
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        rest = proc.communicate(timeout=PATIENCE_S)[0]
+    finally:
+        proc.kill()
+    return proc.returncode, rest
+
+
+def open_writer_once_read(fifo, proc: subprocess.Popen) -> int:
+    """Opens the FIFO for writing once the process has opened it for reading."""
+    deadline = time.monotonic() + PATIENCE_S
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:  # ENXIO: no reader yet
+            if e.errno != errno.ENXIO:
+                raise
+        time.sleep(0.05)
+    pytest.fail("the process never opened --data")
+
+
+def test_ctrl_c_while_reading_data_exits_at_once_and_writes_nothing(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    fifo = data / "text.txt"
+    os.mkfifo(fifo)
+    out = tmp_path / "run"
+    proc = start("--data", str(data), "--out", str(out))
+    writer = open_writer_once_read(fifo, proc)
+    try:
+        # The process now blocks in read(), inside C, where Python runs no signal handler.
+        proc.send_signal(signal.SIGINT)
+        status, output = finish(proc)
+    finally:
+        os.close(writer)
+    assert status == 130, output
+    assert output.splitlines() == [
+        "fp8jax train: interrupted before the first step; no checkpoint was saved."
+    ]
+    assert not out.exists()
+
+
+def test_ctrl_c_while_the_first_step_compiles_stops_after_it_and_saves(tmp_path):
+    out = tmp_path / "run"
+    proc = start("--out", str(out))
+    # The header is printed once the model exists, just before the first step compiles.
+    read_until(proc, "train step:")
+    proc.send_signal(signal.SIGINT)
+    status, output = finish(proc)
+    assert status == 130, output
+    assert "Ctrl-C: stopping after this step" in output and "Traceback" not in output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["step"] >= 1
+    assert (out / "checkpoints" / str(summary["step"])).is_dir()
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_keeps_complete_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    proc = start("--out", str(out), "--checkpoint-every", "1")
+    read_until(proc, "train step:")
+    proc.send_signal(signal.SIGINT)
+    read_until(proc, "Ctrl-C: stopping after this step")
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    status, output = finish(proc)
+    assert status == 130, output
+    assert "Traceback" not in output and "Segmentation" not in output
+    # Either the second Ctrl-C came while the step still ran (usually: the first step
+    # compiles for seconds), or the loop had already stopped and saved.
+    aborted = "fp8jax train: aborted by a second Ctrl-C" in output
+    assert aborted or json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+    if aborted:
+        kept = f"the complete checkpoints in {out / 'checkpoints'} are kept."
+        assert output.rstrip().endswith(kept)
+        assert not (out / "summary.json").exists()
