@@ -165,6 +165,15 @@ def update_group(group, amaxes, recipe: DelayedScaling):
     (``bench/results/h200-2026-11-30-k``). The values are those
     :func:`update_scale_state` gives tensor by tensor.
 
+    Under ``jax.vmap`` with the state shared by every mapped element (not
+    mapped itself), the elements' amaxes are max-reduced over the mapped
+    axis first, so the new state is the one a single op over the whole batch
+    gives, as :func:`combine_states` merges micro-batches. Without that, the
+    backward of the vmap would *sum* the per-element new states (the
+    transpose of an unmapped input), and the next forward would quantize
+    with a scale many times too large. A mapped state (one per element: an
+    ensemble) is updated element by element.
+
     Args:
       group: a state group such as :class:`DotScaleState` or :class:`MlpScaleState`.
       amaxes: the amaxes observed this step, nested like ``group``'s roles:
@@ -185,13 +194,65 @@ def update_group(group, amaxes, recipe: DelayedScaling):
       >>> [float(t.scale) for t in s]
       [224.0, 112.0, 7168.0]
     """
-    states, fp8_maxes = _roles(group, recipe)
+    states, _ = _roles(group, recipe)
     amaxes = [jnp.asarray(a, jnp.float32) for a in jax.tree.leaves(amaxes)]
     if len(amaxes) != len(states):
         raise ValueError(
             f"amaxes must hold one amax per tensor of the {type(group).__name__} "
             f"({len(states)}), got {len(amaxes)}."
         )
+    return _mapped_update(recipe)(group, amaxes)
+
+
+def _mapped_update(recipe: DelayedScaling):
+    """:func:`_update_group` with the vmap rule :func:`update_group` documents."""
+
+    @jax.custom_batching.custom_vmap
+    def update(group, amaxes):
+        return _update_group(group, amaxes, recipe)
+
+    @update.def_vmap
+    def rule(axis_size, in_batched, group, amaxes):
+        group_batched, amaxes_batched = in_batched
+        if any(jax.tree.leaves(group_batched)):
+            # One state per mapped element: the mapped axis becomes a leading
+            # axis of stacked states (as nn.scan's layers), each with its own
+            # amax. Not jax.vmap: under this level it would call this rule again.
+            group = _broadcast_unmapped(group, group_batched, axis_size)
+            tensor_shape = jax.tree.leaves(group)[1].shape  # a scale: (axis_size, *layers)
+            amaxes = [
+                _per_element_amax(a, tensor_shape) if mapped
+                else jnp.broadcast_to(_per_element_amax(a, tensor_shape[1:]), tensor_shape)
+                for a, mapped in zip(amaxes, amaxes_batched, strict=True)
+            ]  # fmt: skip
+            new = update(group, amaxes)
+            return new, jax.tree.map(lambda _: True, new)
+        # One state for all elements: it observed them all, so its amax is
+        # their maximum (the mapped axis is axis 0 in a custom_vmap rule).
+        amaxes = [
+            jnp.max(a, axis=0) if mapped else a
+            for a, mapped in zip(amaxes, amaxes_batched, strict=True)
+        ]
+        new = update(group, amaxes)
+        return new, jax.tree.map(lambda _: False, new)
+
+    return update
+
+
+def _per_element_amax(a: jax.Array, tensor_shape: tuple[int, ...]) -> jax.Array:
+    """An amax (state axes, then maxima) reduced to one per state of ``tensor_shape``."""
+    return jnp.max(a.reshape(*tensor_shape, -1), axis=-1)
+
+
+def _broadcast_unmapped(tree, mapped, axis_size: int):
+    return jax.tree.map(
+        lambda a, m: a if m else jnp.broadcast_to(a, (axis_size, *jnp.shape(a))), tree, mapped
+    )
+
+
+def _update_group(group, amaxes: list[jax.Array], recipe: DelayedScaling):
+    """:func:`update_group` on checked f32 amaxes, one per tensor."""
+    states, fp8_maxes = _roles(group, recipe)
     tensor_shape = states[0].scale.shape
     if tensor_shape:
         wrong = [a.shape for a in amaxes if a.shape != tensor_shape]
