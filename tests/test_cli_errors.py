@@ -225,3 +225,14 @@ def test_verify_refuses_bad_arguments_in_one_line_before_compiling(capsys, argv,
     err = capsys.readouterr().err
     assert err.startswith("fp8jax verify: error: ") and message in err, err
     assert len(err.splitlines()) == 1, err
+
+
+def test_compare_skips_metrics_lines_and_files_that_are_not_records(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = ["5", "[1, 2]", '{"step": "x", "loss": 1.0}', '{"step": 3, "loss": 2.5}']
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "config.json").write_text("[1]")
+    (run / "summary.json").write_text('"done"')
+    assert cli.main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    assert "2.5000" in capsys.readouterr().out

@@ -38,7 +38,7 @@ class Run:
 
     @property
     def val_curve(self) -> tuple[list[int], list[float]]:
-        rows = [m for m in self.metrics if "val_loss" in m]
+        rows = [m for m in self.metrics if isinstance(m.get("val_loss"), int | float)]
         return [m["step"] for m in rows], [m["val_loss"] for m in rows]
 
     @property
@@ -52,9 +52,13 @@ class Run:
 
     @property
     def tokens_per_s(self) -> float | None:
-        if self.summary.get("tokens_per_s"):
+        if isinstance(self.summary.get("tokens_per_s"), int | float):
             return self.summary["tokens_per_s"]
-        rates = [m["tokens_per_s"] for m in self.metrics if "tokens_per_s" in m]
+        rates = [
+            m["tokens_per_s"]
+            for m in self.metrics
+            if isinstance(m.get("tokens_per_s"), int | float)
+        ]
         return sum(rates) / len(rates) if rates else None
 
 
@@ -71,13 +75,20 @@ def load_run(path: str | os.PathLike) -> Run:
             f"{path} is not an fp8jax train run: it has no metrics.jsonl. Pass the --out "
             "directories of fp8jax train."
         )
-    metrics = [m for m in read_metrics(metrics_path) if "step" in m and "loss" in m]
+    metrics = [
+        m
+        for m in read_metrics(metrics_path)
+        if isinstance(m, dict)
+        and isinstance(m.get("step"), int)
+        and isinstance(m.get("loss"), int | float)
+    ]
     if not metrics:
         raise CompareError(f"{metrics_path} has no metrics lines yet; nothing to compare.")
     config, summary = {}, {}
     for name, target in (("config.json", config), ("summary.json", summary)):
         with contextlib.suppress(OSError, ValueError):  # optional: metrics are enough
-            target.update(json.loads((path / name).read_text()))
+            value = json.loads((path / name).read_text())
+            target.update(value if isinstance(value, dict) else {})
     precision = config.get("precision", summary.get("precision"))
     recipe = config.get("recipe", summary.get("recipe"))
     detail = precision if not recipe else f"{precision} {recipe}"
@@ -155,7 +166,8 @@ def plot(runs: list[Run], out: str | os.PathLike, *, title: str | None = None) -
         title=f"validation loss vs {runs[0].path.name} (positive is worse)",
     )
     gaps.grid(alpha=0.3)
-    gaps.legend(fontsize=7)
+    if gaps.get_legend_handles_labels()[0]:  # runs without validation losses draw no gap
+        gaps.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -83,11 +83,12 @@ class CtrlC:
 
     @contextlib.contextmanager
     def training_loop(
-        self, say: Callable[[str], None], abort_note: str
+        self, say: Callable[[str], None], abort_note: str, finish_note: str
     ) -> Iterator[Callable[[], bool]]:
         """Inside: the first Ctrl-C requests a stop; a second exits with ``abort_note``.
 
-        Yields a function that says whether a stop was requested.
+        Yields a function that says whether a stop was requested. After the
+        loop (the summary, the last lines) a Ctrl-C exits with ``finish_note``.
         """
         with self._lock:
             self._stop, self._say, self.note = threading.Event(), say, abort_note
@@ -95,7 +96,7 @@ class CtrlC:
             yield self._stop.is_set
         finally:
             with self._lock:
-                self._stop = None
+                self._stop, self.note = None, finish_note
 
 
 _active: CtrlC | None = None

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from fp8jax import compile_cache, data
+from fp8jax import compile_cache, data, xla_options
 from fp8jax.flax import FP8_COLLECTION, TrainState, make_train_step
 from fp8jax.models.gpt import Gpt, next_token_loss
 from fp8jax.recipes import DelayedScaling
@@ -91,8 +91,14 @@ class TrainProgram:
             state_shardings = jax.tree.map(lambda a: a.sharding, self.initial_state)
             out_shardings = (state_shardings, mesh_lib.replicated(mesh))
             self.batch_sharding = mesh_lib.batch_sharding(mesh)
-        self.step = jax.jit(self.raw_step, out_shardings=out_shardings, donate_argnums=0)
-        self.eval = jax.jit(self._eval_loss)
+        # fp8jax owns this jit, so it compiles with its own options: the FP8 GEMMs
+        # go to cuBLASLt without minutes of Triton autotuning
+        # (docs/design.md#first-compile-time).
+        options = xla_options.compiler_options()
+        self.step = jax.jit(
+            self.raw_step, out_shardings=out_shardings, donate_argnums=0, compiler_options=options
+        )
+        self.eval = jax.jit(self._eval_loss, compiler_options=options)
         self.all_finite = jax.jit(
             lambda tree: jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
         )
@@ -312,15 +318,14 @@ class _Loop:
             total=c.steps, initial=start, desc=f"{c.name} {c.precision}", enabled=progress
         )
         status, step = "completed", start
-        abort = (
-            "aborted by a second Ctrl-C; the complete checkpoints in "
-            f"{self.run_dir.checkpoints} are kept."
-        )
+        kept = f"the complete checkpoints in {self.run_dir.checkpoints} are kept."
+        abort = f"aborted by a second Ctrl-C; {kept}"
+        finish = f"interrupted while finishing the run; {kept}"
         try:
             try:
                 # From the header on, Ctrl-C stops the run after the step it interrupts, or
                 # after the first step if it comes earlier, and saves a checkpoint there.
-                with stop_on_ctrl_c(self.say, abort) as stop_requested:
+                with stop_on_ctrl_c(self.say, abort, finish) as stop_requested:
                     self.say(
                         summary.header(
                             c,

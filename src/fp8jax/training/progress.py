@@ -90,20 +90,21 @@ def postfix(record: dict) -> dict:
 
 @contextlib.contextmanager
 def stop_on_ctrl_c(
-    say: Callable[[str], None], abort_note: str = "aborted."
+    say: Callable[[str], None], abort_note: str = "aborted.", finish_note: str = "interrupted."
 ) -> Iterator[Callable[[], bool]]:
     """Turns the first Ctrl-C into a stop request the loop polls between steps.
 
     Yields a function that says whether a stop was requested. Under the
     ``fp8jax`` command (:mod:`fp8jax.training.interrupts`), a second Ctrl-C
-    ends the process at once with ``abort_note``, even inside a compile.
+    ends the process at once with ``abort_note``, even inside a compile, and
+    one after the loop with ``finish_note``.
     Called from Python, a second Ctrl-C raises KeyboardInterrupt; outside the
     main thread (where Python cannot install signal handlers) Ctrl-C keeps
     its default behaviour, and the loop still catches KeyboardInterrupt.
     """
     command = interrupts.active()
     if command is not None:
-        with command.training_loop(say, abort_note) as stop_requested:
+        with command.training_loop(say, abort_note, finish_note) as stop_requested:
             yield stop_requested
         return
     requested = threading.Event()
