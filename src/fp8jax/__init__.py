@@ -18,6 +18,7 @@ from fp8jax.scaling import (
     init_state,
     take_new_state,
 )
+from fp8jax.xla_options import compiler_options
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "MlpScaleState",
     "ScaleState",
     "combine_states",
+    "compiler_options",
     "dense",
     "dequantize",
     "dot_general",

@@ -14,6 +14,7 @@ import time
 
 import jax
 
+from fp8jax import xla_options
 from fp8jax.verify.jaxpr_dots import jaxpr_dots
 
 
@@ -56,6 +57,8 @@ def deviceless_counts(step_fn, state, batch, *, target: str, mesh) -> dict:
             target=target,
             devices=devices,
             mesh=mesh,
+            # The options the step itself compiles with, so the report shows its GEMMs.
+            xla_flags=xla_options.as_xla_flags(),
         )
     except ImportError as e:
         return {"target": target, "skipped": f"fp8jax[verify] is not installed: {e}"}

@@ -1,0 +1,51 @@
+"""XLA compiler options for programs whose GEMMs are fp8jax's FP8 GEMMs.
+
+On a live GPU, XLA's default pipeline wraps each FP8 ``dot_general`` together
+with its output scale into a Triton GEMM fusion, autotunes it against
+cuBLASLt, and then compiles the Triton kernels it picked. For one transformer
+layer that first compile took 67-74 s on an H200 where the same program with
+Triton GEMMs off compiled in about 2 s and every GEMM became a cuBLASLt FP8
+call with the scale folded into it (docs/design.md#first-compile-time). The
+options below are what ``fp8jax train`` and the benchmarks compile with; pass
+them to your own ``jax.jit`` the same way::
+
+    step = jax.jit(train_step, compiler_options=fp8jax.compiler_options())
+
+They are per-compile options: they change no global state and leave every
+other program of the process as it was. On the CPU they are accepted and do
+nothing.
+"""
+
+from __future__ import annotations
+
+# Why these and no others: docs/design.md#first-compile-time.
+_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compiler_options() -> dict[str, bool]:
+    """The XLA options fp8jax compiles its own programs with, as a fresh dict.
+
+    Returns:
+      A mapping for ``jax.jit(..., compiler_options=...)`` or
+      ``jitted.lower(...).compile(compiler_options=...)``: Triton GEMM fusion
+      off, so that every FP8 GEMM goes to cuBLASLt without autotuning Triton
+      kernels first.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fp8jax
+      >>> f = jax.jit(lambda x, w: fp8jax.dense(x, w), compiler_options=fp8jax.compiler_options())
+      >>> f(jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)).shape
+      (16, 16)
+    """
+    return dict(_OPTIONS)
+
+
+def as_xla_flags() -> str:
+    """:func:`compiler_options` as ``XLA_FLAGS`` text, for a deviceless compile in a child process.
+
+    Example:
+      >>> from fp8jax.xla_options import as_xla_flags
+      >>> as_xla_flags()
+      '--xla_gpu_enable_triton_gemm=false'
+    """
+    return " ".join(f"--{k}={str(v).lower()}" for k, v in _OPTIONS.items())
