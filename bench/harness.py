@@ -50,15 +50,18 @@ def standard_variants(flax_variant, fp8jax_variant) -> dict:
 
 
 # How a benchmark reduces its model's output to the loss it differentiates (--loss).
-# "mean" makes the output gradient a constant: XLA may then start the backward
-# before the forward has finished and fuse the two (an activation's forward with
-# its gradient's recompute), which a real loss rules out. "square" (half the mean
+# "random", the default, is mean(y * r) with r a fixed random tensor of y's shape,
+# passed in as an argument: the output gradient is then random, as a real loss's
+# is. "mean" makes the output gradient a constant: XLA may then start the backward
+# before the forward has finished and fuse work a real loss rules out, and the GPU
+# draws less power (docs/design.md#the-benchmark-loss). "square" (half the mean
 # square) makes the gradient the output itself.
 LOSSES = {
-    "mean": lambda y: y.astype(jnp.float32).mean(),
-    "square": lambda y: 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))),
+    "random": lambda y, r: jnp.mean(y.astype(jnp.float32) * r.astype(jnp.float32)),
+    "mean": lambda y, r: y.astype(jnp.float32).mean(),
+    "square": lambda y, r: 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))),
 }
-_loss = {"name": "mean"}
+_loss = {"name": "random"}
 
 
 def set_loss(name: str) -> None:
@@ -71,14 +74,20 @@ def set_loss(name: str) -> None:
 def add_loss_argument(parser) -> None:
     """``--loss``: a key of :data:`LOSSES`; pass the parsed value to :func:`set_loss`."""
     parser.add_argument(
-        "--loss", default="mean", choices=sorted(LOSSES),
-        help="mean of the output (constant gradient) or half its mean square (a real loss)",
+        "--loss", default="random", choices=sorted(LOSSES),
+        help="mean(y * r) with r fixed and random (default), the mean of the output "
+        "(constant gradient) or half its mean square",
     )  # fmt: skip
 
 
-def output_loss(y):
-    """The benchmark loss of the model output ``y`` (see :data:`LOSSES`)."""
-    return LOSSES[_loss["name"]](y)
+def output_cotangent(shape) -> jax.Array:
+    """The fixed random ``r`` of the "random" loss, for an output of ``shape``."""
+    return jax.random.normal(jax.random.key(7), shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def output_loss(y, r):
+    """The benchmark loss of the model output ``y`` and :func:`output_cotangent` ``r``."""
+    return LOSSES[_loss["name"]](y, r)
 
 
 # Seconds each row runs back to back before it is timed (--heat).
@@ -270,11 +279,13 @@ def measure(
     a live compile can differ from a deviceless one (autotuned GEMMs, layouts).
     ``carry`` is :func:`time_ms`'s, for steps that donate their state.
     """
+    start = time.perf_counter()
     compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted
+    compile_s = time.perf_counter() - start
     hlo = compiled.as_text()
     facts = compiled_facts(compiled, hlo)
     args = list(args)
-    row = {"name": name, **_timed(compiled, args, 5, iters, carry), **facts}
+    row = {"name": name, "compile_s": compile_s, **_timed(compiled, args, 5, iters, carry), **facts}
     if trace_dir:
         where = os.path.join(trace_dir, name)
         steps = 3
@@ -286,6 +297,7 @@ def measure(
         row["breakdown"] = breakdown(where, hlo, steps, devices)
     print(
         f"  {name}: {row['median_ms']:.3f} ms ({row['pipelined_ms']:.3f} pipelined), "
+        f"first compile {compile_s:.1f} s, "
         f"{facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs "
         f"{facts['backends']}, peak {facts['peak_memory_gib'] or 0:.2f} GiB, "
         f"{len(facts['untiled_fp8_transposes'])} untiled FP8 transposes{_clock_note(row)}",
@@ -340,7 +352,8 @@ def print_table(title: str, rows: list[dict], baseline: str) -> None:
     print(f"\n{title}")
     print(
         f"{'variant':<28} {'vs ' + baseline:>10} {'median ms':>10} {'pipelined':>10} "
-        f"{'FP8 GEMMs':>10} {'GEMMs':>6} {'peak GiB':>9} {'quantize':>9}  backends"
+        f"{'FP8 GEMMs':>10} {'GEMMs':>6} {'peak GiB':>9} {'compile s':>10} {'quantize':>9}  "
+        "backends"
     )
     for r in rows:
         pipelined = f"{base_pipelined / r['pipelined_ms']:.3f}x" if "pipelined_ms" in r else "-"
@@ -348,7 +361,7 @@ def print_table(title: str, rows: list[dict], baseline: str) -> None:
             f"{r['name']:<28} {base / r['median_ms']:>9.3f}x {r['median_ms']:>10.3f} "
             f"{pipelined:>10} "
             f"{r['fp8_gemms']:>10} {r['gemms']:>6} {r['peak_memory_gib'] or 0:>9.2f} "
-            f"{quantize_share(r):>9}  {r['backends']}"
+            f"{r.get('compile_s', float('nan')):>10.1f} {quantize_share(r):>9}  {r['backends']}"
         )
 
 

@@ -24,6 +24,7 @@ from harness import (
     bf16_matrices,
     dump,
     measure,
+    output_cotangent,
     output_loss,
     print_table,
     standard_variants,
@@ -62,10 +63,11 @@ def flax_variant(x, ffn, activations, dot_general_cls):
     model = FlaxMlp(ffn, activations, dot_general_cls)
     variables = bf16_matrices(jax.jit(model.init)(jax.random.key(0), x))
 
-    def loss(variables, x):
-        return output_loss(model.apply(variables, x))
+    def loss(variables, x, r):
+        return output_loss(model.apply(variables, x), r)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), (variables, x)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    return step, (variables, x, output_cotangent(x.shape))
 
 
 def fp8jax_variant(x, ffn, activations, recipe, bias=True):
@@ -81,7 +83,7 @@ def fp8jax_variant(x, ffn, activations, recipe, bias=True):
     }
     state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
 
-    def loss(params, x, state):
+    def loss(params, x, state, r):
         y = fp8jax.layernorm_mlp(
             x,
             params["gamma"],
@@ -94,9 +96,12 @@ def fp8jax_variant(x, ffn, activations, recipe, bias=True):
             recipe=recipe,
             state=state,
         )
-        return output_loss(y)
+        return output_loss(y, r)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (params, x, state)
+    step = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1, 2)), compiler_options=fp8jax.compiler_options()
+    )
+    return step, (params, x, state, output_cotangent(x.shape))
 
 
 FAST = {"dgrad_precision": jax.lax.Precision.DEFAULT, "wgrad_precision": jax.lax.Precision.DEFAULT}

@@ -50,22 +50,28 @@ def test_heat_is_a_start_option_recorded_in_the_environment(compile_cache_reset,
         harness.start(parser.parse_args(["--heat", "-1"]))
 
 
-def test_the_square_loss_makes_the_output_gradient_depend_on_the_output():
-    # With the mean loss the output gradient is a constant, so XLA may
-    # fuse a layer's forward with its backward; the square loss rules it out.
+def test_each_loss_gives_the_output_gradient_it_promises():
+    # With the mean loss the output gradient is a constant, so XLA may fuse a
+    # layer's forward with its backward; the random loss (the default) gives
+    # the fixed random tensor r / size, the square loss the output / size.
     import jax
     import pytest
 
     y = jnp.arange(6.0).reshape(2, 3)
+    r = harness.output_cotangent(y.shape)
+    assert harness._loss["name"] == "random"
+    grads = {}
     try:
-        harness.set_loss("square")
-        square = jax.grad(harness.output_loss)(y)
-        harness.set_loss("mean")
-        mean = jax.grad(harness.output_loss)(y)
+        for name in ("random", "square", "mean"):
+            harness.set_loss(name)
+            grads[name] = jax.grad(harness.output_loss)(y, r)
     finally:
-        harness.set_loss("mean")
-    assert jnp.allclose(square, y / y.size)
-    assert jnp.allclose(mean, jnp.full_like(y, 1 / y.size))
+        harness.set_loss("random")
+    assert jnp.allclose(grads["random"], r.astype(jnp.float32) / y.size)
+    assert float(jnp.std(grads["random"])) > 0  # not a constant
+    assert jnp.allclose(grads["square"], y / y.size)
+    assert jnp.allclose(grads["mean"], jnp.full_like(y, 1 / y.size))
+    assert jnp.array_equal(r, harness.output_cotangent(y.shape))  # fixed across calls
     with pytest.raises(ValueError, match="loss must be one of"):
         harness.set_loss("sum")
 
@@ -94,7 +100,7 @@ def test_start_applies_the_loss_and_records_it_only_where_a_script_has_one(compi
     try:
         env = harness.start(with_loss.parse_args(["--loss", "square"]))
         assert env["loss"] == "square"
-        assert harness.output_loss(jnp.full((2,), 2.0)) == 2.0  # half the mean square
+        assert harness.output_loss(jnp.full((2,), 2.0), None) == 2.0  # half the mean square
     finally:
-        harness.set_loss("mean")
+        harness.set_loss("random")
     assert "loss" not in harness.start(without_loss.parse_args([]))
