@@ -9,6 +9,7 @@ timeouts only bound a hung process; no assertion depends on timing.
 import errno
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -22,9 +23,10 @@ PATIENCE_S = 300
 
 
 def start(*argv: str) -> subprocess.Popen:
+    """``fp8jax train ARGV`` through the console script's module."""
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "fp8jax.cli", "train", *FAST, *argv],
+        [sys.executable, "-m", "fp8jax_command", "train", *FAST, *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -66,6 +68,39 @@ def open_writer_once_read(fifo, proc: subprocess.Popen) -> int:
                 raise
         time.sleep(0.05)
     pytest.fail("the process never opened --data")
+
+
+def pipes(pid: int) -> int:
+    """How many pipes the process has open besides its stdin, stdout and stderr."""
+    fds = pathlib.Path(f"/proc/{pid}/fd")
+    return sum(
+        1 for fd in fds.iterdir() if int(fd.name) > 2 and os.readlink(fd).startswith("pipe:")
+    )
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc")
+def test_ctrl_c_while_jax_is_imported_exits_130_in_one_line(tmp_path):
+    """The console script takes Ctrl-C before it imports fp8jax (and so JAX).
+
+    Its Ctrl-C pipe (signal.set_wakeup_fd) marks that moment. Before, a Ctrl-C
+    during JAX's import printed a traceback, aborted, or was swallowed by a
+    garbage-collection callback and the run went on.
+    """
+    data = tmp_path / "data"
+    data.mkdir()
+    os.mkfifo(data / "text.txt")  # never written: the run cannot get past loading data
+    proc = start("--data", str(data), "--out", str(tmp_path / "run"))
+    deadline = time.monotonic() + PATIENCE_S
+    while not pipes(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    status, output = finish(proc)
+    assert status == 130, output
+    assert output in (
+        "fp8jax: interrupted.\n",  # before the arguments were parsed
+        "fp8jax train: interrupted before the first step; no checkpoint was saved.\n",
+    ), output
 
 
 def test_ctrl_c_while_reading_data_exits_at_once_and_writes_nothing(tmp_path):
