@@ -123,9 +123,11 @@ def test_a_compile_cache_that_is_a_file_is_refused_before_the_run_directory(tmp_
     assert not out.exists()
 
 
-def test_resume_without_out_is_refused(capsys):
-    assert cli.main(["train", "--resume"]) == 2
-    assert "--resume needs --out" in capsys.readouterr().err
+def test_resume_without_out_continues_the_default_run_directory(tmp_path, capsys, monkeypatch):
+    # "Continue with the same command plus --resume" holds for a command without --out.
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--precision", "bf16", "--resume"]) == 2
+    assert "--resume: runs/tiny-bf16 holds no run" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(

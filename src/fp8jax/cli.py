@@ -107,9 +107,7 @@ def _train(args: argparse.Namespace) -> int:
     from fp8jax.training import TrainError, TrainOptions, train
 
     given = _given_options(args)
-    if "out" not in given:
-        if args.resume:
-            return _error("train", "--resume needs --out, the run directory to continue.", 2)
+    if "out" not in given:  # the default, also for --resume: "the same command plus --resume"
         config, precision = given.get("config", "tiny"), given.get("precision", "fp8")
         recipe = given.get("recipe")
         given["out"] = f"runs/{config}-{precision}" + (f"-{recipe}" if recipe else "")
