@@ -64,13 +64,23 @@ def test_dense_forward_and_gradients_within_fp8_bound(dtype, x_shape):
     )
 
 
+# The elementwise bounds above are worst-case, loose enough to pass an E5M2
+# operand too. Normwise the error is statistical: rounding to a format with
+# unit roundoff u errs uniformly within half a spacing, so for mantissas m
+# spread log-uniformly over [1, 2) its relative RMS is
+# u sqrt(E[1/m**2] / 3) = u sqrt(0.541 / 3) = 0.425 u, and a dot product of
+# two independently rounded operands errs by sqrt(2) of that normwise:
+# 0.0375 for E4M3 x E4M3 (u = 2**-4), but sqrt(0.053**2 + 0.0265**2) = 0.059
+# with one E5M2 operand (u = 2**-3). Over hundreds of outputs the measured
+# error sits within a few percent of its mean; 0.045 allows 20%.
+TYPICAL_E4M3_DOT_ERROR = 0.045
+
+
 def test_dense_is_not_merely_bounded_but_close():
-    # The elementwise bound above is worst-case; the typical relative error of
-    # an E4M3 dot over K=64 terms is near u / sqrt(3) ~ 4%: demand under 8%.
     x, w, _ = _inputs((256, 64), jnp.float32)
     y = np.asarray(fp8jax.dense(x, w), np.float64)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.08
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < TYPICAL_E4M3_DOT_ERROR
 
 
 def test_delayed_scaling_uses_state_scales_within_bound():
@@ -242,9 +252,9 @@ def test_batched_dot_general_matches_reference():
     w = jax.random.normal(kw, (32, 3, 8))
     dims = (((2,), (0,)), ((0,), (1,)))
     y = fp8jax.dot_general(x, w, dims)
-    ref = jnp.einsum("bsk,kbn->bsn", x, w)
+    ref = jnp.einsum("bsk,kbn->bsn", x, w, precision="highest")
     assert y.shape == ref.shape
-    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.08
+    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < TYPICAL_E4M3_DOT_ERROR
     dx, dw = jax.grad(lambda x, w: fp8jax.dot_general(x, w, dims).sum(), argnums=(0, 1))(x, w)
     assert dx.shape == x.shape and dw.shape == w.shape
 

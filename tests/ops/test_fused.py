@@ -453,11 +453,10 @@ def test_activation_and_its_gradient_are_computed_in_the_cast_kernels(activation
 
 @pytest.mark.deviceless
 def test_fp8jax_pallas_0_keeps_xla_cast_and_transpose(monkeypatch):
-    # The documented switch (fp8jax.ops.cast_transpose.enabled), read when the
-    # op is traced.
+    # The switch (fp8jax.kernels.dispatch.enabled), read when the op is traced.
     from fp8jax.verify import gemm_report
 
-    monkeypatch.setenv("FP8JAX_PALLAS", "0")
+    monkeypatch.setattr(fp8jax.kernels.dispatch, "enabled", lambda: False)  # kernels off
     hlo = _mlp_step_hlo(("gelu", "linear"), fp8jax.DelayedScaling(), TOKENS, HIDDEN, FFN)
     assert "fp8jax_cast_transpose" not in hlo
     assert len(gemm_report(hlo).fp8_gemms) == 6
@@ -532,7 +531,7 @@ def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe, monkeypatc
     # gradient comes out of the same kernel. With row maxima XLA needs a
     # kernel for each reduction (the transformer layer's QKV gradient: 0.31 +
     # 0.41 ms on the H200, then one 0.59 ms kernel).
-    monkeypatch.setenv("FP8JAX_PALLAS", "0")
+    monkeypatch.setattr(fp8jax.kernels.dispatch, "enabled", lambda: False)  # kernels off
 
     def column_results(outs):
         return [d for d, shape in outs if d == "f32" and shape[-2:] == (3, 128)]
@@ -951,9 +950,13 @@ def test_layernorm_mlp_gradients_match_fake_quant_and_f32(activations):
     fake = jax.grad(emulated, argnums=range(5))(*args)
     ref = jax.grad(exact, argnums=range(5))(*args)
     for name, g, f, e in zip(["dx", "dgamma", "dbeta", "dk1", "dk2"], got, fake, ref, strict=True):
-        # Same arithmetic as the emulation: only accumulation order and rare
-        # one-ulp FP8 flips (1/16 or 1/8 on a few elements) differ.
-        assert relative_error(g, f) < 2e-2, name
+        # Same arithmetic as the emulation: only f32 roundoff (about 2**-16
+        # after a few dozen operations and 64-term sums) and the rare FP8
+        # flip it causes, one step (2**-3 of an element) in one of 48 x 64
+        # elements, normwise 2**-3 / sqrt(48 * 64) ~ 2**-8.8 each. 2**-8
+        # allows one such flip; an E5M2 operand where E4M3 belongs errs by
+        # about 2**-3 / sqrt(3) ~ 2**-3.8 normwise.
+        assert relative_error(g, f) < 2.0**-8, name
         # Against exact f32: the gradient passes through at most three FP8
         # GEMMs with an E5M2 operand. Independent rounding errors give each a
         # relative error near sqrt(u5**2 + u4**2) / sqrt(3) = 0.08; allow the

@@ -1,0 +1,142 @@
+"""Plants faults in a copy of fp8jax's quantization code and counts which ones the tests catch.
+
+Each mutant is one textual replacement in ``src/fp8jax/ops``, ``scaling.py``
+or ``quantize.py``, applied to a fresh copy of ``src/`` (never the checkout
+itself), which is imported ahead of the installed package through
+PYTHONPATH. A mutant is killed when the test run fails. Not part of the
+suite: run it by hand, on the CPU:
+
+    .venv/bin/python tests/mutation/run_mutants.py --tests tests/ops/test_dense.py ...
+
+``--tests-root`` runs test files from another copy of ``tests/`` (an older
+commit's, from ``git archive``), to compare the suite before and after a change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+# (name, file under src/fp8jax, the text replaced, its replacement, how many occurrences)
+MUTANTS = [
+    ("dense: E5M2 for the forward input", "ops/dense.py",
+     "lhs, fmt, state and state.x, recipe, tokens_ndim",
+     "lhs, recipe.formats.backward, state and state.x, recipe, tokens_ndim", 1),
+    ("dense: E4M3 for the output gradient", "ops/dense.py",
+     "g, recipe.formats.backward, state and state.grad, recipe,",
+     "g, recipe.formats.forward, state and state.grad, recipe,", 1),
+    ("dense: the input's and kernel's amaxes swapped", "ops/dense.py",
+     "amaxes = (lhs_amax, rhs_amax) if state", "amaxes = (rhs_amax, lhs_amax) if state", 1),
+    ("current scaling: margin dropped", "ops/dense.py",
+     "scale_from_amax(x_amax, fmt.max, recipe.margin, fallback=1.0)",
+     "scale_from_amax(x_amax, fmt.max, 0, fallback=1.0)", 1),
+    ("scale_from_amax: margin dropped", "scaling.py",
+     "(jnp.float32(fp8_max) / amax) / jnp.float32(2.0**margin)",
+     "(jnp.float32(fp8_max) / amax)", 1),
+    ("delayed: this step's amax left out of the scale", "scaling.py",
+     "window_amax = jnp.maximum(amax, older_max) if", "window_amax = older_max if", 1),
+    ("delayed: max and most_recent swapped", "scaling.py",
+     'if recipe.amax_compute_algo == "max" else amax',
+     'if recipe.amax_compute_algo == "most_recent" else amax', 1),
+    ("delayed: gradient scales from E4M3's max", "scaling.py",
+     '{"x": "forward", "kernel": "forward", "grad": "backward"}',
+     '{"x": "forward", "kernel": "forward", "grad": "forward"}', 1),
+    ("quantize: no saturation", "quantize.py",
+     "jnp.clip(scaled, -fmt.max, fmt.max)", "scaled", 1),
+    ("quantize: amax of signed values", "quantize.py",
+     "magnitude = jnp.abs(x)\n", "magnitude = x\n", 1),
+    ("fused: E5M2 for the normalized input", "ops/fused.py",
+     "recipe, fmt = config.recipe, config.recipe.formats.forward\n    row_axes",
+     "recipe, fmt = config.recipe, config.recipe.formats.backward\n    row_axes", 1),
+    ("mlp: fc2.kernel's scale for the activation", "ops/fused.py",
+     "fc2.x", "fc2.kernel", 4),
+    ("mlp: the pre-activation's amax recorded for the activation", "ops/fused.py",
+     "(normed_amax, k1_amax, h_amax, k2_amax))",
+     "(normed_amax, k1_amax, jnp.max(jnp.abs(pre)).astype(jnp.float32), k2_amax))", 1),
+    ("mlp: fc2.grad's scale for the activation's gradient", "ops/fused.py",
+     "fc1.grad", "fc2.grad", 3),
+    ("mlp: E5M2 for the activation in fc2's wgrad", "ops/fused.py",
+     "fmt, h_fmt = recipe.formats.backward, recipe.formats.forward",
+     "fmt, h_fmt = recipe.formats.backward, recipe.formats.backward", 1),
+]  # fmt: skip
+
+
+def _apply(src: pathlib.Path, file: str, old: str, new: str, count: int) -> None:
+    path = src / "fp8jax" / file
+    text = path.read_text()
+    if text.count(old) != count:
+        raise ValueError(f"{file}: expected {count} of {old!r}, found {text.count(old)}")
+    path.write_text(text.replace(old, new))
+
+
+def _run_tests(src: pathlib.Path, tests_root: pathlib.Path, tests: list[str], timeout: float,
+               keyword: str | None = None):  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=f"{src}{os.pathsep}{tests_root}", JAX_PLATFORMS="cpu")
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-p",
+               "no:cacheprovider", "-m", "not deviceless", "--rootdir", str(tests_root.parent),
+               "-c", str(tests_root.parent / "pyproject.toml"),
+               *(str(tests_root / t) for t in tests),
+               *(["-k", keyword] if keyword else [])]  # fmt: skip
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=tests_root.parent)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, "timed out"
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    return done.returncode, (failed[0] if failed else (lines[-1] if lines else done.stderr[-300:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tests", nargs="+", required=True, help="paths under the tests root")
+    parser.add_argument("--tests-root", default=str(REPO / "tests"))
+    parser.add_argument("--only", nargs="*", type=int, help="mutant indices to run")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--src", default=str(REPO / "src"), help="the source tree to mutate")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    args = parser.parse_args()
+    tests_root = pathlib.Path(args.tests_root).resolve()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="fp8jax-mutants-"))
+    src = work / "src"
+    check = subprocess.run(
+        [sys.executable, "-c", "import fp8jax; print(fp8jax.__file__)"],
+        env=dict(os.environ, PYTHONPATH=str(REPO / "src")), capture_output=True, text=True,
+    )  # fmt: skip
+    print("baseline import:", check.stdout.strip())
+    killed = 0
+    chosen = args.only if args.only is not None else range(len(MUTANTS))
+    if args.only == []:  # the unmutated source: the selection must pass
+        rc, detail = _run_tests(pathlib.Path(args.src), tests_root, args.tests, args.timeout,
+                                args.keyword)  # fmt: skip
+        print("unmutated:", "passes" if rc == 0 else f"FAILS ({detail})")
+    for i in chosen:
+        name, file, old, new, count = MUTANTS[i]
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.copytree(args.src, src, ignore=shutil.ignore_patterns("*.egg-info"))
+        _apply(src, file, old, new, count)
+        imported = subprocess.run(
+            [sys.executable, "-c", "import fp8jax; print(fp8jax.__file__)"],
+            env=dict(os.environ, PYTHONPATH=str(src)), capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+        if not imported.startswith(str(src)):
+            raise RuntimeError(f"the mutated copy is not the one imported: {imported}")
+        start = time.time()
+        rc, detail = _run_tests(src, tests_root, args.tests, args.timeout, args.keyword)
+        verdict = "killed" if rc not in (0, None) else "SURVIVED" if rc == 0 else "timeout"
+        killed += verdict == "killed"
+        print(f"[{i:2d}] {verdict:8s} {time.time() - start:6.0f}s  {name}: {detail}", flush=True)
+    print(f"{killed} of {len(chosen)} mutants killed")
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
