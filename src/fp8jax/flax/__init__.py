@@ -14,6 +14,7 @@
 from fp8jax.flax.dot_general import Fp8DotGeneral, fp8_dot_general
 from fp8jax.flax.train import (
     FP8_COLLECTION,
+    Fp8StateNotDifferentiatedWarning,
     TrainState,
     make_train_step,
 )
@@ -21,6 +22,7 @@ from fp8jax.flax.train import (
 __all__ = [
     "FP8_COLLECTION",
     "Fp8DotGeneral",
+    "Fp8StateNotDifferentiatedWarning",
     "TrainState",
     "fp8_dot_general",
     "make_train_step",

@@ -18,12 +18,15 @@ from the same state; their new states are merged by max
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from fp8jax.flax._common import positive_int
 from fp8jax.recipes import DelayedScaling
@@ -31,6 +34,81 @@ from fp8jax.scaling import ScaleState, combine_states, take_new_state
 
 FP8_COLLECTION = "fp8_state"
 """The Linen variable collection that holds delayed-scaling state."""
+
+
+class Fp8StateNotDifferentiatedWarning(UserWarning):
+    """A module's parameters are differentiated but its DelayedScaling state is not.
+
+    Its scales then never change (they stay at their initial 1.0): the ops
+    return the next state as the state's gradient, which such a step drops.
+    Raised at trace time by :func:`watch_state`. Make it an error with
+    ``warnings.simplefilter("error", Fp8StateNotDifferentiatedWarning)``.
+    """
+
+
+def watch_state(state, param: jax.Array, owner: str):
+    """``state`` as it is, warning when a gradient takes ``param`` but not ``state``.
+
+    A hand-written step that differentiates only the parameters
+    (``nnx.value_and_grad`` and ``nnx.Optimizer(..., wrt=nnx.Param)``, or
+    ``jax.grad`` over a Linen ``params`` tree) drops the new FP8 state that
+    the ops return as its gradient, so the scales never move; with small
+    gradients E5M2 then underflows and the loss stalls. JAX tells a
+    custom_vjp which inputs are differentiated (``symbolic_zeros``), so the
+    mistake is caught where it happens, once per trace, at no run-time
+    cost. Gradients with respect to the inputs alone (saliency, say) take
+    neither, and stay quiet.
+
+    Args:
+      state: the module's state group, or None (CurrentScaling: returned as is).
+      param: one of the module's parameters (its kernel).
+      owner: the module's class name, for the message.
+    """
+    if state is None:
+        return None
+    return _watch(state, param, owner)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _watch(state, param, owner):
+    del param, owner
+    return state
+
+
+def _is_primal(node) -> bool:
+    return isinstance(node, CustomVJPPrimal)
+
+
+def _watch_fwd(state, param, owner):
+    leaves = jax.tree.leaves(state, is_leaf=_is_primal)
+    if param.perturbed and not any(leaf.perturbed for leaf in leaves):
+        warnings.warn(
+            f"fp8jax: a gradient is taken with respect to {owner}'s parameters but not its "
+            "DelayedScaling state, so the FP8 scales will never be updated (they stay at 1.0 "
+            "and small gradients underflow in E5M2). The ops return the next state as the "
+            "state's gradient: use fp8jax.flax.nnx.train_step (NNX) or "
+            "fp8jax.flax.make_train_step (Linen), or differentiate the state too (NNX: the "
+            "fp8jax.flax.nnx.Fp8State variables; Linen: the 'fp8_state' collection) and swap "
+            "its gradient in with fp8jax.take_new_state. See docs/flax.md, 'FP8 state'.",
+            Fp8StateNotDifferentiatedWarning,
+            stacklevel=2,
+        )
+    return jax.tree.map(lambda leaf: leaf.value, state, is_leaf=_is_primal), None
+
+
+def _watch_bwd(owner, _, state_cotangent):
+    del owner
+    # A state whose op did not reach the loss gets a symbolic zero: a zero
+    # scale, which take_new_state reads as "not consumed".
+    state_cotangent = jax.tree.map(
+        lambda c: jnp.zeros(c.aval.shape, c.aval.dtype) if isinstance(c, SymbolicZero) else c,
+        state_cotangent,
+        is_leaf=lambda n: isinstance(n, SymbolicZero),
+    )
+    return state_cotangent, None
+
+
+_watch.defvjp(_watch_fwd, _watch_bwd, symbolic_zeros=True)
 
 
 def _is_scale_state(node) -> bool:

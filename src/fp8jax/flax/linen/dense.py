@@ -94,7 +94,7 @@ class DenseGeneral(nn.Module):
             y = self.dot_general(x, kernel.astype(x.dtype), (dims, ((), ())))
             y = y if bias is None else y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
             return split_output(y, self.split, self.split_axis, len(features))
-        state = scale_state(self, self.recipe)
+        state = scale_state(self, self.recipe, kernel)
         return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state,
                             split=self.split, split_axis=self.split_axis)  # fmt: skip
 
@@ -194,7 +194,7 @@ class LayerNormDenseGeneral(nn.Module):
             zero_centered_gamma=self.zero_centered_gamma,
             epsilon=self.epsilon,
             recipe=self.recipe,
-            state=scale_state(self, self.recipe),
+            state=scale_state(self, self.recipe, kernel),
             return_normalized=self.return_layernorm_output,
             return_residual=self.return_residual,
             split=self.split,

@@ -100,7 +100,7 @@ class LayerNormMLP(nn.Module):
             "zero_centered_gamma": self.zero_centered_gamma,
             "epsilon": self.epsilon,
         }
-        state = scale_state(self, self.recipe, MlpScaleState)
+        state = scale_state(self, self.recipe, kernel_1, MlpScaleState)
         y = fp8jax.layernorm_mlp(
             x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
             activations=acts, recipe=self.recipe, state=state,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 from flax.core import meta
 
 from fp8jax.flax._common import is_delayed
+from fp8jax.flax.train import watch_state
 from fp8jax.recipes import Recipe, resolve_recipe
 from fp8jax.scaling import DotScaleState, init_state
 
@@ -39,9 +41,13 @@ def scale_state(recipe: Recipe | None, group: type = DotScaleState) -> Fp8State 
     return Fp8State(init_state(resolve_recipe(recipe), group))
 
 
-def state_value(variable: Fp8State | None):
-    """What the op takes as ``state``."""
-    return None if variable is None else variable.get_value()
+def state_value(variable: Fp8State | None, param: jax.Array, owner: str):
+    """What the op takes as ``state``; warns if a gradient takes ``param`` but not the state.
+
+    See :func:`fp8jax.flax.train.watch_state`: a hand-written NNX step that
+    differentiates only ``nnx.Param`` would leave the scales at 1.0.
+    """
+    return None if variable is None else watch_state(variable.get_value(), param, owner)
 
 
 def value_of(variable: nnx.Variable | None):

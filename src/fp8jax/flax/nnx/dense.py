@@ -103,7 +103,7 @@ class DenseGeneral(nnx.Module):
             y = self.dot_general(x, kernel.astype(x.dtype), (dims, ((), ())))
             y = y if bias is None else y + jnp.broadcast_to(bias.astype(y.dtype), y.shape)
             return split_output(y, self.split, self.split_axis, kernel.ndim - len(axes))
-        state = state_value(self.scales)
+        state = state_value(self.scales, kernel, owner)
         return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state,
                             split=self.split, split_axis=self.split_axis)  # fmt: skip
 
@@ -207,7 +207,7 @@ class LayerNormDenseGeneral(nnx.Module):
             zero_centered_gamma=self.zero_centered_gamma,
             epsilon=self.epsilon,
             recipe=self.recipe,
-            state=state_value(self.scales),
+            state=state_value(self.scales, self.kernel[...], type(self).__name__),
             return_normalized=self.return_layernorm_output,
             return_residual=self.return_residual,
             split=self.split,

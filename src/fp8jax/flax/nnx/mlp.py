@@ -106,7 +106,8 @@ class LayerNormMLP(nnx.Module):
             x, gamma, beta, self.kernel_1[...], self.kernel_2[...],
             value_of(self.bias_1), value_of(self.bias_2),
             activations=self.activations, recipe=self.recipe,
-            state=state_value(self.scales), return_residual=self.return_residual, **norm,
+            state=state_value(self.scales, self.kernel_1[...], type(self).__name__),
+            return_residual=self.return_residual, **norm,
         )  # fmt: skip
         if not self.return_layernorm_output:
             return y
