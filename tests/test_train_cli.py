@@ -246,3 +246,16 @@ def test_a_corrupt_checkpoints_error_is_short_and_keeps_the_hint(copy_of_bf16_ru
     assert lines[1] == "It was left as is; delete that step's folder to resume from an older one."
     assert "TensorStore" not in captured.err and "absl" not in captured.out + captured.err
     assert snapshot(copy_of_bf16_run) == before
+
+
+def test_resume_names_the_precision_given_not_the_saved_recipe(copy_of_bf16_run, capsys):
+    # An FP8 run's config.json (its recipe included), resumed with --precision bf16.
+    config = json.loads((copy_of_bf16_run / "config.json").read_text())
+    (copy_of_bf16_run / "config.json").write_text(
+        json.dumps(config | {"precision": "fp8", "recipe": "current"})
+    )
+    argv = ["--resume", "--steps", "3", "--precision", "bf16", "--out", str(copy_of_bf16_run)]
+    assert cli.main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "precision: checkpoint has 'fp8', this run has 'bf16'" in err
+    assert "--recipe current applies to FP8" not in err

@@ -99,7 +99,12 @@ def _resumed_options(out: str, given: dict) -> dict:
         return given
     if not isinstance(saved, dict):
         return given
-    return saved_options(saved, str(default_corpus_path())) | given
+    options = saved_options(saved, str(default_corpus_path())) | given
+    if options.get("precision") == "bf16" and "recipe" not in given:
+        # A saved FP8 recipe does not apply to a --precision bf16 given now; the refusal
+        # then names the precision that differs, not a --recipe the user did not pass.
+        options["recipe"] = None
+    return options
 
 
 def _train(args: argparse.Namespace) -> int:
