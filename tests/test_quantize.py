@@ -62,14 +62,11 @@ def test_out_of_range_saturates_to_format_max(fmt, magnitude, sign):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_infinities_stay_non_finite(fmt):
     # Finite overflow saturates (above), but an Inf must stay non-finite so
-    # that a NaN/Inf guard downstream fires: Inf in E5M2, NaN in E4M3 (no Inf).
+    # that a NaN/Inf guard downstream fires. It becomes NaN in both formats:
+    # the GPU's FP8 conversion would saturate an Inf (fp8jax.quantize's docs).
     fp8 = FORMATS[fmt]
     q, _ = fp8jax.quantize(jnp.asarray([jnp.inf, -jnp.inf], jnp.float32), fp8, jnp.float32(1.0))
-    values = q.data.astype(jnp.float32)
-    if fmt == "e5m2":
-        assert values.tolist() == [jnp.inf, -jnp.inf]
-    else:
-        assert bool(jnp.all(jnp.isnan(values)))
+    assert bool(jnp.all(jnp.isnan(q.data.astype(jnp.float32))))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -76,12 +76,14 @@ def quantize_with_scale(x: jax.Array, fmt: Fp8Format, scale: jax.Array) -> Fp8Ar
     x32 = x.astype(jnp.float32)
     scaled = x32 * scale
     # XLA's f32->f8 convert maps out-of-range values to NaN (e4m3fn) or Inf
-    # (e5m2); clipping first makes finite overflow saturate instead. A NaN
-    # passes the clip; an infinite input is let through too, so that it
-    # stays non-finite (NaN in E4M3, Inf in E5M2) and the caller's NaN/Inf
-    # checks see it. One compare and select per element, fused into the
-    # cast (and identical in the Pallas kernels, which call this).
-    clipped = jnp.where(jnp.abs(x32) == jnp.inf, scaled, jnp.clip(scaled, -fmt.max, fmt.max))
+    # (e5m2); clipping first makes finite overflow saturate instead. A
+    # non-finite input becomes NaN, so that the caller's NaN/Inf checks see
+    # it: an Inf would not survive, as the GPU's conversion (cvt .satfinite)
+    # saturates infinities, and Triton's minimum and maximum (the Pallas
+    # kernels call this) may drop a NaN in the clip. One compare and select
+    # per element, fused into the cast.
+    clipped = jnp.clip(scaled, -fmt.max, fmt.max)
+    clipped = jnp.where(jnp.abs(x32) < jnp.inf, clipped, jnp.float32(jnp.nan))
     return Fp8Array(clipped.astype(fmt.dtype), 1.0 / scale, fmt)
 
 
@@ -89,11 +91,11 @@ def quantize(x: jax.Array, fmt: Fp8Format, scale: jax.Array | None = None, *, ma
     """Quantizes ``x`` to FP8, saturating finite overflow at the format's maximum.
 
     Finite values beyond the format's range saturate to ``±fmt.max``.
-    Non-finite values propagate: a NaN stays NaN and ±Inf becomes ±Inf in
-    E5M2 and NaN in E4M3 (which has no infinity), so a NaN/Inf in an op's
-    input or gradient gives a non-finite result in the rows it reaches, and
-    the caller's overflow checks still fire. Every fp8jax op quantizes this
-    way, on the XLA path and in the Pallas kernels.
+    Non-finite values propagate: a NaN or ±Inf becomes NaN (in both
+    formats; on the GPU the FP8 conversion would saturate an Inf), so a
+    NaN/Inf in an op's input or gradient gives a non-finite result in the
+    rows it reaches, and the caller's overflow checks still fire. Every
+    fp8jax op quantizes this way, on the XLA path and in the Pallas kernels.
 
     Args:
       x: a float32, bfloat16 or float16 array.
