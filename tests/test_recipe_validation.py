@@ -59,3 +59,27 @@ def test_amax_compute_algo_of_wrong_type_is_rejected(algo):
 def test_history_length_must_be_a_positive_int(length):
     with pytest.raises(ValueError, match="amax_history_len must be an int >= 1"):
         fp8jax.DelayedScaling(amax_history_len=length)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
+def test_quantize_rejects_a_concrete_scale_that_is_not_finite_and_positive(scale):
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        fp8jax.quantize(jnp.ones((4,)), fp8jax.E4M3, jnp.float32(scale))
+
+
+@pytest.mark.parametrize("margin", [math.inf, -1, 40])
+def test_quantize_rejects_a_margin_out_of_range(margin):
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match="quantize.margin must be"):
+        fp8jax.quantize(jnp.ones((4,)), fp8jax.E4M3, margin=margin)
+
+
+def test_quantize_takes_a_traced_scale():
+    import jax
+    import jax.numpy as jnp
+
+    q = jax.jit(lambda s: fp8jax.quantize(jnp.ones((4,)), fp8jax.E4M3, s)[0].data)(2.0)
+    assert q.astype(jnp.float32).tolist() == [2.0] * 4

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format, is_fp8
+from fp8jax.recipes import check_margin
 from fp8jax.scaling import scale_from_amax
 
 
@@ -112,6 +114,8 @@ def quantize(x: jax.Array, fmt: Fp8Format, scale: jax.Array | None = None, *, ma
     Raises:
       TypeError: if ``x`` is not a high-precision float array or ``fmt`` is not
         an FP8 format.
+      ValueError: for a scale that is not a scalar, a concrete scale that is
+        not finite and > 0, or a margin outside [0, 32].
 
     Example:
       >>> import jax.numpy as jnp, fp8jax
@@ -124,9 +128,20 @@ def quantize(x: jax.Array, fmt: Fp8Format, scale: jax.Array | None = None, *, ma
         raise TypeError(f"fmt must be fp8jax.E4M3 or fp8jax.E5M2, got {fmt!r}.")
     x_amax = amax(x)
     if scale is None:
+        check_margin("quantize", margin)
         scale = scale_from_amax(x_amax, fmt.max, margin, fallback=1.0)
     elif jnp.shape(scale) != ():
         raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}.")
+    elif not isinstance(scale, jax.core.Tracer):
+        # A traced scale cannot be checked here; a concrete one can. A zero,
+        # negative or non-finite scale gives a scale_inv that makes every
+        # dequantized value NaN, Inf or of the wrong sign.
+        value = float(scale)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"scale must be a finite number > 0, got {value}: it multiplies x before the "
+                "cast. Pass scale=None to derive it from x's amax."
+            )
     return quantize_with_scale(x, fmt, jnp.asarray(scale)), x_amax
 
 

@@ -30,7 +30,7 @@ _AMAX_ALGOS = ("max", "most_recent")
 _MAX_MARGIN = 32
 
 
-def _check_margin(cls_name: str, margin) -> None:
+def check_margin(cls_name: str, margin) -> None:
     if isinstance(margin, bool) or not isinstance(margin, numbers.Real):
         raise TypeError(
             f"{cls_name}.margin must be a real number (int or float) >= 0, got {margin!r}."
@@ -57,7 +57,7 @@ def _check_reduction_axes(cls_name: str, axes) -> None:
 
 
 def _check_common(cls_name: str, recipe) -> None:
-    _check_margin(cls_name, recipe.margin)
+    check_margin(cls_name, recipe.margin)
     _check_reduction_axes(cls_name, recipe.amax_reduction_axes)
     if not isinstance(recipe.formats, FormatPair):
         raise TypeError(
