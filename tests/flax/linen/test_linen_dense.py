@@ -47,9 +47,9 @@ def test_dense_general_gradients_close_to_flax():
     got = jax.jit(jax.grad(loss(layer), argnums=(0, 1)))(params, x)
     want = jax.jit(jax.grad(loss(flax_layer), argnums=(0, 1)))(params, x)
     # dgrad and wgrad each quantize two operands (E5M2 gradient, E4M3 other);
-    # E5M2's u = 2**-3 counts as two E4M3 roundings: budget for 3.
+    # E5M2's u = 2**-3 gives its rounding four times E4M3's variance: budget for 5.
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert ref.relative_error(g, w) < ref.fp8_budget(3)
+        assert ref.relative_error(g, w) < ref.fp8_budget(5)
 
 
 def test_dense_general_custom_dot_general_is_flax_exactly():
