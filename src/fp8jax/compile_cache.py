@@ -65,11 +65,14 @@ def check(directory: str) -> str:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ValueError(f"{existing!r} is a file, not a directory; pass a directory.")
+        raise ValueError(
+            f"compile_cache: cannot create the directory {path!r}: {existing!r} is a file; "
+            "pass a directory, or 'none'."
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(
-            f"{path!r} cannot be written (no permission in {existing!r}, or a read-only file "
-            "system); pass another directory, or 'none'."
+            f"compile_cache: cannot create the directory {path!r}: no write permission in "
+            f"{existing!r} (or a read-only file system); pass another directory, or 'none'."
         )
     return path
 
