@@ -1,14 +1,10 @@
 """A persistent compilation cache, because XLA's first FP8 compile on Hopper is slow.
 
-Measured on the H200 with jax 0.11.2 (bench/results/h200-2026-11-30-c,
-calls S and T): the first compile of the GeGLU block's fwd+bwd step took
-157-165 s and the TransformerLayer's 253 s; a BF16 step compiles in about
-5 s. Nearly all of it is XLA autotuning Triton GEMM configurations for the
-FP8 dots (12 to 19 per GEMM), although cuBLASLt won every one of them. A
-fresh process that found XLA's autotune results on disk compiled the same
-block in 0.6 s. Switching Triton GEMMs off instead
-(``--xla_gpu_enable_triton_gemm=false``) compiled in 1.3 s but made the step
-0.9 ms (5%) slower, so fp8jax keeps XLA's defaults and caches the result.
+On an H200 the first compile of an FP8 block's forward and backward step took
+minutes, nearly all of it XLA autotuning Triton GEMM configurations for the
+FP8 dots, where a BF16 step compiles in seconds; a fresh process that found
+XLA's autotune results on disk compiled the same block in under a second
+(docs/design.md, "First compile time").
 
 JAX's persistent compilation cache stores compiled executables and, through
 ``jax_persistent_cache_enable_xla_caches``, XLA's per-fusion autotune
