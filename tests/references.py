@@ -183,6 +183,53 @@ def assert_state(actual, expected: dict, rtol: float, what: str) -> None:
                                    err_msg=f"{what}: {key}.scale")  # fmt: skip
 
 
+def reference_recipe(recipe, state=None):
+    """The reference of an fp8jax recipe (and, for DelayedScaling, of the state it starts from)."""
+    fmt = recipe.formats.forward.name, recipe.formats.backward.name
+    if not hasattr(recipe, "amax_history_len"):  # CurrentScaling
+        return CurrentRef(recipe.margin, *fmt)
+    return DelayedRef(recipe.margin, *fmt, state=state_dict(state),
+                          algo=recipe.amax_compute_algo)  # fmt: skip
+
+
+# Stored scales a factor off each tensor's own amax scale, none a power of two
+# from another (a power of two between two roles' scales would move only
+# saturated and subnormal elements); 0.8 saturates the largest fifth of a
+# tensor's range. Older history entries above or below the new amax, so that
+# both the new amax and the history decide some scale.
+_SCALE_FACTORS = (0.8, 1.3, 1.7, 0.9, 1.15, 2.3)
+_HISTORY_FACTORS = (1.5, 0.5, 0.7, 1.2, 0.3, 2.0)
+
+
+def delayed_state(recipe, state, amaxes: dict):
+    """``state`` (from ``fp8jax.init_state``) with every role's own scale and history.
+
+    ``amaxes``: each role's amax under current scaling (``CurrentRef.amaxes``).
+    """
+    keys = list(state_dict(state))
+    values = {}
+    for i, key in enumerate(keys):
+        fmt = recipe.formats.backward if key.endswith("grad") else recipe.formats.forward
+        fp8_max = fmt.max
+        a = float(amaxes[key])
+        history = np.zeros(recipe.amax_history_len, np.float32)
+        history[1] = a * _HISTORY_FACTORS[i % 6]
+        values[key] = (history, np.float32(fp8_max / (a * _SCALE_FACTORS[i % 6])))
+    return _with_values(state, values)
+
+
+def _with_values(state, values: dict, prefix=""):
+    fields = {}
+    for name, value in state._asdict().items():
+        if hasattr(value, "amax_history"):
+            history, scale = values[prefix + name]
+            fields[name] = value._replace(amax_history=jnp.asarray(history),
+                                          scale=jnp.asarray(scale))  # fmt: skip
+        else:
+            fields[name] = _with_values(value, values, f"{prefix}{name}.")
+    return state._replace(**fields)
+
+
 # --- GEMMs on dequantized operands --------------------------------------------------
 
 

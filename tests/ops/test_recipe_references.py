@@ -31,50 +31,6 @@ RECIPES = {
 }
 
 
-def reference_recipe(recipe, state=None):
-    fmt = recipe.formats.forward.name, recipe.formats.backward.name
-    if isinstance(recipe, fp8jax.CurrentScaling):
-        return ref.CurrentRef(recipe.margin, *fmt)
-    return ref.DelayedRef(recipe.margin, *fmt, state=ref.state_dict(state),
-                          algo=recipe.amax_compute_algo)  # fmt: skip
-
-
-# Stored scales a factor off each tensor's own amax scale, none a power of two
-# from another (a power of two between two roles' scales would move only
-# saturated and subnormal elements); 0.8 saturates the largest fifth of a
-# tensor's range. Older history entries above or below the new amax, so that
-# both the new amax and the history decide some scale.
-_SCALE_FACTORS = (0.8, 1.3, 1.7, 0.9, 1.15, 2.3)
-_HISTORY_FACTORS = (1.5, 0.5, 0.7, 1.2, 0.3, 2.0)
-
-
-def delayed_state(recipe, group, amaxes: dict):
-    """A state whose every role has its own scale and history, from the tensors' amaxes."""
-    state = fp8jax.init_state(recipe, group)
-    keys = list(ref.state_dict(state))
-    values = {}
-    for i, key in enumerate(keys):
-        fmt = recipe.formats.backward if key.endswith("grad") else recipe.formats.forward
-        fp8_max = fmt.max
-        a = float(amaxes[key])
-        history = np.zeros(recipe.amax_history_len, np.float32)
-        history[1] = a * _HISTORY_FACTORS[i % 6]
-        values[key] = (history, np.float32(fp8_max / (a * _SCALE_FACTORS[i % 6])))
-    return _with_values(state, values)
-
-
-def _with_values(state, values: dict, prefix=""):
-    fields = {}
-    for name, value in state._asdict().items():
-        if hasattr(value, "amax_history"):
-            history, scale = values[prefix + name]
-            fields[name] = value._replace(amax_history=jnp.asarray(history),
-                                          scale=jnp.asarray(scale))  # fmt: skip
-        else:
-            fields[name] = _with_values(value, values, f"{prefix}{name}.")
-    return state._replace(**fields)
-
-
 def run(fn, args: tuple, state, cotangent):
     """``(y, args' gradients, state's gradient)`` of ``fn(*args, state=state)``, under jit."""
 
@@ -89,11 +45,11 @@ def run(fn, args: tuple, state, cotangent):
 def _setup(recipe, group, probe):
     """The state the op runs with (None for current scaling) and the reference recipe."""
     if isinstance(recipe, fp8jax.CurrentScaling):
-        return None, reference_recipe(recipe)
+        return None, ref.reference_recipe(recipe)
     amaxes = ref.CurrentRef()
     probe(amaxes)
-    state = delayed_state(recipe, group, amaxes.amaxes)
-    return state, reference_recipe(recipe, state)
+    state = ref.delayed_state(recipe, fp8jax.init_state(recipe, group), amaxes.amaxes)
+    return state, ref.reference_recipe(recipe, state)
 
 
 # State budget: a role's amax is one element of its tensor, exact for inputs

@@ -52,3 +52,53 @@ def test_bf16_compute_keeps_f32_params():
     # Plus bf16 rounding (u = 2**-8) of the activations and output: negligible
     # next to E4M3's 2**-4, so the same four-operand budget applies.
     assert ref.relative_error(y, want) < ref.fp8_budget(4)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8jax.CurrentScaling(), fp8jax.DelayedScaling(amax_history_len=4, margin=1)],
+    ids=["current", "delayed"],
+)
+def test_values_gradients_and_state_match_fake_quant_reference(recipe):
+    import references as fq  # tests/references.py: ml_dtypes casts, no fp8jax code
+
+    activations = ("gelu", "linear")
+    x = jax.random.normal(jax.random.key(0), (2, 64, 128))
+    c = jax.random.normal(jax.random.key(1), (2, 64, 128))
+    layer = fnn.LayerNormMLP(128, activations=activations, recipe=recipe)
+    params = ref.init_params(layer, x)
+    p = {k: params[k] for k in ("scale", "ln_bias", "kernel_1", "kernel_2", "bias_1", "bias_2")}
+    args = (x, p["scale"], p["ln_bias"], p["kernel_1"], p["kernel_2"], p["bias_1"], p["bias_2"])
+    state = None
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        probe = fq.CurrentRef()
+        fq.layernorm_mlp(*args, c, probe, activations=activations)
+        init = nn.unbox(ref.init(layer, x))["fp8_state"]["scales"]
+        state = fq.delayed_state(recipe, init, probe.amaxes)
+    rec = fq.reference_recipe(recipe, state)
+    want_y, want, _ = fq.layernorm_mlp(*args, c, rec, activations=activations)
+
+    def apply(params, state, x):
+        variables = {"params": params}
+        if state is not None:
+            variables["fp8_state"] = {"scales": state}
+        return layer.apply(variables, x)
+
+    @jax.jit
+    def step(params, state, x):
+        y, vjp = jax.vjp(apply, params, state, x)
+        return y, vjp(c)
+
+    y, (d_params, new_state, dx) = step(params, state, x)
+    got = {"y": y, "x": dx, "gamma": d_params["scale"], "beta": d_params["ln_bias"]}
+    got |= {k: d_params[k] for k in ("kernel_1", "kernel_2", "bias_1", "bias_2")}
+    # As tests/ops/test_recipe_references.py derives it: f32 roundoff and the
+    # rare FP8 rounding it moves, one step (2**-3 of an element) in one of
+    # 128 x 128 elements, 2**-10 normwise each; 2**-8 allows a few. An E5M2
+    # operand in an E4M3 role errs by about 2**-3.8.
+    for name, value in {**want, "y": want_y}.items():
+        assert fq.relative_error(got[name], value) < 2.0**-8, name
+    if state is not None:
+        # Amaxes: one element each, exact or within f32 roundoff of the
+        # reference's (2**-20); 2**-16 relative.
+        fq.assert_state(new_state, rec.next_state(), 2.0**-16, "LayerNormMLP")
