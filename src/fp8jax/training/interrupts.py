@@ -40,10 +40,11 @@ class CtrlC:
 
     Attributes:
       command: the subcommand, for the message (``fp8jax COMMAND: ...``).
-      note: what the message says when Ctrl-C ends the process now.
+      note: what the message says when Ctrl-C ends the process now (or a function
+        that returns it, called then).
     """
 
-    def __init__(self, command: str, note: str = "interrupted."):
+    def __init__(self, command: str, note: str | Callable[[], str] = "interrupted."):
         self.command = command
         self.note = note
         self._stop: threading.Event | None = None
@@ -79,11 +80,15 @@ class CtrlC:
                     "(Ctrl-C again to abort)."
                 )
                 return
-            exit_now(" ".join(filter(None, ("fp8jax", self.command))) + f": {self.note}")
+            note = self.note() if callable(self.note) else self.note
+            exit_now(" ".join(filter(None, ("fp8jax", self.command))) + f": {note}")
 
     @contextlib.contextmanager
     def training_loop(
-        self, say: Callable[[str], None], abort_note: str, finish_note: str
+        self,
+        say: Callable[[str], None],
+        abort_note: str | Callable[[], str],
+        finish_note: str | Callable[[], str],
     ) -> Iterator[Callable[[], bool]]:
         """Inside: the first Ctrl-C requests a stop; a second exits with ``abort_note``.
 

@@ -318,9 +318,18 @@ class _Loop:
             total=c.steps, initial=start, desc=f"{c.name} {c.precision}", enabled=progress
         )
         status, step = "completed", start
-        kept = f"the complete checkpoints in {self.run_dir.checkpoints} are kept."
-        abort = f"aborted by a second Ctrl-C; {kept}"
-        finish = f"interrupted while finishing the run; {kept}"
+
+        def kept() -> str:  # read by the Ctrl-C thread when it ends the process
+            if self.last_saved is None:
+                return "no checkpoint was saved."
+            return f"checkpoint {self.last_saved} in {self.run_dir.checkpoints} is kept."
+
+        def abort() -> str:
+            return f"aborted by a second Ctrl-C; {kept()}"
+
+        def finish() -> str:
+            return f"interrupted while finishing the run; {kept()}"
+
         try:
             try:
                 # From the header on, Ctrl-C stops the run after the step it interrupts, or

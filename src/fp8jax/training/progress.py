@@ -90,7 +90,9 @@ def postfix(record: dict) -> dict:
 
 @contextlib.contextmanager
 def stop_on_ctrl_c(
-    say: Callable[[str], None], abort_note: str = "aborted.", finish_note: str = "interrupted."
+    say: Callable[[str], None],
+    abort_note: str | Callable[[], str] = "aborted.",
+    finish_note: str | Callable[[], str] = "interrupted.",
 ) -> Iterator[Callable[[], bool]]:
     """Turns the first Ctrl-C into a stop request the loop polls between steps.
 
