@@ -95,3 +95,51 @@ def test_layernorm_dense_matches_flax_within_fp8_bound(norm_type):
     assert set(params) == {"scale", "kernel", "bias"} | (
         {"ln_bias"} if norm_type == "layernorm" else set()
     )
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8jax.CurrentScaling(margin=1), fp8jax.DelayedScaling(amax_history_len=4, margin=1)],
+    ids=["current", "delayed"],
+)
+def test_dense_general_matches_fake_quant_reference_with_its_state(recipe):
+    import references as fq  # tests/references.py: ml_dtypes casts, no fp8jax code
+
+    x = jax.random.normal(jax.random.key(0), (4, 16, 64))
+    c = jax.random.normal(jax.random.key(1), (4, 16, 24))
+    layer = fnn.DenseGeneral(24, recipe=recipe)
+    params = ref.init_params(layer, x)
+    dims = (((2,), (0,)), ((), ()))
+    state = None
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        probe = fq.CurrentRef()
+        fq.dot_general(x, params["kernel"], dims, c, probe)
+        init = nn.unbox(ref.init(layer, x))["fp8_state"]["scales"]
+        state = fq.delayed_state(recipe, init, probe.amaxes)
+    rec = fq.reference_recipe(recipe, state)
+    (want_y, want_dx, want_dk), mags = fq.dot_general(x, params["kernel"], dims, c, rec,
+                                                       magnitudes=True)  # fmt: skip
+    want_y = want_y + np.asarray(params["bias"], np.float64)
+
+    def apply(params, state, x):
+        variables = {"params": params}
+        if state is not None:
+            variables["fp8_state"] = {"scales": state}
+        return layer.apply(variables, x)
+
+    @jax.jit
+    def step(params, state, x):
+        y, vjp = jax.vjp(apply, params, state, x)
+        return y, vjp(c)
+
+    y, (d_params, new_state, dx) = step(params, state, x)
+    # Elementwise, the GEMMs' f32 roundoff against the fake-quant reference
+    # (tests/references.py: (2 K + 8) 2**-24 of the magnitude sums), plus
+    # the bias add's one f32 rounding.
+    y_slack = fq.gemm_slack(mags[0], 64) + 2.0**-24 * np.abs(want_y)
+    fq.assert_close(y, want_y, y_slack, "forward")
+    fq.assert_close(dx, want_dx, fq.gemm_slack(mags[1], 24), "dgrad")
+    fq.assert_close(d_params["kernel"], want_dk, fq.gemm_slack(mags[2], 64), "wgrad")
+    if state is not None:
+        # Each amax is one element of an input or cotangent, exactly.
+        fq.assert_state(new_state, rec.next_state(), 2.0**-20, "DenseGeneral")
