@@ -60,13 +60,11 @@ def gelu(x):
     """Exact gelu, ``x * Phi(x)``, with Phi written through ``erf``.
 
     ``jax.nn.gelu(approximate=False)`` writes Phi through ``erfc``, which XLA
-    expands into several polynomials, an ``exp`` and selects: on the H200 a
-    fusion computing it over GeGLU's (16384, 16384) pre-activation took
-    0.79 ms and XLA kept its f32 value alive for the backward rather than pay
-    again. XLA's f32 ``erf`` is one rational polynomial, cheap enough to
+    expands into several polynomials, an ``exp`` and selects, costly enough
+    that XLA kept its f32 value alive for the backward rather than recompute
+    it. XLA's f32 ``erf`` is one rational polynomial, cheap enough to
     recompute, so gelu takes the same path as every other activation
-    (GeGLU block 17.54 to 17.17 ms, BF16 baseline 31.08 to 30.55 ms with
-    the same change, same GPU; docs/design.md, "gelu through erf"). ``erfc`` is
+    (docs/design.md#gelu-through-erf has the measurement). ``erfc`` is
     more accurate only in the negative tail, where ``1 + erf`` cancels: in
     f32 this form stays within 1.1e-6 of the exact value over [-12, 12],
     under a thousandth of bf16's spacing at 1, 2**-7 (tests/ops/test_fused.py).
@@ -127,14 +125,10 @@ class Activation:
 
 
 # kernel=True: the activations that measured faster in the kernels than on
-# XLA's path, alternating in one process on the H200 (docs/design.md, "The
-# activation inside the cast kernels"). gelu_tanh: the transformer layer
-# 18.70-18.76 to 18.54 ms. SwiGLU: the MLP block 16.14-16.16 to 15.86-16.04
-# ms, GPT medium 120.2 to 116.0-117.4 ms and 1.85 GiB less peak memory. relu:
-# timed alone only, its kernels 0.26 + 0.67 ms where the gradient's cast
-# alone takes 0.35. Not erf's gelu, whose erfc costs the kernels more math
-# than XLA's fusions: the gelu block 10.90-10.97 to 11.17-11.19 ms, GeGLU
-# 16.24-16.33 to 16.32-16.41.
+# XLA's path, alternating in one process on the H200 (gelu_tanh in the
+# transformer layer, SwiGLU in its MLP block and the GPT step, relu alone).
+# Not erf's gelu, whose erfc costs the kernels more math than XLA's fusions
+# (docs/design.md#the-activation-inside-the-cast-kernels).
 REGISTRY: dict[str, Activation] = {
     a.name: a
     for a in (

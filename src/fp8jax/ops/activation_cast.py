@@ -28,18 +28,17 @@ The activations are written through the logistic function and ``erfc``
 negative tail. The kernels compute them with the GPU's approximate ``ex2``
 and ``rcp`` instructions, each within about 2**-22 relative, and ``erfc``
 from Numerical Recipes' approximation (within 1.2e-7): a Triton kernel with
-libdevice's ``tanhf`` took 0.875 ms for the transformer layer's forward
-activation, where XLA's two kernels took about 0.75 ms
-(bench/results/h200-2026-11-30-f). Off the GPU, and with the kernels off
+libdevice's ``tanhf`` was slower than XLA's two kernels for the transformer
+layer's forward activation (docs/design.md#the-activation-inside-the-cast-kernels).
+Off the GPU, and with the kernels off
 (``fp8jax.kernels.use_pallas(False)``), XLA computes the same formulas with ``exp``,
 ``erfc`` and division. Both round ``h`` and the gradient to the activations'
 dtype before the cast, as the XLA path of :func:`fp8jax.layernorm_mlp` does.
 
 On the H200's transformer layer (TransformerEngine's shapes, gelu_tanh) the
-two kernels took 0.29 + 0.75 ms where XLA's path took 1.28 ms with the
-benchmarks' mean loss and 1.72 ms with a square loss; the layer's step went
-from 18.70-18.76 to 18.54 ms, and from 19.13-19.24 to 18.84 ms with the
-square loss (bench/results/h200-2026-11-30-i, run 9C). Which activations
+two kernels took less time than XLA's path, and more so with a loss whose
+gradient depends on the output (docs/design.md#the-activation-inside-the-cast-kernels).
+Which activations
 :func:`fp8jax.layernorm_mlp` sends here is its own choice, by measurement
 (:attr:`fp8jax.activations.Activation.kernel`).
 
@@ -66,11 +65,10 @@ from fp8jax.quantize import quantize_with_scale
 # number of activations n; pre and its gradient are read and written n times
 # as wide. The fastest on the H200 of 5-10 shapes (16-128 rows, 32-128
 # columns, 2-8 warps) for gelu_tanh at (16384, 16384) and for GeGLU and
-# SwiGLU at (16384, 2 x 8192) (bench/results/h200-2026-11-30-i, 9B and 9D).
-# Swept again once the gradient kernel stored h_t first (2b6e20a), 16-256
-# rows, 32-256 columns, 2-8 warps (bench/results/h200-2026-11-30-n, N1, N2):
-# for two activations 32 x 64 took SwiGLU's gradient from 0.566 to 0.507 ms
-# and GeGLU's from 0.660 to 0.653 ms; for one, 64 x 64 stayed the fastest.
+# SwiGLU at (16384, 2 x 8192), swept again once the gradient kernel stored
+# h_t first (16-256 rows, 32-256 columns, 2-8 warps): 32 x 64 for two
+# activations' gradient, 64 x 64 for one
+# (docs/design.md#the-activation-inside-the-cast-kernels).
 FORWARD_TILES = {1: ((64, 64), 4), 2: ((64, 64), 4)}
 GRADIENT_TILES = {1: ((64, 64), 4), 2: ((32, 64), 4)}
 ROWS_MULTIPLE, COLUMNS_MULTIPLE = 64, 64
@@ -90,7 +88,8 @@ class _GpuMath:
 
     Each instruction errs by at most about 2**-22 relative; libdevice's
     ``expf`` and an IEEE division cost tens of instructions more, which made
-    the gradient kernel math-bound (gelu_tanh: 0.82 against relu's 0.67 ms).
+    the gradient kernel math-bound (gelu_tanh's then took a fifth longer
+    than relu's).
     Pallas's Triton lowering has no ``erfc``: it comes from Numerical
     Recipes' approximation on these two.
     """
@@ -194,10 +193,9 @@ def _gradient_kernel(activations, fmt, h_fmt, dtype, m, has_bias, dh_ref, pre_re
     d_pre = _interleaved([f * dh for f in factors]).astype(dtype)
     # h's transposed copy is stored before the gradient's cast, transposes and
     # reductions, so that h is not live across them; dh is read before that
-    # store. Same bytes; on the H200 at (16384, 16384) gelu_tanh took 0.630
-    # against 0.699 ms with h_t stored last, gelu 0.759 against 0.917, and at
-    # (16384, 2 x 8192) SwiGLU 0.569 against 0.600, GeGLU 0.666 against 0.719
-    # (run M3). Storing h_t before reading dh was 0.06 ms slower for gelu_tanh.
+    # store. Same bytes, 5-17% faster on the H200 for every activation
+    # (docs/design.md#the-activation-inside-the-cast-kernels); storing h_t
+    # before reading dh was slower for gelu_tanh.
     ht_ref[...] = quantize_with_scale(h.astype(dtype), h_fmt, h_scale_ref[0]).data.T
     cast_transpose.cast_tile(fmt, d_pre, scale_ref[0], q_ref, qt_ref, sum_ref, max_ref)
 

@@ -7,12 +7,13 @@ input ``x`` the forward GEMM as itself and the wgrad GEMM transposed, and a
 kernel (in, out) the dgrad GEMM as itself and the forward GEMM transposed.
 XLA casts in one kernel and transposes the FP8 copy in another, moving
 1-byte elements through its transpose emitter at about 2.3 TB/s; its
-reductions with fused math run slower still (bench/results/h200-2026-11-30-e).
+reductions with fused math run slower still.
 On NVIDIA GPUs :func:`cast_transpose` is one Pallas (Triton) kernel that
 reads the operand once and writes both FP8 copies, per-tile column sums (a
-bias's gradient) and one maximum per tile (delayed scaling's amax). On the H200 a
-(16384, 32768) bf16 gradient took 0.63 ms where XLA's two kernels took
-0.78 + 0.46 ms. Elsewhere (the CPU tests) XLA computes the same values.
+bias's gradient) and one maximum per tile (delayed scaling's amax); on the
+H200 it takes about half the time of XLA's two kernels
+(docs/design.md#cast-and-transpose-in-one-kernel). Elsewhere (the CPU tests)
+XLA computes the same values.
 
 The kernel sees whole arrays. Whether it runs, and on which rows, is
 decided by :mod:`fp8jax.kernels.dispatch`: as is where the operand is local
@@ -23,8 +24,8 @@ keep XLA's path).
 A gradient that arrives in pieces (a fused QKV projection's, as cuDNN's
 attention backward writes dq, dk and dv apart) is read from its pieces
 (:class:`Interleaved`): XLA would first write the whole in bf16, a pass of
-0.27 ms over the transformer layer's (16384, 12288) QKV gradient on the
-H200 (bench/results/h200-2026-11-30-f, run 6D).
+its own over the transformer layer's QKV gradient
+(docs/design.md#the-fused-qkv-split-inside-the-op).
 
 JAX 0.11 deprecates Pallas's Triton backend in favour of Mosaic GPU, and
 warns (DeprecationWarning) when it lowers the kernel. Mosaic GPU in the JAX
@@ -149,10 +150,10 @@ def tile_max(g) -> jax.Array:
     (:func:`fp8jax.scaling.update_group`), where a separate reduction took a
     kernel or two each (deviceless H100 compile). Each kernel costs a
     synchronized step a few microseconds of launch
-    (bench/results/h200-2026-11-30-k).
+    (docs/design.md#the-state-update-in-few-kernels).
     """
     # One axis at a time: under a mesh in context, JAX 0.11's Triton lowering
-    # of a reduction over both axes fails (Explicit axes, live H200 run L1).
+    # of a reduction over both axes fails (Explicit axes, seen live on an H200).
     return jnp.max(jnp.max(jnp.abs(g), axis=1, keepdims=True), axis=0, keepdims=True)
 
 
@@ -304,8 +305,7 @@ def cast_transpose(
     values on every platform. ``column_sums`` False: ``column_sums`` is None,
     and the kernel does not compute them (a bias's gradient needs them; a
     GEMM's input or kernel does not, and they cost the kernel 6-12% on the
-    H200: 0.085-0.089 against 0.078 ms at (16384, 4096) and (4096, 16384),
-    bench/results/h200-2026-11-30-n, run N1).
+    H200; docs/design.md#cast-and-transpose-in-one-kernel).
     """
     shards = dispatch.devices_along(row_axes)
     if not fits(g, shards):

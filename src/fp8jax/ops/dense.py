@@ -1,7 +1,8 @@
 """FP8 dot_general and dense: FP8-typed operands straight into ``lax.dot_general``.
 
 XLA's quantize->dequantize pattern matcher runs after Triton GEMM fusion and
-simplifies the round trip away (DESIGN.md measured zero FP8 GEMMs from it), so
+simplifies the round trip away (zero FP8 GEMMs from it in a transformer
+layer; docs/design.md#why-fp8-operands-go-straight-into-dot_general), so
 nothing here relies on it: the operands handed to ``lax.dot_general`` are
 already E4M3/E5M2 arrays, and the product is rescaled by
 ``scale_inv_lhs * scale_inv_rhs``, a scalar XLA folds into the cuBLASLt call.
@@ -130,13 +131,9 @@ def quantize_transposed(
     here they are one (:func:`fp8jax.ops.cast_transpose.cast_transpose`),
     which under delayed scaling also takes the amax. That kernel needs whole
     tiles, and can be switched off (``FP8JAX_PALLAS=0``); where it does not
-    run this returns None and the caller quantizes with XLA. Measured on the
-    H200, same process, alternating: for the MLP's pre-activation gradient
-    alone, GeGLU's block went from 16.79-16.87 to 16.44-16.50 ms
-    (bench/results/h200-2026-11-30-e, run L); for every kernel, output
-    gradient and dense input too, the transformer layer went from 19.64 to
-    18.84-19.19 ms, 18.9 to 18.1-18.2 ms pipelined
-    (bench/results/h200-2026-11-30-f, runs B and C).
+    run this returns None and the caller quantizes with XLA. On the H200 it
+    shortened the MLP blocks' and the transformer layer's steps
+    (docs/design.md#cast-and-transpose-in-one-kernel).
 
     ``rows_are_tokens``: ``value`` is an activation or its gradient, whose
     token rows data parallelism splits. Where only data parallelism splits
@@ -349,10 +346,8 @@ def quantize_recomputed(
     evaluations, and through them XLA puts the two in one kernel (GeGLU), or
     the amax into the backward kernel that reads the same inputs (gelu).
     Without a shared input it runs them as two kernels, which measured
-    slower than :func:`quantize_stored`; callers use this only with one.
-    On the H200 (``--loss square``, bench/results/h200-2026-11-30-d): GeGLU's
-    forward activation went from 0.43 + 0.32 ms to one 0.53 ms kernel; with
-    the bias behind the barrier too, to 0.63 + 0.40 ms.
+    slower than :func:`quantize_stored`; callers use this only with one
+    (docs/design.md#the-activation-cast-where-it-is-computed).
 
     Returns ``(q, amax)``.
     """
@@ -371,9 +366,8 @@ def quantize_gradient(
     The bias gradient is a sum over ``g``'s leading axes, a column reduction.
     Taking the amax as column maxima too lets XLA compute both, and under
     delayed scaling the FP8 copy, in one pass over ``g``; row maxima and a
-    column sum are two reductions XLA cannot put in one kernel. The
-    transformer layer's QKV gradient (16384 tokens x 12288) on the H200:
-    0.31 + 0.41 ms became one 0.59 ms kernel (bench/results/h200-2026-11-30-d).
+    column sum are two reductions XLA cannot put in one kernel
+    (docs/design.md#the-bias-gradient-in-the-gradients-quantize-pass).
     The sum is in f32 where JAX's gradient of a bf16 bias add sums in bf16.
 
     Returns ``(q, amax, bias_gradient)``, the last in f32, or None without a bias.
@@ -450,14 +444,15 @@ def _as_kernel_matrices(a: jax.Array, kernel: jax.Array, dims, kernel_t=None):
     in memory, so a kernel contracted on its leading axes (every forward
     GEMM) needs a transposed FP8 copy. Left to XLA (jaxlib 0.11.2), the GEMM
     rewriter makes it with an untiled ``kLoop`` transpose between ``{0,1}``
-    layouts at about 0.3 TB/s: 0.88 ms a step for GeGLU's 4096x2x16384
-    kernel_1 on the H200, where tiled transposes move FP8 at about 2.4 TB/s.
+    layouts at about 0.3 TB/s on the H200, where tiled transposes move FP8 at
+    about 2.4 TB/s.
     Here the kernel is viewed as a (contracting, free) matrix and transposed
     explicitly; the optimization barrier keeps the algebraic simplifier from
     folding the transpose back into the dot. XLA then writes the transposed
-    copy from the quantize fusion itself (BENCHMARKS.md, run K). A transpose
-    of the three-dimensional kernel without the matrix view stayed slow
-    (run I): XLA gave it a layout that made it a bitcast. ``kernel_t``, the
+    copy from the quantize fusion itself
+    (docs/design.md#the-forward-kernel-transposed-in-the-program). A transpose
+    of the three-dimensional kernel without the matrix view stayed slow: XLA
+    gave it a layout that made it a bitcast. ``kernel_t``, the
     transposed matrix where :func:`quantize_in_both_layouts` made one, is used as is.
 
     Returns ``(a_matrix, kernel_transposed, result_shape)``, or None when

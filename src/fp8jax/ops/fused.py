@@ -2,9 +2,8 @@
 
 The normalized input never reaches HBM in high precision. Under delayed
 scaling one kernel computes the norm, its FP8 cast and its maxima from a
-single read of x (:mod:`fp8jax.ops.norm_forward`; on the H200's layer,
-alternating in one process, 18.43-18.79 ms a step against 19.03-19.22
-without it, bench/results/h200-2026-11-30-l run L4); elsewhere it is
+single read of x (:mod:`fp8jax.ops.norm_forward`;
+docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel); elsewhere it is
 quantized in the fusions that compute it, the amax pass recomputing it
 from x (:func:`~fp8jax.ops.dense.quantize_computed`). The activation's gradient,
 and the activation itself under current scaling or without a bias, cost too
@@ -21,11 +20,8 @@ only FP8 GEMM operands, the input, the per-row statistics and, for the MLP,
 the first GEMM's output, which the activation's backward needs. The norm's
 backward runs in one pass (:mod:`fp8jax.ops.norm_backward`) where its
 kernel runs, with the residual connection's gradient added in it when the
-caller takes the residual from the op (``return_residual``). On the H200,
-alternating in one process (bench/results/h200-2026-11-30-j): the
-transformer layer's step 18.75-18.85 ms with XLA's passes, 18.29-18.51 ms
-with the kernel (run 10C); the gelu MLP block 10.86-10.95 to 10.76-10.83 ms
-(10B); the GPT ``medium`` step 121.06 to 116.95 ms (10D).
+caller takes the residual from the op (``return_residual``;
+docs/design.md#the-norms-backward-in-one-pass).
 """
 
 from __future__ import annotations
@@ -335,12 +331,11 @@ def _interleave(a):
     the activation's gradient computes each of its output rows separately,
     reading both input rows for each: every pre-activation element comes from
     HBM twice. Interleaved, a pair sits side by side and neighbouring threads
-    share one read. On the H200 the GeGLU block's gradient fusion went from
-    1.22 to 0.87 ms and the block from 17.07/17.28 to 16.92/16.85 ms, two
-    samples each in one process (bench/results/h200-2026-11-30-c, run V). The
-    price is kernel_1's gradient, which the wgrad GEMM writes as (hidden, ffn,
-    n) and which is transposed back in bf16 (0.16 ms). For one activation
-    (n = 1) the two layouts are the same.
+    share one read; on the H200 the GeGLU block's gradient fusion took about
+    30% less time (docs/design.md#the-interleaved-gated-pre-activation).
+    The price is kernel_1's gradient, which the wgrad GEMM writes as (hidden,
+    ffn, n) and which is transposed back in bf16. For one activation (n = 1)
+    the two layouts are the same.
     """
     return jnp.swapaxes(a, -1, -2)
 
@@ -392,10 +387,10 @@ def _mlp_bwd(config: FusedConfig, saved, g):
     # Under delayed scaling too the gradient goes to HBM in bf16 and back,
     # where the forward activation does not (quantize_recomputed): bias_1's
     # gradient is a column sum, and XLA's reduction kernels run the
-    # activation's gradient math slowly. GeGLU on the H200: the column sum
-    # computed from dh and pre took 1.06 ms alone, against 0.81 ms for the
-    # bf16 write (with the amax) and 0.63 ms for the cast with the sum; one
-    # kernel doing all of it took 5.3 ms (bench/results/h200-2026-11-30-e).
+    # activation's gradient math slowly: one XLA kernel doing all of it took
+    # several times the bf16 write and the cast together on the H200
+    # (docs/design.md#tried-and-dropped). fp8jax.ops.activation_cast does it
+    # in Pallas where it runs.
     transposed = quantize_transposed(dpre, bwd, fc1 and fc1.grad, recipe, x.ndim - 1,
                                      rows_are_tokens=True, column_sums=b1 is not None)  # fmt: skip
     if transposed is None:

@@ -4,18 +4,15 @@ In a pre-norm transformer the norm's input ``x`` is also the residual
 stream, so its gradient is the norm's backward plus the residual's gradient.
 XLA computes :func:`fp8jax.ops.norm.normalize_backward` in three passes over
 the (tokens, hidden) arrays: the row sums, the column sums (gamma's and
-beta's gradients), then ``dx``, into which it fuses the residual's sum. On
-the H200's transformer layer the two norms' backwards took about 0.75 ms
-this way (bench/results/h200-2026-11-30-i, run 9C's trace). The Pallas
-(Triton) kernel here reads ``dy``, ``x`` and the residual's gradient once
-and writes the sum, with per-program column sums that XLA adds up. Alone,
-at the layer's (16384, 4096) bf16, it took 0.186 ms where XLA took 0.312 ms
-(0.282 without the residual's sum; bench/results/h200-2026-11-30-j, run 10B).
-In the layer it takes 0.17 ms per norm; the residual's gradient reaches it
-through the fused ops' ``return_residual``, where otherwise XLA would add it
-to the kernel's output in a pass of its own (0.095 ms; run 10C). Writing
-``dx`` over the residual's gradient (``input_output_aliases``) changed
-neither the layer's peak memory nor its time (run 10D), so it does not.
+beta's gradients), then ``dx``, into which it fuses the residual's sum. The
+Pallas (Triton) kernel here reads ``dy``, ``x`` and the residual's gradient
+once and writes the sum, with per-program column sums that XLA adds up; on
+the H200 it takes about 60% of XLA's time at the transformer layer's shape
+(docs/design.md#the-norms-backward-in-one-pass). The residual's gradient
+reaches it through the fused ops' ``return_residual``, where otherwise XLA
+would add it to the kernel's output in a pass of its own. Writing ``dx``
+over the residual's gradient (``input_output_aliases``) changed neither the
+layer's peak memory nor its time, so it does not.
 
 Each program takes :data:`ROWS_PER_PROGRAM` rows, a whole row at a time,
 as the row sums need all of it. Triton's blocks have power-of-two sizes, so
@@ -83,9 +80,8 @@ def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
     # Each row's loads are issued one row ahead, before the row sums of the
     # row before, so that their latency overlaps that row's math: (16384,
     # 4096) makes 256 programs of 4 warps for 132 SMs, too few warps to hide
-    # it by switching between them. Same arithmetic;
-    # 0.181 -> 0.168-0.172 ms at (16384, 4096) on the H200
-    # (bench/results/h200-2026-11-30-n, run N5).
+    # it by switching between them. Same arithmetic, 5-7% faster at
+    # (16384, 4096) on the H200 (docs/design.md#the-norms-backward-in-one-pass).
     def row(i, carry):
         sums, (dy, x, mean, rstd, residual) = carry
         ahead = load(i + 1)

@@ -7,9 +7,9 @@ centred variance, and one that normalizes, casts and takes the amax, with
 two small kernels between them (deviceless H100 compile of the transformer
 layer: five kernels a norm). The Pallas (Triton) kernel here reads each row
 once, keeps it in registers for both statistics, and writes the FP8 output,
-the statistics and one amax per program. At the layer's (16384, 4096) bf16
-on the H200 it took 0.077 ms where XLA's passes took 0.135 ms
-(bench/results/h200-2026-11-30-l, run L2).
+the statistics and one amax per program, in a little over half the time of
+XLA's passes at the transformer layer's shape on the H200
+(docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel).
 
 The statistics are the two-pass ones :func:`fp8jax.ops.norm.normalize`
 computes (the same code runs on each row), not ``E[x^2] - E[x]^2``, whose
@@ -21,7 +21,7 @@ so the cast cannot share the pass; those ops keep XLA's path. The kernel's
 shape rules and its placement under a mesh are the backward's
 (:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with the kernels
 off (:mod:`fp8jax.kernels`), XLA runs the same arithmetic, its sums in its own
-order (at the layer's shape the FP8 bytes came out equal, run L2).
+order (at the transformer layer's shape the FP8 bytes came out equal).
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from fp8jax.ops.norm import NormConfig
 from fp8jax.quantize import quantize_with_scale
 
 # Rows a program normalizes, how many of them at a time, and its warps: the
-# fastest of 28 shapes on the H200 (1-64 rows, 1-16 at a time, 2-16 warps;
-# 64 rows one at a time took 0.109 ms; runs L2, L2b), then of 12 with the
-# next rows' loads issued ahead (below): 16 rows one at a time, 0.074-0.076
-# against 0.080-0.081 ms for 8 rows two at a time without (run N5).
+# fastest on the H200 of 28 shapes (1-64 rows, 1-16 at a time, 2-16 warps),
+# then of 12 with the next rows' loads issued ahead (below)
+# (docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel).
 ROWS_PER_PROGRAM, ROWS_PER_STEP, WARPS = 16, 1, 4
 
 

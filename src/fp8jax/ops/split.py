@@ -2,9 +2,9 @@
 
 Sliced outside the op, the pieces cost the backward a pass: autodiff pads
 each piece's gradient to the whole output and sums them, so the whole
-gradient is written in bf16 before its FP8 cast reads it again (0.27 ms of
-the transformer layer's step on the H200, bench/results/h200-2026-11-30-f,
-run 6D). Split inside the op, the backward receives the pieces as they are,
+gradient is written in bf16 before its FP8 cast reads it again
+(docs/design.md#the-fused-qkv-split-inside-the-op). Split inside the op, the
+backward receives the pieces as they are,
 and the cast reads them directly (:class:`~fp8jax.ops.cast_transpose.Interleaved`).
 """
 

@@ -91,7 +91,7 @@ class TrainOptions:
       rolled_layers: keep the scan over layers a loop instead of unrolling it
         (``Gpt.unroll_layers=False``): faster to compile, and under FSDP it
         holds one layer's gathered kernels at a time, but the step is slower
-        (BENCHMARKS.md: the loop copies each layer's saved activations).
+        (the loop copies each layer's saved activations; docs/design.md#the-gpt-model).
       compile_cache: JAX's persistent compilation cache: ``"auto"`` (the
         default: ``fp8jax.compile_cache.default_dir()`` on a GPU, none
         elsewhere), ``"none"``, or a directory. The first FP8 compile on an

@@ -8,8 +8,8 @@ every GPT parameter has. FP8 scale state and scalars are replicated.
 The step must be traced inside :func:`sharding_context`, where the modules
 constrain their activations to be split by batch. Without those constraints
 XLA (Auto axes) was free to split the GEMMs along the hidden axis instead:
-on two H200s the ``medium`` step then all-reduced BF16 activations (77 ms a
-step) and never gathered a weight, and ran slower than one GPU. With them,
+on two H200s the ``medium`` step then all-reduced BF16 activations, never
+gathered a weight, and ran slower than one GPU (docs/design.md#fsdp-gathers-fp8). With them,
 each FSDP kernel is quantized shard by shard and all-gathered in FP8.
 """
 

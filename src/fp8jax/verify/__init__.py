@@ -27,9 +27,10 @@ XLA flags, and why fp8jax sets none:
   dtypes, upcasts, collective dtypes), never on tuning choices.
 
   Measured on an H200 for a full transformer layer (forward + backward):
-  Flax's direct FP8 path went from 19.3 ms to 20.6 ms with Triton GEMMs off,
-  while Flax's quantize-dequantize path only becomes FP8 at all with them off
-  (33.6 ms, 0 FP8 GEMMs, to 23.4 ms). fp8jax hands FP8-typed operands to
+  Flax's direct FP8 path ran slower with Triton GEMMs off, while Flax's
+  quantize-dequantize path only becomes FP8 at all with them off (0 FP8
+  GEMMs with them on; docs/design.md#why-fp8-operands-go-straight-into-dot_general).
+  fp8jax hands FP8-typed operands to
   ``lax.dot_general``, so it is FP8 either way and does not set the flag for
   its users; pass ``xla_flags=`` here to check the other configuration.
 

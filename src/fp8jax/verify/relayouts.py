@@ -9,9 +9,9 @@ read FP8 and write FP8.
 XLA emits most of them with its tiled transpose emitter (``kind=kInput``).
 One that is a ``kLoop`` fusion around a ``transpose`` is emitted element by
 element instead. Measured on an H200 (jaxlib 0.11.2), those ran at about
-0.3 TB/s, against about 2.4 TB/s for the tiled ones: 0.88 ms for the GeGLU
-block's 4096 x 32768 kernel. fp8jax's and Flax's FP8 GEMMs both got them
-there (BENCHMARKS.md, "The slow FP8 kernel transposes"). The local deviceless
+0.3 TB/s, against about 2.4 TB/s for the tiled ones; fp8jax's and Flax's
+FP8 GEMMs both got them there
+(docs/design.md#the-forward-kernel-transposed-in-the-program). The local deviceless
 compiles (jaxlib 0.10.2) write both layouts in one fusion instead, so only a
 live compile shows them.
 
