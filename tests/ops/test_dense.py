@@ -246,7 +246,8 @@ def test_mixed_dtypes_give_cotangents_in_primal_dtypes():
     assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.float32)
 
 
-def test_batched_dot_general_matches_reference():
+def test_batched_dot_general_values_match_reference_and_gradients_keep_the_shapes():
+    # The gradients' values against a derived bound: tests/ops/test_dot_general_batched.py.
     kx, kw = jax.random.split(jax.random.key(7))
     x = jax.random.normal(kx, (3, 16, 32))
     w = jax.random.normal(kw, (32, 3, 8))

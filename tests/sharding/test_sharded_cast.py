@@ -96,7 +96,7 @@ def test_data_parallel_axes_names_the_batch_axes_when_only_they_split(sizes, wan
         assert fs.data_parallel_axes() == want
 
 
-def test_data_parallel_axes_needs_the_rules_and_auto_axes():
+def test_no_data_parallel_axes_without_a_mesh_without_roles_or_under_explicit_axes():
     assert fs.data_parallel_axes() is None  # no mesh
     with jax.set_mesh(fs.make_mesh(fsdp=8)):  # a mesh, but no logical rules: roles unknown
         assert fs.data_parallel_axes() is None
