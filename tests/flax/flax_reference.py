@@ -241,3 +241,24 @@ def linen_to_nnx_dict(variables):
 
     variables = nn.unbox(variables)
     return merge(variables["params"], variables.get("fp8_state", {}))
+
+
+def linen_vjp(layer, params, state, x, cotangent):
+    """``(y, (d_params, new_state, dx))``: a Linen layer's output and its VJP at ``cotangent``.
+
+    ``state`` (the layer's ``fp8_state`` scales, or None) is an input like the
+    params, so its cotangent is the new delayed-scaling state.
+    """
+
+    def apply(params, state, x):
+        variables = {"params": params}
+        if state is not None:
+            variables["fp8_state"] = {"scales": state}
+        return layer.apply(variables, x)
+
+    @jax.jit
+    def step(params, state, x):
+        y, vjp = jax.vjp(apply, params, state, x)
+        return y, vjp(cotangent)
+
+    return step(params, state, x)

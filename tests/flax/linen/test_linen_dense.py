@@ -121,18 +121,7 @@ def test_dense_general_matches_fake_quant_reference_with_its_state(recipe):
                                                        magnitudes=True)  # fmt: skip
     want_y = want_y + np.asarray(params["bias"], np.float64)
 
-    def apply(params, state, x):
-        variables = {"params": params}
-        if state is not None:
-            variables["fp8_state"] = {"scales": state}
-        return layer.apply(variables, x)
-
-    @jax.jit
-    def step(params, state, x):
-        y, vjp = jax.vjp(apply, params, state, x)
-        return y, vjp(c)
-
-    y, (d_params, new_state, dx) = step(params, state, x)
+    y, (d_params, new_state, dx) = ref.linen_vjp(layer, params, state, x, c)
     # Elementwise, the GEMMs' f32 roundoff against the fake-quant reference
     # (tests/references.py: (2 K + 8) 2**-24 of the magnitude sums), plus
     # the bias add's one f32 rounding.

@@ -78,18 +78,7 @@ def test_values_gradients_and_state_match_fake_quant_reference(recipe):
     rec = fq.reference_recipe(recipe, state)
     want_y, want, _ = fq.layernorm_mlp(*args, c, rec, activations=activations)
 
-    def apply(params, state, x):
-        variables = {"params": params}
-        if state is not None:
-            variables["fp8_state"] = {"scales": state}
-        return layer.apply(variables, x)
-
-    @jax.jit
-    def step(params, state, x):
-        y, vjp = jax.vjp(apply, params, state, x)
-        return y, vjp(c)
-
-    y, (d_params, new_state, dx) = step(params, state, x)
+    y, (d_params, new_state, dx) = ref.linen_vjp(layer, params, state, x, c)
     got = {"y": y, "x": dx, "gamma": d_params["scale"], "beta": d_params["ln_bias"]}
     got |= {k: d_params[k] for k in ("kernel_1", "kernel_2", "bias_1", "bias_2")}
     # As tests/ops/test_recipe_references.py derives it: f32 roundoff and the
