@@ -1,13 +1,13 @@
 """XLA compiler options for programs whose GEMMs are fp8jax's FP8 GEMMs.
 
-On a live GPU, XLA's default pipeline wraps each FP8 ``dot_general`` together
-with its output scale into a Triton GEMM fusion, autotunes it against
-cuBLASLt, and then compiles the Triton kernels it picked. For one transformer
-layer that first compile took 67-74 s on an H200 where the same program with
-Triton GEMMs off compiled in about 2 s and every GEMM became a cuBLASLt FP8
-call with the scale folded into it (docs/design.md#first-compile-time). The
-options below are what ``fp8jax train`` and the benchmarks compile with; pass
-them to your own ``jax.jit`` the same way::
+On a live GPU, XLA's default pipeline wraps each FP8 ``dot_general``
+together with its output scale into a Triton GEMM fusion, autotunes it
+against cuBLASLt, and then compiles the Triton kernels it picked: a first
+compile of minutes for one transformer layer. With Triton GEMMs off the same
+program compiles in seconds, and every GEMM becomes a cuBLASLt FP8 call with
+the scale folded into it (docs/design.md#first-compile-time has the
+measurements and what it costs). ``fp8jax train`` and the benchmarks compile
+with these options; pass them to your own ``jax.jit`` the same way::
 
     step = jax.jit(train_step, compiler_options=fp8jax.compiler_options())
 
