@@ -84,9 +84,12 @@ MODULES = [
     "fp8jax.ops.einsum",
     "fp8jax.ops.norm",
     "fp8jax.ops.fused",
-    # These two compile for an H100 without a GPU (tests/verify/test_doctests.py has the rest).
+    # These compile for an H100 without a GPU, or check the toolchain that does.
     pytest.param("fp8jax.verify", marks=pytest.mark.deviceless),
     pytest.param("fp8jax.verify.compilation", marks=pytest.mark.deviceless),
+    pytest.param("fp8jax.verify.assertions", marks=pytest.mark.deviceless),
+    pytest.param("fp8jax.verify.toolchain", marks=pytest.mark.deviceless),
+    "fp8jax.verify.report",  # compiles for the CPU
     "fp8jax.verify.jaxpr_dots",
     "fp8jax.verify.relayouts",
 ]

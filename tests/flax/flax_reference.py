@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numerics import qdq
+from references import ACTIVATIONS
 
 U_E4M3 = 2.0**-4
 RMS_ROUNDING = math.sqrt(0.541 / 3)  # relative RMS of a rounding, in units of u
@@ -67,15 +68,6 @@ def randomize(params, key, scale=0.2):
         return (leaf.astype(jnp.float32) + noise).astype(leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(perturb, params)
-
-
-ACTIVATIONS = {
-    "gelu": lambda v: jax.nn.gelu(v, approximate=False),
-    "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "linear": lambda v: v,
-}
 
 
 def norm(x, scale, bias, norm_type="layernorm", zero_centered_gamma=False, epsilon=1e-6):
