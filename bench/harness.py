@@ -266,6 +266,7 @@ def measure(
     trace_dir: str | None = None,
     devices: int = 1,
     carry: bool = False,
+    state_arg: int | None = None,
 ) -> dict:
     """One benchmark row: compiled once, then timed, counted and (optionally) traced.
 
@@ -278,6 +279,14 @@ def measure(
     and the optimized HLO is written next to the trace (``compiled.hlo.txt``):
     a live compile can differ from a deviceless one (autotuned GEMMs, layouts).
     ``carry`` is :func:`time_ms`'s, for steps that donate their state.
+
+    ``state_arg``: the index of an argument that holds fp8jax's delayed-scaling
+    state (or None), for a step ``value_and_grad(loss, argnums=(..., state_arg,
+    ...))`` whose gradient returns the updated state. The state is calibrated
+    (:func:`calibrate_state`) before the step is timed, as in a training run:
+    a fresh state's scale of 1 would quantize the benchmark loss's tiny output
+    gradients to zeros, and GEMMs on zeros run cooler and faster
+    (docs/design.md#the-delayed-state-in-a-benchmark).
     """
     start = time.perf_counter()
     compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted
@@ -285,6 +294,8 @@ def measure(
     hlo = compiled.as_text()
     facts = compiled_facts(compiled, hlo)
     args = list(args)
+    if state_arg is not None and args[state_arg] is not None:
+        args[state_arg] = calibrate_state(compiled, args, state_arg)
     row = {"name": name, "compile_s": compile_s, **_timed(compiled, args, 5, iters, carry), **facts}
     if trace_dir:
         where = os.path.join(trace_dir, name)
@@ -310,6 +321,24 @@ def measure(
         idle = ", ".join(f"{k} {v:.3f}" for k, v in b["idle_ms"].items())
         print(f"    GPU idle between kernels, ms/step by gap length: {idle}", flush=True)
     return row
+
+
+# Steps a delayed-scaling state is run for before it is timed: each swaps in the
+# amaxes the step recorded, so after one the scales come from the data.
+CALIBRATION_STEPS = 3
+
+
+def calibrate_state(step, args: list, state_arg: int, steps: int = CALIBRATION_STEPS):
+    """The delayed-scaling state ``args[state_arg]`` after ``steps`` calls of ``step``.
+
+    ``step(*args)`` returns ``(loss, grads)`` with ``grads[state_arg]`` the
+    state's gradient, which carries the updated state (fp8jax.take_new_state).
+    """
+    state = args[state_arg]
+    for _ in range(steps):
+        _, grads = step(*args[:state_arg], state, *args[state_arg + 1 :])
+        state = jax.block_until_ready(fp8jax.take_new_state(state, grads[state_arg]))
+    return state
 
 
 def _clock_note(row: dict) -> str:

@@ -161,7 +161,10 @@ def main():
     for name in args.variants:
         fn, fn_args = VARIANTS[name](x, shape, args.attention)
         trace = os.path.join(args.trace, name) if args.trace and name != "bf16" else None
-        rows.append(measure(name, fn, *fn_args, iters=args.iters, trace_dir=trace))
+        state_arg = 2 if name.startswith("fp8jax") else None  # (params, x, state, r)
+        rows.append(
+            measure(name, fn, *fn_args, iters=args.iters, trace_dir=trace, state_arg=state_arg)
+        )
     print_table(f"TransformerLayer fwd+bwd, preset {args.preset}", rows, "bf16")
     if args.out:
         dump(args.out, {"environment": env, "rows": rows})

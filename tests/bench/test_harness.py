@@ -4,6 +4,7 @@ import pathlib
 import sys
 
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
 import harness
@@ -104,3 +105,37 @@ def test_start_applies_the_loss_and_records_it_only_where_a_script_has_one(compi
     finally:
         harness.set_loss("random")
     assert "loss" not in harness.start(without_loss.parse_args([]))
+
+
+def test_a_calibrated_delayed_state_keeps_the_benchmark_gradient_from_quantizing_to_zero():
+    # The random loss's output gradient is r / y.size: with a fresh state's
+    # scale of 1 it lies far below E5M2's smallest subnormal (2**-16), so an
+    # uncalibrated delayed row would time its backward GEMMs on zeros.
+    import jax
+
+    import fp8jax
+
+    recipe = fp8jax.DelayedScaling(amax_history_len=4)
+    # 2**20 outputs: every |r| / size is below half of E5M2's smallest subnormal.
+    x = jax.random.normal(jax.random.key(0), (16384, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (32, 64), jnp.float32)
+    r = harness.output_cotangent((16384, 64))
+
+    def loss(w, x, state, r):
+        y = fp8jax.dense(x, w, recipe=recipe, state=state)
+        return harness.output_loss(y, r)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    fresh = fp8jax.init_state(recipe)
+    assert float(jnp.abs(step(w, x, fresh, r)[1][0]).max()) == 0.0  # every weight gradient lost
+
+    state = harness.calibrate_state(step, [w, x, fresh, r], state_arg=2)
+    gradient_amax = float(jnp.abs(r.astype(jnp.float32)).max()) / r.size
+    assert float(state.grad.amax_history[0]) == pytest.approx(gradient_amax, rel=1e-2)
+    assert float(state.grad.scale) == pytest.approx(fp8jax.E5M2.max / gradient_amax, rel=1e-2)
+    w_grad = step(w, x, state, r)[1][0]
+    exact = x.T @ (r.astype(jnp.float32) / r.size)
+    # E5M2 keeps 2 mantissa bits (relative step 2**-2) on the gradient and E4M3
+    # 3 bits on x; 0.15 of the largest entry bounds their product's error over
+    # 16384 terms of random sign, whose errors partly cancel.
+    assert float(jnp.abs(w_grad - exact).max()) <= 0.15 * float(jnp.abs(exact).max())
