@@ -17,6 +17,7 @@ from flax.linen import fp8_ops
 from harness import (
     add_compile_cache_argument,
     add_heat_argument,
+    calibrate_state,
     dump,
     measure,
     start,
@@ -42,7 +43,16 @@ def variants(m, k, n):
     w = (jax.random.normal(kw, (k, n)) * 0.02).astype(BF16)
     dims = (((1,), (0,)), ((), ()))
     delayed = fp8jax.DelayedScaling(amax_history_len=16)
-    state = fp8jax.init_state(delayed)
+
+    def delayed_dense(x, w, s):
+        return fp8jax.dense(x, w, recipe=delayed, state=s)
+
+    # The forward alone returns no state: a training step's gradient calibrates
+    # the scales, which would otherwise stay 1 (docs/design.md#the-delayed-state-in-a-benchmark).
+    train = jax.jit(jax.value_and_grad(
+        lambda x, w, s: delayed_dense(x, w, s).astype(jnp.float32).sum(), argnums=(0, 1, 2)
+    ))  # fmt: skip
+    state = calibrate_state(train, [x, w, fp8jax.init_state(delayed)], state_arg=2)
     return {
         "bf16": ("bf16", jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=BF16)), (x, w)),
         "fp8_prequantized": (
@@ -55,7 +65,7 @@ def variants(m, k, n):
         "fp8jax_dense_current": ("fp8", jax.jit(fp8jax.dense), (x, w)),
         "fp8jax_dense_delayed": (
             "fp8",
-            jax.jit(lambda x, w, s: fp8jax.dense(x, w, recipe=delayed, state=s)),
+            jax.jit(delayed_dense),
             (x, w, state),
         ),
     }
