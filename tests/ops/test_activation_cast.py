@@ -68,10 +68,10 @@ def _reference(activations, pre, dh, bias):
 
 
 def test_references_agree_with_jax_where_f32_does_not_cancel():
-    # The f64 definitions are JAX's activations (fp8jax.ops.fused.ACTIVATIONS):
+    # The f64 definitions are JAX's activations (fp8jax.ops._fused.ACTIVATIONS):
     # on |x| <= 3, JAX's f32 values and VJPs lie within 2**-20 (relative to
     # max(|value|, 1)) of them.
-    from fp8jax.ops.fused import ACTIVATIONS
+    from fp8jax.ops._fused import ACTIVATIONS
 
     x = jnp.linspace(-3, 3, 4097, dtype=jnp.float32)
     for name, fn in ACTIVATIONS.items():

@@ -729,9 +729,9 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
 
 
 def test_one_device_mesh_lets_the_kernel_run(one_device):
-    from fp8jax.ops import dense
+    from fp8jax.kernels import dispatch
 
-    assert jax.device_count() > 1 and dense._kernel_is_local()
+    assert jax.device_count() > 1 and dispatch.is_local()
 
 
 def _live_split_and_unsplit_steps(recipe, op, head_dim):
@@ -806,7 +806,7 @@ def test_gelu_stays_within_f32_rounding_of_the_exact_definition():
     # 1 + erf turns into an absolute error on the negative side.
     import math
 
-    from fp8jax.ops.fused import gelu
+    from fp8jax.activations import gelu
 
     x = np.linspace(-12, 12, 48001, dtype=np.float32)
     exact = np.array([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in x.astype(np.float64)])
