@@ -215,7 +215,7 @@ def _biased_op(op, x, bias, recipe, state):
 def test_bias_gradient_is_summed_in_f32(op, delayed):
     # The output gradient is bf16 (the cotangent c below, exactly), but its
     # sum over the 4096 tokens is accumulated and returned in f32
-    # (dense.quantize_gradient). Bound: any order of f32 additions of n
+    # (quantize_operand, column_sums). Bound: any order of f32 additions of n
     # non-negative terms errs by at most n * 2**-24 * sum(c). A bf16 result
     # (as JAX's own gradient of a bf16 bias add gives) is off by up to half
     # a bf16 spacing of ~6000, 16, far outside it.

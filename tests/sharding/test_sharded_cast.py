@@ -161,8 +161,8 @@ def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe):
     # gradient (tokens, 2 * ffn) and the output gradient (tokens, hidden) are
     # cast with their transposed copies by the Pallas kernel on each device's
     # rows; nothing is gathered in high precision and all six GEMMs are FP8.
-    # (GeGLU's erf gelu stays on XLA's activation path, fused.py's
-    # _KERNEL_ACTIVATIONS; the test below covers the activation kernels.)
+    # (GeGLU's erf gelu stays on XLA's activation path,
+    # fp8jax.activations.Activation.kernel; the test below covers the activation kernels.)
     from fp8jax import verify
 
     hlo = _mlp_step_hlo(DP_FSDP, recipe=recipe)

@@ -4,7 +4,7 @@ Under delayed scaling the scale of the activation ``h`` (one activation of
 ``pre + bias``, or a gated pair's product: GeGLU, SwiGLU) and of its
 gradient is known before either is computed, so each can be computed where
 it is cast. XLA does so for the forward
-(:func:`~fp8jax.ops.dense.quantize_recomputed`), but writes the gradient in
+(:class:`~fp8jax.ops.quantizing.Recomputed`), but writes the gradient in
 bf16 for the cast kernel to read back, and transposes the FP8 ``h`` for the
 second GEMM's wgrad in a kernel of its own. Here two Pallas (Triton)
 kernels do it all:
@@ -20,7 +20,7 @@ kernels do it all:
   backward.
 
 A gated pair's ``pre`` comes interleaved, each row's two branches side by
-side (``fp8jax.ops.fused._interleave``), and its gradient leaves the same way.
+side (``fp8jax.ops.layernorm_mlp._interleave``), and its gradient leaves the same way.
 
 The activations are written through the logistic function and ``erfc``
 (gelu_tanh's ``0.5 * (1 + tanh(u))`` as ``sigmoid(2u)``, gelu's ``Phi`` as
