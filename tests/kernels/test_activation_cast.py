@@ -1,4 +1,4 @@
-"""fp8jax.ops.activation_cast: its kernels (interpret mode, live) against f64 references."""
+"""fp8jax.kernels.activation_cast: its kernels (interpret mode, live) against f64 references."""
 
 import math
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import activation_cast as ac
+from fp8jax.kernels import activation_cast as ac
 
 
 def _gelu_tanh_f64(x):

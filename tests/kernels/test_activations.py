@@ -9,7 +9,8 @@ import pytest
 
 from fp8jax import activations
 from fp8jax.flax import _common
-from fp8jax.ops import _fused, activation_cast
+from fp8jax.kernels import activation_cast
+from fp8jax.ops import _fused
 
 
 def test_every_path_reads_the_registry():

@@ -1,4 +1,4 @@
-"""fp8jax.ops.cast_transpose: the Pallas kernel (in interpret mode) against XLA's values."""
+"""fp8jax.kernels.cast_transpose: the Pallas kernel (in interpret mode) against XLA's values."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import cast_transpose as ct
+from fp8jax.kernels import cast_transpose as ct
 from fp8jax.quantize import quantize_with_scale
 
 

@@ -326,7 +326,7 @@ def test_gated_pre_activation_gradient_is_written_with_each_pair_side_by_side():
     # its bf16 gradient are (tokens, ffn, 2). In kernel_1's own order XLA's
     # gradient fusion read each pre-activation element twice (GeGLU on the
     # H200: 1.22 against 0.87 ms). Delayed scaling's activation kernels read
-    # the same layout (tests/ops/test_activation_cast.py).
+    # the same layout (tests/kernels/test_activation_cast.py).
     written = _results_of_mlp_step(("silu", "linear"), fp8jax.CurrentScaling(), "bf16")
     shapes = {shape for _, shape in written}
     assert (TOKENS, FFN, 2) in shapes
@@ -369,7 +369,7 @@ def test_forward_activation_reaches_hbm_in_bf16_only_under_current_scaling(activ
 def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, recipe):
     # The cast kernel (quantize_operand, transpose): on one GPU, every GEMM operand that both of
     # its GEMMs read in a different layout is cast to FP8 with its transposed
-    # copy in one Pallas kernel (fp8jax.ops.cast_transpose) that reads it
+    # copy in one Pallas kernel (fp8jax.kernels.cast_transpose) that reads it
     # once: the pre-activation gradient (with bias_1's sums), the output
     # gradient (with bias_2's), kernel_2 and, ungated, kernel_1. XLA made a
     # cast kernel and an FP8 transpose of each (GeGLU's gradient on the H200:
@@ -410,7 +410,7 @@ def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("activations", [("gelu_tanh",), ("silu", "linear")], ids="-".join)
 def test_activation_and_its_gradient_are_computed_in_the_cast_kernels(activations, recipe):
-    # fp8jax.ops.activation_cast: under delayed scaling one Pallas kernel reads
+    # fp8jax.kernels.activation_cast: under delayed scaling one Pallas kernel reads
     # pre and writes h in FP8; another reads pre and dh and writes pre's
     # gradient in FP8 in both layouts and h again, transposed, for kernel_2's
     # wgrad. No bf16 (tokens, ffn) array is written but the GEMMs' outputs.
@@ -650,7 +650,7 @@ def _qkv_args(head_dim, hidden=256):
 def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_dim, op):
     # layernorm_dense(split=...) must compute exactly what slicing its whole
     # output computes: the same GEMMs on the same FP8 bytes. The gradient's
-    # cast reads the pieces (ops.cast_transpose.Interleaved; on the CPU XLA
+    # cast reads the pieces (kernels.cast_transpose.Interleaved; on the CPU XLA
     # joins them), in 64 x 128 tiles for head_dim 128 and 128 x 64 for 64.
     # Both must match the unsplit op bit for bit.
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
@@ -700,7 +700,7 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
     # the whole (tokens, 2, 4, head_dim) gradient, written in bf16 and read
     # again by the FP8 cast (the transformer layer on the H200: 0.27 ms). Split
     # inside the op (ops.split), the cast kernel reads dq, dk and dv
-    # themselves; with head_dim 64 in tiles half as wide (ops.cast_transpose).
+    # themselves; with head_dim 64 in tiles half as wide (kernels.cast_transpose).
     from fp8jax.verify import compile_for, gemm_report
 
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None

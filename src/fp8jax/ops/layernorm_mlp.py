@@ -7,7 +7,7 @@ bias, cost too much to compute twice; each is written once, in the
 activations' dtype, and read back by its quantize pass
 (:func:`fp8jax.ops.quantizing.quantize_operand`, ``stored``). Under delayed
 scaling the activation, one or a gated pair, and its gradient are computed
-inside FP8 cast kernels on the GPU (:mod:`fp8jax.ops.activation_cast`; not
+inside FP8 cast kernels on the GPU (:mod:`fp8jax.kernels.activation_cast`; not
 erf's gelu, which measured slower there); where those do not run, a biased
 activation is cast to FP8 where XLA computes it
 (:class:`~fp8jax.ops.quantizing.Recomputed`). Biases are inputs of the
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax import activations as activations_
-from fp8jax.kernels import dispatch
-from fp8jax.ops import _fused, _partitioning, activation_cast, gemm, norm_backward
+from fp8jax.kernels import activation_cast, dispatch
+from fp8jax.ops import _fused, _partitioning, gemm, norm_backward
 from fp8jax.ops._fused import ACTIVATIONS, FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -177,7 +177,7 @@ def _mlp_bwd(config: FusedConfig, saved: MlpResiduals, g):
     # gradient is a column sum, and XLA's reduction kernels run the
     # activation's gradient math slowly: one XLA kernel doing all of it took
     # several times the bf16 write and the cast together on the H200
-    # (docs/design.md#tried-and-dropped). fp8jax.ops.activation_cast does it
+    # (docs/design.md#tried-and-dropped). fp8jax.kernels.activation_cast does it
     # in Pallas where it runs.
     dpre = quantize_operand(dpre, bwd, fc1 and fc1.grad, recipe, rows_ndim=x.ndim - 1,
                             transpose=True, rows_are_tokens=True, column_sums=b1 is not None,
@@ -218,7 +218,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def _activation_kernel(pre, config: FusedConfig, delayed: bool) -> dispatch.Placement:
     """Where the activation kernels run on ``pre``'s rows: the dispatcher's decision.
 
-    The kernels (:mod:`fp8jax.ops.activation_cast`) compute one activation
+    The kernels (:mod:`fp8jax.kernels.activation_cast`) compute one activation
     or a gated pair and need their scales before their values: delayed
     scaling. They run where :func:`fp8jax.kernels.dispatch.decide` puts
     them on token rows, for the activations the registry's kernel serves

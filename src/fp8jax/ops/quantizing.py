@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax.formats import Fp8Format
-from fp8jax.kernels import dispatch
-from fp8jax.ops import _partitioning, cast_transpose
+from fp8jax.kernels import cast_transpose, dispatch
+from fp8jax.ops import _partitioning
 from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
 from fp8jax.ops.split import SplitGradient
 from fp8jax.quantize import amax, quantize_with_scale
@@ -71,7 +71,7 @@ def quantize_operand(
         columns: for the transposed copy and the column sums.
       transpose: a GEMM reads the operand transposed to (columns, rows).
         Where :func:`fp8jax.kernels.dispatch.decide` lets the cast kernel run
-        (:mod:`fp8jax.ops.cast_transpose`, which needs whole tiles), it
+        (:mod:`fp8jax.kernels.cast_transpose`, which needs whole tiles), it
         writes that copy in the same pass
         (docs/design.md#cast-and-transpose-in-one-kernel); elsewhere XLA
         quantizes and the operand has no transposed copy.
@@ -79,8 +79,8 @@ def quantize_operand(
         which data parallelism splits: the kernel may then run on each
         device's rows (:func:`fp8jax.kernels.dispatch.row_axes`).
       column_sums: also sum ``value`` over its rows in f32 (a bias's
-        gradient). XLA's pass takes the amax as column maxima then, so that
-        one pass computes both
+        gradient). XLA's pass for an unstored value then takes the amax as
+        column maxima, so that one pass computes both
         (docs/design.md#the-bias-gradient-in-the-gradients-quantize-pass).
       stored: ``value``'s math is too costly to compute twice (an
         activation's gradient): it is written once, in its own dtype, and
