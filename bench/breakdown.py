@@ -71,7 +71,7 @@ def fusion_classes(hlo_text: str) -> dict[str, str]:
             quantizes = _reads_high_precision(shape_of, operands)
             kind = "quantize" if quantizes else "fp8-relayout"
         elif opcode == "custom-call" and _PALLAS_TRITON in line and _is_fp8_array(shape):
-            # A Pallas kernel (fp8jax.ops.cast_transpose) runs under the name
+            # A Pallas kernel (fp8jax.kernels.cast_transpose) runs under the name
             # given to its pallas_call, the scope above "pallas_call" in op_name.
             start = match.end() - match.start()
             operands = line[start : line.find(")", start)]

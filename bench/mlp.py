@@ -32,7 +32,7 @@ from harness import (
 )
 
 import fp8jax
-from fp8jax.ops.fused import ACTIVATIONS
+from fp8jax.ops._fused import ACTIVATIONS
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -145,13 +145,13 @@ def gemms_only(x, ffn, activations, precision):
 
 
 def _swapped_backward_dots(swap_dgrad: bool):
-    """fused._backward_dots with the gradient as the GEMM's first operand (JAX's order).
+    """gemm.backward_dots with the gradient as the GEMM's first operand (JAX's order).
 
     An experiment: cuBLASLt picks its kernel by operand roles and output
     layout, so the same product in the other order may run faster.
     """
     from fp8jax.ops import dimensions
-    from fp8jax.ops.dense import scaled_dot
+    from fp8jax.ops.gemm import scaled_dot
 
     def swapped(a, b, dims, out_dtype, precision, permutation, like):
         (ac, bc), (ab, bb) = dims
@@ -165,7 +165,11 @@ def _swapped_backward_dots(swap_dgrad: bool):
         y = jnp.transpose(y, back)
         return y if permutation is None else jnp.transpose(y, permutation)
 
-    def backward_dots(dims, lhs_q, rhs_q, g_q, lhs_dtype, rhs_dtype, recipe):
+    def backward_dots(dims, lhs_ndim, lhs, rhs_q, g, lhs_dtype, rhs_dtype, recipe):
+        # The layouts as themselves: the cast kernel's transposed copies go unused here.
+        lhs_q, g_q = lhs.fp8, g.fp8
+        if lhs.transposed:
+            raise ValueError("the swapped variants need lhs as itself, not transposed")
         dg = dimensions.dgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
         wg = dimensions.wgrad(dims, lhs_q.data.ndim, rhs_q.data.ndim)
         if swap_dgrad:
@@ -182,8 +186,8 @@ def _swapped_backward_dots(swap_dgrad: bool):
 
 
 def patched(make, attribute, replacement):
-    """``make`` with ``fp8jax.ops.fused.<attribute>`` replaced while it traces."""
-    from fp8jax.ops import fused
+    """``make`` with ``fp8jax.ops.gemm.<attribute>`` replaced while it traces."""
+    from fp8jax.ops import gemm as fused
 
     def traced_with_patch(*args, **kwargs):
         fn, fn_args = make(*args, **kwargs)
@@ -213,10 +217,10 @@ def run_case(tokens, hidden, ffn, activations, iters, names=None, trace_dir=None
     }
     delayed = variants["fp8jax_delayed"]
     variants["fp8jax_delayed_swap_wgrad"] = patched(
-        delayed, "_backward_dots", _swapped_backward_dots(swap_dgrad=False)
+        delayed, "backward_dots", _swapped_backward_dots(swap_dgrad=False)
     )
     variants["fp8jax_delayed_swap_both"] = patched(
-        delayed, "_backward_dots", _swapped_backward_dots(swap_dgrad=True)
+        delayed, "backward_dots", _swapped_backward_dots(swap_dgrad=True)
     )
     rows = []
     gemm_flops = 2 * tokens * hidden * ffn * (len(activations) + 1) * 3

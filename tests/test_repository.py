@@ -81,9 +81,11 @@ MODULES = [
     "fp8jax.scaling",
     "fp8jax.quantize",
     "fp8jax.ops.dense",
+    "fp8jax.ops.dot_general",
     "fp8jax.ops.einsum",
     "fp8jax.ops.norm",
-    "fp8jax.ops.fused",
+    "fp8jax.ops.layernorm_dense",
+    "fp8jax.ops.layernorm_mlp",
     # These compile for an H100 without a GPU, or check the toolchain that does.
     pytest.param("fp8jax.verify", marks=pytest.mark.deviceless),
     pytest.param("fp8jax.verify.compilation", marks=pytest.mark.deviceless),

@@ -4,9 +4,11 @@ The public API is what this module re-exports.
 """
 
 from fp8jax.formats import ALL_E4M3, E4M3, E5M2, HYBRID, FormatPair, Fp8Format
-from fp8jax.ops.dense import dense, dot_general
+from fp8jax.ops.dense import dense
+from fp8jax.ops.dot_general import dot_general
 from fp8jax.ops.einsum import einsum
-from fp8jax.ops.fused import layernorm_dense, layernorm_mlp
+from fp8jax.ops.layernorm_dense import layernorm_dense
+from fp8jax.ops.layernorm_mlp import layernorm_mlp
 from fp8jax.ops.norm import layernorm
 from fp8jax.quantize import Fp8Array, dequantize, quantize
 from fp8jax.recipes import CurrentScaling, DelayedScaling

@@ -6,7 +6,7 @@ and each place has its own formula for it (:class:`Activation`):
 * ``xla``: the f32 function XLA evaluates, and differentiates (``jax.vjp``),
   where the activation kernels do not run.
 * ``value_and_slope``: the value and the derivative written out, as the
-  Pallas kernels (:mod:`fp8jax.ops.activation_cast`) compute them from
+  Pallas kernels (:mod:`fp8jax.kernels.activation_cast`) compute them from
   elementary functions they are handed (:class:`XlaMath` off the GPU, the
   GPU's approximate ``ex2`` and ``rcp`` on it).
 
@@ -45,7 +45,7 @@ class XlaMath:
 
     What :attr:`Activation.value_and_slope` gets off the GPU (interpret mode,
     the kernels' XLA twins); the GPU's approximate instructions are
-    :mod:`fp8jax.ops.activation_cast`'s.
+    :mod:`fp8jax.kernels.activation_cast`'s.
     """
 
     exp = staticmethod(jnp.exp)

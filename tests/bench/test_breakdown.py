@@ -20,7 +20,7 @@ def test_triton_fp8_gemms_and_quantize_kernels_are_told_apart():
         "gemm_fusion_dot", "gemm_fusion_dot_1", "gemm_fusion_dot_general_2",
     ]  # fmt: skip
     # x, the kernel and the gradient are each quantized from high precision by
-    # one fp8jax.ops.cast_transpose call; the trace names all three after the
+    # one fp8jax.kernels.cast_transpose call; the trace names all three after the
     # one pallas_call, and no XLA fusion quantizes.
     assert sorted(k for k, v in classes.items() if v == "quantize") == ["fp8jax_cast_transpose"]
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 3
@@ -46,7 +46,7 @@ def test_fp8_to_fp8_transposes_are_relayouts_not_quantization():
 
 
 def test_the_pallas_cast_transpose_kernel_is_a_quantize_pass_under_its_own_name():
-    # fp8jax.ops.cast_transpose: a Triton custom call that reads the bf16
+    # fp8jax.kernels.cast_transpose: a Triton custom call that reads the bf16
     # gradient and writes FP8. The trace names the kernel after its
     # pallas_call (the scope above "pallas_call" in op_name), not the HLO.
     hlo = (

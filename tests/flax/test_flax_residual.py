@@ -13,19 +13,19 @@ from flax import nnx
 
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
-from fp8jax.ops import fused
+from fp8jax.ops import norm_backward
 
 
 def _residual_given_per_norm(monkeypatch, grad_of_layer) -> list[bool]:
     seen = []
-    original = fused.norm_backward.normalize_backward
+    original = norm_backward.normalize_backward
 
     def spy(*args, **kwargs):
         residual = args[7] if len(args) > 7 else kwargs.get("residual")
         seen.append(residual is not None)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused.norm_backward, "normalize_backward", spy)
+    monkeypatch.setattr(norm_backward, "normalize_backward", spy)
     jax.eval_shape(grad_of_layer)
     return seen
 

@@ -10,7 +10,7 @@ import fp8jax
 import fp8jax.sharding as fs
 from fp8jax import kernels
 from fp8jax.kernels import _options
-from fp8jax.ops import cast_transpose as ct
+from fp8jax.kernels import cast_transpose as ct
 
 
 def _cast(g):

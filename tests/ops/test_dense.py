@@ -215,7 +215,7 @@ def _biased_op(op, x, bias, recipe, state):
 def test_bias_gradient_is_summed_in_f32(op, delayed):
     # The output gradient is bf16 (the cotangent c below, exactly), but its
     # sum over the 4096 tokens is accumulated and returned in f32
-    # (dense.quantize_gradient). Bound: any order of f32 additions of n
+    # (quantize_operand, column_sums). Bound: any order of f32 additions of n
     # non-negative terms errs by at most n * 2**-24 * sum(c). A bf16 result
     # (as JAX's own gradient of a bf16 bias add gives) is off by up to half
     # a bf16 spacing of ~6000, 16, far outside it.
@@ -261,11 +261,11 @@ def test_batched_dot_general_values_match_reference_and_gradients_keep_the_shape
 
 
 @pytest.mark.parametrize("delayed", [False, True])
-def test_quantize_stored_quantizes_like_quantize_operand(delayed):
-    # The barrier in quantize_stored moves where XLA writes the value, never
-    # what is computed: the same FP8 bytes, scale and amax as the plain path,
-    # under jit, and the stored value is the input itself.
-    from fp8jax.ops.dense import quantize_operand, quantize_stored
+def test_stored_quantizes_like_the_plain_pass(delayed):
+    # The barrier of quantize_operand(stored=True) moves where XLA writes the
+    # value, never what is computed: the same FP8 bytes, scale and amax as the
+    # plain pass, under jit, and column sums of the value as it was stored.
+    from fp8jax.ops.quantizing import quantize_operand
 
     recipe = fp8jax.DelayedScaling() if delayed else fp8jax.CurrentScaling()
     state = fp8jax.init_state(recipe, fp8jax.DotScaleState).x if delayed else None
@@ -275,15 +275,21 @@ def test_quantize_stored_quantizes_like_quantize_operand(delayed):
 
     @jax.jit
     def both(v):
-        return quantize_stored(v, fp8jax.E4M3, state, recipe), quantize_operand(
-            v, fp8jax.E4M3, state, recipe
-        )
+        stored = quantize_operand(v, fp8jax.E4M3, state, recipe, rows_ndim=1, column_sums=True,
+                                  stored=True)  # fmt: skip
+        return stored, quantize_operand(v, fp8jax.E4M3, state, recipe)
 
-    (q, amax, stored), (want_q, want_amax) = both(value)
-    np.testing.assert_array_equal(q.data.astype(jnp.float32), want_q.data.astype(jnp.float32))
-    np.testing.assert_array_equal(q.scale_inv, want_q.scale_inv)
-    np.testing.assert_array_equal(amax, want_amax)
-    np.testing.assert_array_equal(stored, value)
+    stored, plain = both(value)
+    assert not stored.has_transposed and plain.column_sums is None
+    np.testing.assert_array_equal(stored.fp8.data.astype(jnp.float32),
+                                  plain.fp8.data.astype(jnp.float32))  # fmt: skip
+    np.testing.assert_array_equal(stored.fp8.scale_inv, plain.fp8.scale_inv)
+    np.testing.assert_array_equal(stored.amax, plain.amax)
+    # Both sum the same f32 values over the rows; only the order may differ:
+    # 64 additions, each rounding by at most 2**-24 relative.
+    want = jnp.sum(value.astype(jnp.float32), axis=0)
+    bound = 64 * 2.0**-24 * jnp.sum(jnp.abs(value.astype(jnp.float32)), axis=0)
+    assert bool(jnp.all(jnp.abs(stored.column_sums - want) <= bound))
 
 
 def test_overflowing_input_saturates_instead_of_nan():

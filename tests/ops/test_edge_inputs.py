@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import cast_transpose as ct
+from fp8jax.kernels import cast_transpose as ct
 from fp8jax.quantize import quantize_with_scale
 from numerics import assert_within, current_scale, gemm_error_bound
 

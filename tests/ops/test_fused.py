@@ -310,9 +310,9 @@ def _mlp_step_hlo(activations, recipe, tokens, hidden, ffn) -> str:
 )
 def test_layernorm_mlp_step_writes_no_f32_copy_of_the_activation(activations, recipe):
     # The activation and its gradient reach HBM once each, in bf16
-    # (dense.quantize_stored); the code before it wrote two f32 (tokens, ffn)
+    # (quantize_operand, stored); the code before it wrote two f32 (tokens, ffn)
     # arrays here for every activation, and with jax.nn.gelu's erfc XLA kept
-    # one f32 array from the forward for the backward (fused.gelu).
+    # one f32 array from the forward for the backward (activations.gelu).
     n = len(activations)
     shapes = {(TOKENS, FFN), (TOKENS, n, FFN), (TOKENS, FFN, n), (TOKENS, n * FFN)}
     copies = [r for r in _results_of_mlp_step(activations, recipe, "f32") if r[1] in shapes]
@@ -321,12 +321,12 @@ def test_layernorm_mlp_step_writes_no_f32_copy_of_the_activation(activations, re
 
 @pytest.mark.deviceless
 def test_gated_pre_activation_gradient_is_written_with_each_pair_side_by_side():
-    # fused._interleave: kernel_1 (hidden, 2, ffn) is quantized as (hidden,
+    # layernorm_mlp._interleave: kernel_1 (hidden, 2, ffn) is quantized as (hidden,
     # ffn, 2), so the pre-activation and, on XLA's path (current scaling),
     # its bf16 gradient are (tokens, ffn, 2). In kernel_1's own order XLA's
     # gradient fusion read each pre-activation element twice (GeGLU on the
     # H200: 1.22 against 0.87 ms). Delayed scaling's activation kernels read
-    # the same layout (tests/ops/test_activation_cast.py).
+    # the same layout (tests/kernels/test_activation_cast.py).
     written = _results_of_mlp_step(("silu", "linear"), fp8jax.CurrentScaling(), "bf16")
     shapes = {shape for _, shape in written}
     assert (TOKENS, FFN, 2) in shapes
@@ -338,9 +338,9 @@ def test_gated_pre_activation_gradient_is_written_with_each_pair_side_by_side():
 def test_forward_activation_reaches_hbm_in_bf16_only_under_current_scaling(activations):
     # Current scaling needs the activation's amax before its scale, so the
     # forward writes the activation once in bf16 and the quantize pass reads
-    # it back (dense.quantize_stored). Delayed scaling knows the scale first:
+    # it back (quantize_operand, stored). Delayed scaling knows the scale first:
     # the FP8 cast fuses into the activation's kernel and no bf16 copy is
-    # written (dense.quantize_recomputed). GEMMs and the backward (its pinned
+    # written (quantizing.Recomputed). GEMMs and the backward (its pinned
     # activation gradient) write bf16 (tokens, ffn) arrays too; they do not
     # count.
     from fp8jax.verify import _hlo, gemm_report
@@ -367,16 +367,16 @@ def test_forward_activation_reaches_hbm_in_bf16_only_under_current_scaling(activ
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("activations", [("gelu", "linear"), ("gelu",)])
 def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, recipe):
-    # dense.quantize_transposed: on one GPU, every GEMM operand that both of
+    # The cast kernel (quantize_operand, transpose): on one GPU, every GEMM operand that both of
     # its GEMMs read in a different layout is cast to FP8 with its transposed
-    # copy in one Pallas kernel (fp8jax.ops.cast_transpose) that reads it
+    # copy in one Pallas kernel (fp8jax.kernels.cast_transpose) that reads it
     # once: the pre-activation gradient (with bias_1's sums), the output
     # gradient (with bias_2's), kernel_2 and, ungated, kernel_1. XLA made a
     # cast kernel and an FP8 transpose of each (GeGLU's gradient on the H200:
     # 0.78 + 0.46 against 0.63 ms). Gated, kernel_1 is read interleaved, a
     # transpose XLA fuses into its own cast. All six GEMMs stay FP8. (erf's
-    # gelu stays on XLA's activation path under either recipe, fused.py's
-    # _KERNEL_ACTIVATIONS.)
+    # gelu stays on XLA's activation path under either recipe,
+    # fp8jax.activations.Activation.kernel.)
     from collections import Counter
 
     from fp8jax.verify import _hlo, gemm_report
@@ -410,7 +410,7 @@ def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("activations", [("gelu_tanh",), ("silu", "linear")], ids="-".join)
 def test_activation_and_its_gradient_are_computed_in_the_cast_kernels(activations, recipe):
-    # fp8jax.ops.activation_cast: under delayed scaling one Pallas kernel reads
+    # fp8jax.kernels.activation_cast: under delayed scaling one Pallas kernel reads
     # pre and writes h in FP8; another reads pre and dh and writes pre's
     # gradient in FP8 in both layouts and h again, transposed, for kernel_2's
     # wgrad. No bf16 (tokens, ffn) array is written but the GEMMs' outputs.
@@ -468,7 +468,7 @@ def test_fp8jax_pallas_0_keeps_xla_cast_and_transpose(monkeypatch):
 def test_activation_amax_takes_no_pass_of_its_own(activations, recipe):
     # Every kernel that reads an activation-sized array also writes one: the
     # activation's amax rides along with its FP8 cast or with the backward
-    # (dense.quantize_recomputed, quantize_stored). A pass that only reduces
+    # (quantizing.Recomputed, and the stored pass). A pass that only reduces
     # it (0.40 ms for GeGLU on the H200) means XLA split them apart.
     from fp8jax.verify import _hlo, gemm_report
 
@@ -524,8 +524,8 @@ def _biased_step_outputs(op, recipe) -> dict[str, list[tuple[str, tuple[int, ...
 @pytest.mark.parametrize("op", ["dense", "layernorm_dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe, monkeypatch):
-    # dense.quantize_gradient, XLA's path (where the Pallas kernel of
-    # dense.quantize_transposed does not run, here switched off): the amax of
+    # quantize_operand with column_sums, XLA's path (where the cast kernel
+    # does not run, here switched off): the amax of
     # the output gradient is taken as column maxima, like the bias gradient's
     # column sums, so one kernel computes both; under delayed scaling the FP8
     # gradient comes out of the same kernel. With row maxima XLA needs a
@@ -550,8 +550,8 @@ def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe, monkeypatc
 @pytest.mark.parametrize("op", ["dense", "layernorm_dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
-    # dense.quantize_in_both_layouts (kernels, and dense's own input) and
-    # quantize_output_gradient: on one GPU the kernel's FP8 copies for the
+    # quantize_operand with transpose (kernels, dense's own input and the
+    # output gradients): on one GPU the kernel's FP8 copies for the
     # forward GEMM (transposed) and the dgrad GEMM, the output gradient's for
     # the dgrad and the wgrad GEMM (transposed) with the bias's column sums,
     # and dense's input's for the forward and the wgrad GEMM (transposed),
@@ -650,7 +650,7 @@ def _qkv_args(head_dim, hidden=256):
 def test_split_output_and_its_gradients_are_the_whole_outputs_cut(recipe, head_dim, op):
     # layernorm_dense(split=...) must compute exactly what slicing its whole
     # output computes: the same GEMMs on the same FP8 bytes. The gradient's
-    # cast reads the pieces (ops.cast_transpose.Interleaved; on the CPU XLA
+    # cast reads the pieces (kernels.cast_transpose.Interleaved; on the CPU XLA
     # joins them), in 64 x 128 tiles for head_dim 128 and 128 x 64 for 64.
     # Both must match the unsplit op bit for bit.
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
@@ -700,7 +700,7 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
     # the whole (tokens, 2, 4, head_dim) gradient, written in bf16 and read
     # again by the FP8 cast (the transformer layer on the H200: 0.27 ms). Split
     # inside the op (ops.split), the cast kernel reads dq, dk and dv
-    # themselves; with head_dim 64 in tiles half as wide (ops.cast_transpose).
+    # themselves; with head_dim 64 in tiles half as wide (kernels.cast_transpose).
     from fp8jax.verify import compile_for, gemm_report
 
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
@@ -729,9 +729,9 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
 
 
 def test_one_device_mesh_lets_the_kernel_run(one_device):
-    from fp8jax.ops import dense
+    from fp8jax.kernels import dispatch
 
-    assert jax.device_count() > 1 and dense._kernel_is_local()
+    assert jax.device_count() > 1 and dispatch.is_local()
 
 
 def _live_split_and_unsplit_steps(recipe, op, head_dim):
@@ -806,7 +806,7 @@ def test_gelu_stays_within_f32_rounding_of_the_exact_definition():
     # 1 + erf turns into an absolute error on the negative side.
     import math
 
-    from fp8jax.ops.fused import gelu
+    from fp8jax.activations import gelu
 
     x = np.linspace(-12, 12, 48001, dtype=np.float32)
     exact = np.array([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in x.astype(np.float64)])
@@ -1098,8 +1098,8 @@ def test_bad_input_is_explained(call, error, message):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_live_mlp_step_transposes_fp8_only_with_tiled_kernels(recipe):
-    # Before the forward kernel became an explicit matrix transpose (ops.dense
-    # _as_kernel_matrices), XLA relayouted both GeGLU kernels with untiled kLoop
+    # Before the forward kernel became an explicit matrix transpose
+    # (ops.gemm.as_kernel_matrices), XLA relayouted both GeGLU kernels with untiled kLoop
     # transposes at ~0.3 TB/s on the H200 (jaxlib 0.11.2; docs/design.md).
     # Shapes are the benchmark's, scaled down 4x in each dimension.
     from fp8jax import verify

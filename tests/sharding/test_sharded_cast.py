@@ -3,7 +3,7 @@
 Under ``fp8jax.sharding.use_mesh`` with only batch axes (``dp``, ``fsdp``)
 splitting, an activation's or a gradient's token rows are split and its
 columns whole, so each device can cast its own rows with its transposed copy
-in one kernel (``fp8jax.ops.cast_transpose``, inside ``shard_map``). On the
+in one kernel (``fp8jax.kernels.cast_transpose``, inside ``shard_map``). On the
 CPU the same per-device code computes the values with XLA; the deviceless
 H100 compiles check that the GPU program runs the Pallas kernel on each
 device's rows and gathers nothing in high precision.
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax
 import fp8jax.sharding as fs
-from fp8jax.ops import cast_transpose as ct
+from fp8jax.kernels import cast_transpose as ct
 from fp8jax.ops import norm_forward
 
 DP_FSDP = {"dp": 2, "fsdp": 4}
@@ -161,8 +161,8 @@ def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe):
     # gradient (tokens, 2 * ffn) and the output gradient (tokens, hidden) are
     # cast with their transposed copies by the Pallas kernel on each device's
     # rows; nothing is gathered in high precision and all six GEMMs are FP8.
-    # (GeGLU's erf gelu stays on XLA's activation path, fused.py's
-    # _KERNEL_ACTIVATIONS; the test below covers the activation kernels.)
+    # (GeGLU's erf gelu stays on XLA's activation path,
+    # fp8jax.activations.Activation.kernel; the test below covers the activation kernels.)
     from fp8jax import verify
 
     hlo = _mlp_step_hlo(DP_FSDP, recipe=recipe)
@@ -206,11 +206,11 @@ def test_tensor_parallel_mlp_step_keeps_xla_cast():
 
 
 def test_activation_kernels_per_device_match_the_whole():
-    # fp8jax.ops.activation_cast on each device's rows, SwiGLU's interleaved
+    # fp8jax.kernels.activation_cast on each device's rows, SwiGLU's interleaved
     # pre-activation: elementwise FP8 values and maxima are exact either way;
     # the gradient's column sums add the same f32 terms in another order
     # (bound as in the cast test above).
-    from fp8jax.ops import activation_cast as ac
+    from fp8jax.kernels import activation_cast as ac
 
     acts, rows, cols = ("silu", "linear"), 8 * ct.BLOCK_ROWS, 2 * ct.BLOCK_COLS
     pre, dh = _g(rows, 2 * cols, seed=4), _g(rows, cols, seed=5)
@@ -248,7 +248,7 @@ def test_activation_kernels_per_device_match_the_whole():
 @pytest.mark.parametrize("activations", [("gelu_tanh",), ("silu", "linear")], ids="-".join)
 def test_data_parallel_step_runs_the_activation_kernels_per_device(activations):
     # Under delayed scaling the activation and its gradient are computed in
-    # their Pallas kernels (fp8jax.ops.activation_cast) on each device's 128
+    # their Pallas kernels (fp8jax.kernels.activation_cast) on each device's 128
     # rows; nothing is gathered in high precision.
     from fp8jax import verify
     from fp8jax.verify import _hlo

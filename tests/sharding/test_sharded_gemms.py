@@ -70,7 +70,7 @@ def test_sharded_step_gemms_are_fp8_and_gathers_are_fp8(layout):
     hlo = compile_layout(layout)
     report = verify.gemm_report(hlo)
     check_gemms(report)
-    # fp8jax.ops.cast_transpose's kernel runs per device only where data
+    # fp8jax.kernels.cast_transpose's kernel runs per device only where data
     # parallelism alone splits (test_sharded_cast.py), on whole tiles of 64
     # rows: this layer's 128 tokens leave each device at most 32, so XLA
     # casts in every layout here.

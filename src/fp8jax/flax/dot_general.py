@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fp8jax.ops.dense import dot_general as _fp8_dot_general
+from fp8jax.ops.dot_general import dot_general as _fp8_dot_general
 from fp8jax.recipes import CurrentScaling
 
 

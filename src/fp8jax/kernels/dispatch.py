@@ -1,7 +1,8 @@
 """The one place that decides whether a Pallas kernel runs, and where: each device's rows, or XLA.
 
-fp8jax's kernels (:mod:`fp8jax.ops.cast_transpose`, ``norm_forward``,
-``norm_backward``, ``activation_cast``) each have an XLA twin that computes
+fp8jax's kernels (:mod:`fp8jax.kernels.cast_transpose`,
+:mod:`fp8jax.kernels.activation_cast`, :mod:`fp8jax.ops.norm_forward`,
+:mod:`fp8jax.ops.norm_backward`) each have an XLA twin that computes
 the same values. Which one a traced op gets depends on four things, all
 decided here:
 
@@ -37,6 +38,7 @@ import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -134,7 +136,7 @@ def is_local() -> bool:
     Under a mesh with ``Auto`` or ``Explicit`` axes a ``pallas_call`` (which
     has no partitioning rule: XLA gathers its operands in high precision)
     runs only inside ``shard_map`` (:func:`on_each_device`), and a kernel's
-    matrix view (:func:`fp8jax.ops.dense._as_kernel_matrices`) costs
+    matrix view (:func:`fp8jax.ops.gemm.as_kernel_matrices`) costs
     collectives. Inside ``shard_map`` every array is local.
 
     With no mesh in context (``jax.set_mesh``, :func:`fp8jax.sharding.use_mesh`),
@@ -194,6 +196,25 @@ def row_axes(rows_are_tokens: bool = True) -> tuple[str, ...] | None:
 def devices_along(axes: Sequence[str]) -> int:
     """How many devices the mesh in context has along ``axes``."""
     return math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in axes)
+
+
+class Placement(NamedTuple):
+    """A decision: XLA's twin (``kernel`` False), or the kernel on ``row_axes``'s share of rows.
+
+    ``row_axes`` () runs the kernel on whole arrays.
+    """
+
+    kernel: bool
+    row_axes: tuple[str, ...] = ()
+
+
+XLA = Placement(kernel=False)
+
+
+def decide(fits: Callable[[int], bool], *, rows_are_tokens: bool = True) -> Placement:
+    """:func:`placement` as a :class:`Placement`, taken before any work it would change."""
+    axes = placement(fits, rows_are_tokens=rows_are_tokens)
+    return XLA if axes is None else Placement(kernel=True, row_axes=axes)
 
 
 def placement(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fp8jax.ops.dense import dot_general
+from fp8jax.ops.dot_general import dot_general
 from fp8jax.quantize import check_high_precision
 from fp8jax.recipes import Recipe
 

@@ -152,7 +152,7 @@ def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_a
     scale; ``residual`` is the residual stream's gradient, or None. ``dx``
     comes back in ``x.dtype``, summed with ``residual`` in f32 before it is
     rounded; dgamma and dbeta (None without a beta) in f32. ``row_axes``:
-    as :func:`~fp8jax.ops.cast_transpose.cast_transpose`'s. The caller
+    as :func:`~fp8jax.kernels.cast_transpose.cast_transpose`'s. The caller
     checks :func:`fits`.
     """
     # The first five operands split along rows on each device; gamma is whole.

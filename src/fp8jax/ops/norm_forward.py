@@ -33,8 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax.formats import Fp8Format
-from fp8jax.kernels import dispatch
-from fp8jax.ops import cast_transpose, norm, norm_backward
+from fp8jax.kernels import cast_transpose, dispatch
+from fp8jax.ops import norm, norm_backward
 from fp8jax.ops.norm import NormConfig
 from fp8jax.quantize import quantize_with_scale
 

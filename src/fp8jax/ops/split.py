@@ -5,7 +5,7 @@ each piece's gradient to the whole output and sums them, so the whole
 gradient is written in bf16 before its FP8 cast reads it again
 (docs/design.md#the-fused-qkv-split-inside-the-op). Split inside the op, the
 backward receives the pieces as they are,
-and the cast reads them directly (:class:`~fp8jax.ops.cast_transpose.Interleaved`).
+and the cast reads them directly (:class:`~fp8jax.kernels.cast_transpose.Interleaved`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax.ops.cast_transpose import Interleaved
+from fp8jax.kernels.cast_transpose import Interleaved
 
 
 @dataclasses.dataclass(frozen=True)

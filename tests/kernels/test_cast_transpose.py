@@ -1,4 +1,4 @@
-"""fp8jax.ops.cast_transpose: the Pallas kernel (in interpret mode) against XLA's values."""
+"""fp8jax.kernels.cast_transpose: the Pallas kernel (in interpret mode) against XLA's values."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import cast_transpose as ct
+from fp8jax.kernels import cast_transpose as ct
 from fp8jax.quantize import quantize_with_scale
 
 
@@ -171,15 +171,15 @@ def test_a_shape_that_does_not_split_into_tiles_is_refused(shape):
 def test_without_a_mesh_only_a_single_gpu_process_counts_arrays_as_whole(
     backend, devices, whole, monkeypatch
 ):
-    # dense._kernel_is_local: a jit without a mesh in context may get sharded
+    # dispatch.is_local: a jit without a mesh in context may get sharded
     # inputs, which tracing cannot see; a pallas_call there would make XLA
     # gather its operands in bf16. So with several GPUs and no mesh the
     # kernels stay off; on the CPU (the deviceless compiles) they may run.
-    from fp8jax.ops import dense
+    from fp8jax.kernels import dispatch
 
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setattr(jax, "device_count", lambda: devices)
-    assert dense._kernel_is_local() is whole
+    assert dispatch.is_local() is whole
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
-        assert dense._kernel_is_local() is False
+        assert dispatch.is_local() is False

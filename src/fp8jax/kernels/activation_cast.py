@@ -4,7 +4,7 @@ Under delayed scaling the scale of the activation ``h`` (one activation of
 ``pre + bias``, or a gated pair's product: GeGLU, SwiGLU) and of its
 gradient is known before either is computed, so each can be computed where
 it is cast. XLA does so for the forward
-(:func:`~fp8jax.ops.dense.quantize_recomputed`), but writes the gradient in
+(:class:`~fp8jax.ops.quantizing.Recomputed`), but writes the gradient in
 bf16 for the cast kernel to read back, and transposes the FP8 ``h`` for the
 second GEMM's wgrad in a kernel of its own. Here two Pallas (Triton)
 kernels do it all:
@@ -20,7 +20,7 @@ kernels do it all:
   backward.
 
 A gated pair's ``pre`` comes interleaved, each row's two branches side by
-side (``fp8jax.ops.fused._interleave``), and its gradient leaves the same way.
+side (``fp8jax.ops.layernorm_mlp._interleave``), and its gradient leaves the same way.
 
 The activations are written through the logistic function and ``erfc``
 (gelu_tanh's ``0.5 * (1 + tanh(u))`` as ``sigmoid(2u)``, gelu's ``Phi`` as
@@ -57,8 +57,7 @@ import jax.numpy as jnp
 
 from fp8jax import activations as activations_
 from fp8jax.formats import Fp8Format
-from fp8jax.kernels import dispatch
-from fp8jax.ops import cast_transpose
+from fp8jax.kernels import cast_transpose, dispatch
 from fp8jax.quantize import quantize_with_scale
 
 # The kernels' tile of h, (rows, columns), and warps per program, by the
@@ -327,7 +326,7 @@ def cast_activation(
     ``n * c + k`` is branch ``k`` of column ``c``), in whole tiles
     (:func:`fits`); ``bias``: (n * columns,) likewise, or None; ``row_axes``:
     the mesh axes splitting ``pre``'s rows alone
-    (:func:`fp8jax.ops.cast_transpose.cast_transpose`).
+    (:func:`fp8jax.kernels.cast_transpose.cast_transpose`).
 
     Returns ``(q, maxima)``: ``h``'s (rows, columns) FP8 data at ``scale``
     and f32 maxima of ``|h|`` per tile, whose maximum is the amax.
@@ -353,7 +352,7 @@ def cast_activation_gradient(
     is (rows, columns). The gradient, interleaved as ``pre``, is rounded to
     ``pre.dtype`` and cast at ``scale`` to ``fmt``, with its transposed copy,
     f32 column sums (with a bias, whose gradient they are; else None) and
-    maxima (:class:`~fp8jax.ops.cast_transpose.CastTransposed`).
+    maxima (:class:`~fp8jax.kernels.cast_transpose.CastTransposed`).
     ``h`` is computed again as :func:`cast_activation` computes it and cast
     at ``h_scale`` to ``h_fmt``, as (columns, rows): the operand the second
     GEMM's wgrad reads.

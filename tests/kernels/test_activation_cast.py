@@ -1,4 +1,4 @@
-"""fp8jax.ops.activation_cast: its kernels (interpret mode, live) against f64 references."""
+"""fp8jax.kernels.activation_cast: its kernels (interpret mode, live) against f64 references."""
 
 import math
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import activation_cast as ac
+from fp8jax.kernels import activation_cast as ac
 
 
 def _gelu_tanh_f64(x):
@@ -68,10 +68,10 @@ def _reference(activations, pre, dh, bias):
 
 
 def test_references_agree_with_jax_where_f32_does_not_cancel():
-    # The f64 definitions are JAX's activations (fp8jax.ops.fused.ACTIVATIONS):
+    # The f64 definitions are JAX's activations (fp8jax.ops._fused.ACTIVATIONS):
     # on |x| <= 3, JAX's f32 values and VJPs lie within 2**-20 (relative to
     # max(|value|, 1)) of them.
-    from fp8jax.ops.fused import ACTIVATIONS
+    from fp8jax.ops._fused import ACTIVATIONS
 
     x = jnp.linspace(-3, 3, 4097, dtype=jnp.float32)
     for name, fn in ACTIVATIONS.items():

@@ -1,0 +1,100 @@
+"""What :mod:`fp8jax.ops.layernorm_dense` and :mod:`fp8jax.ops.layernorm_mlp` share.
+
+Their static config, the norm's FP8 output and the statistics its backward
+reads. The normalized input never reaches HBM in high precision: under
+delayed scaling one kernel computes the norm, its FP8 cast and its maxima
+from a single read of x (:mod:`fp8jax.ops.norm_forward`;
+docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel); elsewhere
+it is quantized in the fusions that compute it, the amax pass recomputing
+it from x.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax import activations as activations_
+from fp8jax.ops import _partitioning, norm_forward
+from fp8jax.ops.norm import NormConfig, normalize
+from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
+from fp8jax.ops.quantizing import amax_for_update, quantize_operand
+from fp8jax.ops.split import Split
+from fp8jax.quantize import check_high_precision
+from fp8jax.recipes import Recipe
+from fp8jax.scaling import ScaleState
+
+# XLA's formula of each activation, by name (fp8jax.activations.REGISTRY).
+ACTIVATIONS = {name: a.xla for name, a in activations_.REGISTRY.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """Static settings of a fused op; its custom_vjp's only static argument."""
+
+    norm: NormConfig
+    recipe: Recipe
+    x_dtype: jnp.dtype  # also the dtype of every activation the op outputs
+    kernel_dtypes: tuple[jnp.dtype, ...]  # cotangents come back in these
+    activations: tuple[str, ...] = ()
+    return_normalized: bool = False
+    return_residual: bool = False  # also return x, whose gradient then joins the norm's
+    # What each input's cotangent must match: shard_map axes, Explicit sharding.
+    inputs: tuple[_partitioning.InputType, ...] = ()
+    bias_dtype: jnp.dtype | None = None  # layernorm_dense's bias, None without one
+    split: Split | None = None  # layernorm_dense's output returned in pieces
+
+
+class NormSaved(NamedTuple):
+    """What the norm's backward reads: its inputs and per-row statistics."""
+
+    x: jax.Array
+    gamma: jax.Array
+    beta: jax.Array | None
+    mean: jax.Array | None
+    rstd: jax.Array
+
+
+def normalized(x, gamma, beta, config: FusedConfig) -> jax.Array:
+    """The norm's output, in f32."""
+    return normalize(x, gamma, beta, config.norm)[0]
+
+
+def normalize_and_quantize(
+    x, gamma, beta, state: ScaleState | None, config: FusedConfig
+) -> tuple[QuantizedOperand, NormSaved]:
+    """The norm's output in FP8, and what the norm's backward reads.
+
+    Under delayed scaling (``state``, the output's ScaleState) in one kernel
+    where it runs (:mod:`fp8jax.ops.norm_forward`); else XLA's passes, which
+    fuse the norm into both the amax and the quantize pass, so that the
+    value never reaches HBM in high precision.
+    """
+    recipe, fmt = config.recipe, config.recipe.formats.forward
+    row_axes = None if state is None else norm_forward.kernel_row_axes(x)
+    if row_axes is not None:
+        q, maxima, mean, rstd = norm_forward.normalize_and_cast(
+            x, gamma, beta, config.norm, state.scale, fmt, row_axes
+        )
+        normed = from_kernel(q, inverse(state.scale), fmt, amax_for_update(maxima, recipe))
+        return normed, NormSaved(x, gamma, beta, mean, rstd)
+    _, mean, rstd = normalize(x, gamma, beta, config.norm)
+    value = normalized(x, gamma, beta, config).astype(jnp.float32)
+    return quantize_operand(value, fmt, state, recipe), NormSaved(x, gamma, beta, mean, rstd)
+
+
+def contract_last(lhs_ndim: int):
+    """Dimension numbers contracting lhs's last axis against the kernel's first."""
+    return (((lhs_ndim - 1,), (0,)), ((), ()))
+
+
+def check_bias(name: str, bias, shape: tuple[int, ...]) -> None:
+    """Raises unless ``bias`` is None or a high-precision array of ``shape``."""
+    if bias is None:
+        return
+    check_high_precision(name, bias)
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(bias.shape)}.")
