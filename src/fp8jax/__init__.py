@@ -9,7 +9,7 @@ from fp8jax.ops.einsum import einsum
 from fp8jax.ops.fused import layernorm_dense, layernorm_mlp
 from fp8jax.ops.norm import layernorm
 from fp8jax.quantize import Fp8Array, dequantize, quantize
-from fp8jax.recipes import CurrentScaling, DelayedScaling
+from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
 from fp8jax.scaling import (
     DotScaleState,
     MlpScaleState,
@@ -27,6 +27,7 @@ __all__ = [
     "E4M3",
     "E5M2",
     "HYBRID",
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "DotScaleState",
@@ -34,6 +35,7 @@ __all__ = [
     "Fp8Array",
     "Fp8Format",
     "MlpScaleState",
+    "RowwiseScaling",
     "ScaleState",
     "combine_states",
     "compiler_options",

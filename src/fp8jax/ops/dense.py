@@ -26,7 +26,7 @@ from jax import lax
 
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.kernels import dispatch
-from fp8jax.ops import _partitioning, cast_transpose, dimensions
+from fp8jax.ops import _partitioning, cast_transpose, dimensions, fine_grained
 from fp8jax.ops.split import Split, SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
@@ -548,7 +548,7 @@ def check_state(state, recipe, group=DotScaleState) -> None:
     if not isinstance(recipe, DelayedScaling):
         if state is not None:
             raise ValueError(
-                "state must be None with CurrentScaling, which keeps no state; "
+                f"state must be None with {type(recipe).__name__}, which keeps no state; "
                 f"got a {type(state).__name__}. Pass recipe=DelayedScaling(...) to use it."
             )
         return
@@ -645,6 +645,8 @@ def _dot(lhs, rhs, bias, dims, recipe, state, out_dtype, split: Split | None = N
     """:func:`dot_general` on checked inputs, plus a bias over the output's trailing axes."""
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
+    if fine_grained.is_fine(recipe):  # scales per row or block: GEMMs of their own
+        return fine_grained.dot(lhs, rhs, bias, dims, recipe, out_dtype, split)
     config = DotConfig(
         dimension_numbers=dims,
         recipe=recipe,

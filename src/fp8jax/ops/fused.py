@@ -40,6 +40,8 @@ from fp8jax.kernels import dispatch
 from fp8jax.ops import (
     _partitioning,
     activation_cast,
+    fine_fused,
+    fine_grained,
     norm_backward,
     norm_forward,
 )
@@ -275,6 +277,10 @@ def layernorm_dense(
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     out_shape = (*x.shape[:-1], *kernel.shape[1:])
     pieces = make_split(split, split_axis, out_shape, kernel.ndim - 1)
+    if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_fused)
+        return fine_fused.layernorm_dense(x, gamma, beta, kernel, bias, norm, recipe, split=pieces,
+                                          return_normalized=return_normalized,
+                                          return_residual=return_residual)  # fmt: skip
     config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
                          return_normalized=return_normalized, return_residual=return_residual,
                          inputs=inputs, bias_dtype=bias_dtype, split=pieces)  # fmt: skip
@@ -570,6 +576,10 @@ def layernorm_mlp(
     _check_bias("bias_2", bias_2, (kernel_2.shape[1],))
     recipe = resolve_recipe(recipe)
     check_state(state, recipe, MlpScaleState)
+    if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_fused)
+        return fine_fused.layernorm_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, norm,
+                                        recipe, activations,
+                                        return_residual=return_residual)  # fmt: skip
     config = FusedConfig(
         norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel_1.dtype), jnp.dtype(kernel_2.dtype)),
         activations=activations, return_residual=return_residual,
