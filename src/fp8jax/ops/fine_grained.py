@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import blockwise, rowwise
+from fp8jax.ops import _partitioning, blockwise, rowwise
 from fp8jax.ops.block_gemm import BLOCK
 from fp8jax.recipes import BlockScaling, RowwiseScaling
 
@@ -76,5 +76,5 @@ def dot(lhs, rhs, bias, dims, recipe, out_dtype, split=None):
     """
     y = dot_general(lhs, rhs, dims, recipe, out_dtype)
     if bias is not None:
-        y = y + bias.astype(y.dtype)
+        y = y + _partitioning.broadcastable(bias.astype(y.dtype), y.ndim)
     return y if split is None else split.apply(y)
