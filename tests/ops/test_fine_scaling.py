@@ -293,3 +293,32 @@ def test_deviceless_h100_every_gemm_is_fp8():
     assert [g.backend for g in block.gemms] == ["pallas"] * 3, str(block)
     for report in (row, block):
         assert not report.non_fp8_gemms, str(report)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
+def test_linen_and_nnx_modules_take_the_recipe(recipe):
+    from flax import linen as nn
+    from flax import nnx
+
+    from fp8jax.flax import linen as fnn
+    from fp8jax.flax import nnx as fnnx
+
+    x = jax.random.normal(jax.random.key(9), (2, 16, 32))
+    layer = fnn.DenseGeneral(features=48, recipe=recipe)
+    variables = layer.init(jax.random.key(0), x)
+    assert set(variables) == {"params"}  # no fp8_state: the recipe keeps none
+    params = nn.unbox(variables["params"])  # logical-axis metadata off
+    kernel, bias = params["kernel"], params["bias"]
+    expected = dense(x, kernel, bias, recipe=recipe)
+    np.testing.assert_allclose(layer.apply(variables, x), expected, rtol=1e-6, atol=1e-6)
+    module = fnnx.DenseGeneral(32, 48, recipe=recipe, rngs=nnx.Rngs(0))
+    expected = dense(x, module.kernel[...], module.bias[...], recipe=recipe)
+    np.testing.assert_allclose(module(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_train_recipe_names():
+    from fp8jax.training import config
+
+    for name, cls in (("row", fp8jax.RowwiseScaling), ("block", fp8jax.BlockScaling)):
+        options = config.TrainOptions(out="unused", config="tiny", precision="fp8", recipe=name)
+        assert isinstance(config.resolve(options).fp8_recipe(), cls)
