@@ -90,21 +90,32 @@ def test_rowwise_dense_within_fp8_bound(dtype):
     assert_within(dw, xs.T @ gs, wgrad, "wgrad")
 
 
-@pytest.mark.parametrize("power_of_two", [False, True])
-def test_block_dense_within_fp8_bound(power_of_two):
-    recipe = fp8jax.BlockScaling(power_of_two_scales=power_of_two)
+@pytest.mark.parametrize(
+    ("power_of_two", "formats"),
+    [(False, fp8jax.ALL_E4M3), (True, fp8jax.ALL_E4M3), (False, fp8jax.HYBRID)],
+)
+def test_block_dense_within_fp8_bound(power_of_two, formats):
+    recipe = fp8jax.BlockScaling(power_of_two_scales=power_of_two, formats=formats)
     xs, ws, gs, y, dx, dw = _run(recipe, *_data(), jnp.float32)
-    e4, p2 = "e4m3", power_of_two  # E4M3 for gradients too (ALL_E4M3)
+    e4, p2 = "e4m3", power_of_two
+    eg = "e4m3" if formats == fp8jax.ALL_E4M3 else "e5m2"  # the gradient's format
     wb = block_scales(ws, e4, p2)
     fwd = gemm_error_bound(xs, ws, e4, e4, tile_scales(xs, e4, 1, p2), wb, "mk,kn->mn",
                            jnp.float32)  # fmt: skip
     assert_within(y, xs @ ws, fwd, "forward")
-    dgrad = gemm_error_bound(gs, ws, e4, e4, tile_scales(gs, e4, 1, p2), wb, "mn,kn->mk",
+    dgrad = gemm_error_bound(gs, ws, eg, e4, tile_scales(gs, eg, 1, p2), wb, "mn,kn->mk",
                              jnp.float32)  # fmt: skip
     assert_within(dx, gs @ ws.T, dgrad, "dgrad")
-    wgrad = gemm_error_bound(xs, gs, e4, e4, tile_scales(xs, e4, 0, p2),
-                             tile_scales(gs, e4, 0, p2), "mk,mn->kn", jnp.float32)  # fmt: skip
+    wgrad = gemm_error_bound(xs, gs, e4, eg, tile_scales(xs, e4, 0, p2),
+                             tile_scales(gs, eg, 0, p2), "mk,mn->kn", jnp.float32)  # fmt: skip
     assert_within(dw, xs.T @ gs, wgrad, "wgrad")
+
+
+def test_rowwise_float16_output_does_not_overflow_before_its_scales():
+    """Unscaled, a GEMM of full-range E4M3 rows reaches 448**2 * K, beyond float16's 65504."""
+    x = jnp.ones((16, 256), jnp.float16)
+    y = dense(x, jnp.ones((256, 16), jnp.float16), recipe=fp8jax.RowwiseScaling())
+    np.testing.assert_array_equal(y, np.full((16, 16), 256.0, np.float16))
 
 
 # The issue's example: (256 x 1024) @ (1024 x 384); outliers 3e4 times the rest put
