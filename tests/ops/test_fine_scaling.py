@@ -6,6 +6,10 @@ under BlockScaling, along the axis each GEMM quantizes its operand.
 """
 
 import functools
+import pathlib
+import re
+import shutil
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -292,18 +296,32 @@ def _deviceless_reports():
         return f
 
     calls = [(step(r), (x, w, g)) for r in RECIPES]
-    texts = verify.compile_many(calls, target="h100", xla_flags=fp8jax.xla_options.as_xla_flags())
-    return [verify.gemm_report(t) for t in texts]
+    dump = tempfile.mkdtemp(prefix="fp8jax_fine_scaling_")
+    flags = f"{fp8jax.xla_options.as_xla_flags()} --xla_dump_to={dump}"
+    texts = verify.compile_many(calls, target="h100", xla_flags=flags)
+    # The GPU code of every kernel: only the block kernel's dots run on tensor cores
+    # here (cuBLASLt's GEMMs are library calls, and XLA's Triton GEMMs are off).
+    ptx = "".join(path.read_text() for path in pathlib.Path(dump).glob("*.ptx"))
+    shutil.rmtree(dump, ignore_errors=True)
+    return [verify.gemm_report(t) for t in texts], ptx
 
 
 @pytest.mark.deviceless
 def test_deviceless_h100_every_gemm_is_fp8():
     """Rowwise: three cuBLASLt FP8 GEMMs; block: three block-scaled Pallas kernels on f8."""
-    row, block = _deviceless_reports()
+    (row, block), _ = _deviceless_reports()
     assert [g.backend for g in row.gemms] == ["cublaslt-fp8"] * 3, str(row)
     assert [g.backend for g in block.gemms] == ["pallas"] * 3, str(block)
     for report in (row, block):
         assert not report.non_fp8_gemms, str(report)
+
+
+@pytest.mark.deviceless
+def test_deviceless_block_kernel_multiplies_on_fp8_tensor_cores():
+    """Hopper's FP8 wgmma, not f16 mma.sync on operands converted in registers."""
+    _, ptx = _deviceless_reports()
+    assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx), "no FP8 wgmma in the kernels"
+    assert "mma.sync" not in ptx and "f16x2.e4m3x2" not in ptx
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
