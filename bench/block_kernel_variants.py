@@ -22,6 +22,7 @@ from scaling import operands
 
 from fp8jax import E4M3
 from fp8jax.fine_quantize import quantize_blocks
+from fp8jax.ops import triton_fp8_dot
 
 BF16, BLOCK = jnp.bfloat16, 128
 
@@ -47,6 +48,7 @@ def variant(a, b, sa, sb_blocks, *, tile=(128, 128), warps=8, stages=3, group=0,
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
+    triton_fp8_dot.install()  # as the library's kernel: FP8 wgmma
     _, m, k = a.shape
     n, slices = b.shape[1], k // BLOCK
     tm, tn = tile
