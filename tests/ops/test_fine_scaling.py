@@ -303,23 +303,27 @@ def _deviceless_reports():
     # here (cuBLASLt's GEMMs are library calls, and XLA's Triton GEMMs are off).
     ptx = "".join(path.read_text() for path in pathlib.Path(dump).glob("*.ptx"))
     shutil.rmtree(dump, ignore_errors=True)
-    return [verify.gemm_report(t) for t in texts], ptx
+    untiled = [[r for r in verify.fp8_relayouts(t) if r.untiled_transpose] for t in texts]
+    return [verify.gemm_report(t) for t in texts], ptx, untiled
 
 
 @pytest.mark.deviceless
 def test_deviceless_h100_every_gemm_is_fp8():
     """Rowwise: three cuBLASLt FP8 GEMMs; block: three block-scaled Pallas kernels on f8."""
-    (row, block), _ = _deviceless_reports()
+    (row, block), _, untiled = _deviceless_reports()
     assert [g.backend for g in row.gemms] == ["cublaslt-fp8"] * 3, str(row)
     assert [g.backend for g in block.gemms] == ["pallas"] * 3, str(block)
     for report in (row, block):
         assert not report.non_fp8_gemms, str(report)
+    # No FP8 data moved through XLA's slow untiled transposes
+    # (docs/design.md#the-forward-kernel-transposed-in-the-program).
+    assert untiled == [[], []], untiled
 
 
 @pytest.mark.deviceless
 def test_deviceless_block_kernel_multiplies_on_fp8_tensor_cores():
     """Hopper's FP8 wgmma, not f16 mma.sync on operands converted in registers."""
-    _, ptx = _deviceless_reports()
+    _, ptx, _ = _deviceless_reports()
     assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx), "no FP8 wgmma in the kernels"
     assert "mma.sync" not in ptx and "f16x2.e4m3x2" not in ptx
 
