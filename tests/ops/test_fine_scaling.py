@@ -368,3 +368,13 @@ def test_train_recipe_names():
     for name, cls in (("row", fp8jax.RowwiseScaling), ("block", fp8jax.BlockScaling)):
         options = config.TrainOptions(out="unused", config="tiny", precision="fp8", recipe=name)
         assert isinstance(config.resolve(options).fp8_recipe(), cls)
+
+
+def test_flax_drop_in_dot_general_takes_the_recipe():
+    from fp8jax.flax import Fp8DotGeneral
+
+    x, w, _ = _data()
+    dims = (((1,), (0,)), ((), ()))
+    for recipe in RECIPES:
+        expected = fp8jax.dot_general(x, w, dims, recipe=recipe)
+        np.testing.assert_array_equal(Fp8DotGeneral(recipe=recipe)(x, w, dims), expected)
