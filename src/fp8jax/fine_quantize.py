@@ -43,10 +43,10 @@ def quantize_tiles(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,
     *lead, cols = x.shape
     tiles = x.astype(jnp.float32).reshape(*lead, cols // block, block)
     scale = _scales(jnp.max(jnp.abs(tiles), axis=-1), fmt, margin, power_of_two)
-    # The cast runs on x's own shape, each scale repeated over its tile: cast in
-    # the tiled view, a transposed x (the weight gradient's operands) made XLA
-    # write the FP8 data through an untiled transpose (docs/design.md#the-
-    # forward-kernel-transposed-in-the-program).
+    # The cast runs on x's own shape, each scale repeated over its tile: cast
+    # in the tiled view, a transposed x (the weight gradient's operands) made
+    # XLA write the FP8 data through an untiled transpose
+    # (docs/design.md#the-forward-kernel-transposed-in-the-program).
     q = quantize_with_scale(x, fmt, jnp.repeat(scale, block, axis=-1))
     return q.data, 1.0 / scale
 
