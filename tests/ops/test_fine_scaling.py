@@ -378,3 +378,11 @@ def test_flax_drop_in_dot_general_takes_the_recipe():
     for recipe in RECIPES:
         expected = fp8jax.dot_general(x, w, dims, recipe=recipe)
         np.testing.assert_array_equal(Fp8DotGeneral(recipe=recipe)(x, w, dims), expected)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
+def test_empty_batch_gives_empty_output_and_zero_gradient(recipe):
+    w = jnp.ones((16, 8))
+    y, vjp = jax.vjp(lambda w: fp8jax.dense(jnp.ones((0, 16)), w, recipe=recipe), w)
+    assert y.shape == (0, 8)
+    np.testing.assert_array_equal(vjp(y)[0], np.zeros((16, 8)))
