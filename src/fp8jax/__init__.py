@@ -11,7 +11,7 @@ from fp8jax.ops.layernorm_dense import layernorm_dense
 from fp8jax.ops.layernorm_mlp import layernorm_mlp
 from fp8jax.ops.norm import layernorm
 from fp8jax.quantize import Fp8Array, dequantize, quantize
-from fp8jax.recipes import CurrentScaling, DelayedScaling
+from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
 from fp8jax.scaling import (
     DotScaleState,
     MlpScaleState,
@@ -29,6 +29,7 @@ __all__ = [
     "E4M3",
     "E5M2",
     "HYBRID",
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "DotScaleState",
@@ -36,6 +37,7 @@ __all__ = [
     "Fp8Array",
     "Fp8Format",
     "MlpScaleState",
+    "RowwiseScaling",
     "ScaleState",
     "combine_states",
     "compiler_options",

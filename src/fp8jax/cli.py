@@ -150,7 +150,9 @@ def _add_train(sub) -> None:
     )
     p.add_argument("--config", help="preset: tiny (CPU, the default), small, medium (GPU)")
     p.add_argument("--precision", help="fp8 (block GEMMs in FP8, the default) or bf16")
-    p.add_argument("--recipe", default=None, help="FP8 scaling: current (default) or delayed")
+    p.add_argument(
+        "--recipe", default=None, help="FP8 scaling: current (default), delayed, row, block"
+    )
     p.add_argument("--steps", type=int, help="total steps of the run")
     p.add_argument("--out", help="run directory (default runs/CONFIG-PRECISION[-RECIPE])")
     p.add_argument(

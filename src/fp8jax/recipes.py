@@ -8,6 +8,12 @@ is no global recipe). Two are available:
 * :class:`DelayedScaling` derives the scale from a history of past amaxes
   (TransformerEngine's rule). It needs per-tensor state; see
   :mod:`fp8jax.scaling`.
+
+Two fine-grained recipes scale parts of a tensor apart, so that one outlier
+token or channel does not push the rest into the FP8 subnormals
+(docs/design.md#fine-grained-scaling): :class:`RowwiseScaling` and
+:class:`BlockScaling`. Both derive their scales from the tensor at hand, as
+current scaling does, and keep no state.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import numbers
 
 from jax import lax
 
-from fp8jax.formats import HYBRID, FormatPair
+from fp8jax.formats import ALL_E4M3, HYBRID, FormatPair
 
 _AMAX_ALGOS = ("max", "most_recent")
 
@@ -165,16 +171,109 @@ class DelayedScaling:
             )
 
 
-Recipe = CurrentScaling | DelayedScaling
-
-
 def resolve_recipe(recipe) -> Recipe:
     """Returns ``recipe``, or the default CurrentScaling for None; rejects others."""
     if recipe is None:
         return CurrentScaling()
-    if not isinstance(recipe, CurrentScaling | DelayedScaling):
+    if not isinstance(recipe, Recipe):
         raise TypeError(
-            "recipe must be fp8jax.CurrentScaling(...), fp8jax.DelayedScaling(...) or None, "
-            f"got {recipe!r}."
+            "recipe must be fp8jax.CurrentScaling(...), fp8jax.DelayedScaling(...), "
+            f"fp8jax.RowwiseScaling(...), fp8jax.BlockScaling(...) or None, got {recipe!r}."
         )
     return recipe
+
+
+def _check_fine(cls_name: str, recipe) -> None:
+    check_margin(cls_name, recipe.margin)
+    if not isinstance(recipe.formats, FormatPair):
+        raise TypeError(
+            f"{cls_name}.formats must be a FormatPair such as fp8jax.HYBRID or fp8jax.ALL_E4M3, "
+            f"got {recipe.formats!r}."
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowwiseScaling:
+    """One scale per row of each GEMM operand along its free (non-contracted) axes.
+
+    Per token for activations and output gradients, per output channel for
+    weights; each scale is ``fp8_max / row_amax / 2**margin`` (1 for an
+    all-zero or non-finite row). Where a backward GEMM contracts an operand
+    over the other axis, the operand is quantized again along that axis:
+    the weight per input row for the input gradient, the activation and the
+    output gradient per feature column for the weight gradient. The GEMMs
+    take the FP8 operands as they are; the row and column scales multiply
+    the product afterwards, an elementwise epilogue XLA fuses into the
+    consumer (docs/design.md#fine-grained-scaling).
+
+    Attributes:
+      margin: extra headroom, in powers of two: a finite real number in [0, 32].
+      formats: forward and gradient formats (default E4M3 / E5M2).
+      forward_precision, dgrad_precision, wgrad_precision: accumulation of
+        each GEMM, as in :class:`CurrentScaling`.
+
+    Example:
+      >>> import fp8jax
+      >>> fp8jax.RowwiseScaling(margin=1).formats
+      HYBRID
+    """
+
+    margin: float = 0
+    formats: FormatPair = HYBRID
+    forward_precision: lax.Precision = lax.Precision.DEFAULT
+    dgrad_precision: lax.Precision = lax.Precision.HIGHEST
+    wgrad_precision: lax.Precision = lax.Precision.HIGHEST
+
+    def __post_init__(self):
+        _check_fine("RowwiseScaling", self)
+        for field in ("forward_precision", "dgrad_precision", "wgrad_precision"):
+            if not isinstance(getattr(self, field), lax.Precision):
+                raise TypeError(
+                    f"RowwiseScaling.{field} must be a jax.lax.Precision, "
+                    f"got {getattr(self, field)!r}."
+                )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockScaling:
+    """DeepSeek-V3's recipe: 1x128 tiles for activations and gradients, 128x128 weight blocks.
+
+    Every operand is scaled per tile of ``BLOCK`` (128) elements along the
+    axis its GEMM contracts (per token and 128 features for activations and
+    output gradients), weights per 128x128 block, which serves the forward
+    and the input-gradient GEMM alike. The GEMM applies the scales inside its
+    main loop: the product of each 128-long slice of K is taken in FP8,
+    scaled and added to an f32 accumulator (docs/design.md#fine-grained-scaling).
+
+    Attributes:
+      margin: extra headroom, in powers of two: a finite real number in [0, 32].
+      formats: forward and gradient formats; E4M3 for both by default
+        (``fp8jax.ALL_E4M3``), as DeepSeek-V3 trains. ``fp8jax.HYBRID`` runs
+        the gradient GEMMs with E5M2 x E4M3 operands, which the GPU kernel
+        does not take: XLA's path computes them (:mod:`fp8jax.ops.block_gemm`).
+      power_of_two_scales: round each scale down to a power of two, so that
+        scaling changes only exponents.
+
+    Example:
+      >>> import fp8jax
+      >>> fp8jax.BlockScaling().formats
+      FormatPair(forward=E4M3, backward=E4M3)
+    """
+
+    BLOCK = 128
+
+    margin: float = 0
+    formats: FormatPair = ALL_E4M3
+    power_of_two_scales: bool = False
+
+    def __post_init__(self):
+        _check_fine("BlockScaling", self)
+        if not isinstance(self.power_of_two_scales, bool):
+            raise TypeError(
+                "BlockScaling.power_of_two_scales must be a bool, "
+                f"got {self.power_of_two_scales!r}."
+            )
+
+
+FINE_RECIPES = (RowwiseScaling, BlockScaling)
+Recipe = CurrentScaling | DelayedScaling | RowwiseScaling | BlockScaling

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.recipes import CurrentScaling, DelayedScaling, Recipe, resolve_recipe
+from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 
 
 class ScaleState(NamedTuple):
@@ -91,7 +91,7 @@ def init_state(recipe: Recipe | None, group: type = DotScaleState):
       True
     """
     recipe = resolve_recipe(recipe)
-    if isinstance(recipe, CurrentScaling):
+    if not isinstance(recipe, DelayedScaling):  # current and fine-grained scaling: no state
         return None
     if hasattr(group, "SUBGROUPS"):
         return group(*(init_state(recipe, sub) for sub in group.SUBGROUPS))

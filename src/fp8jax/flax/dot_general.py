@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from fp8jax.ops.dot_general import dot_general as _fp8_dot_general
-from fp8jax.recipes import CurrentScaling
+from fp8jax.recipes import BlockScaling, CurrentScaling, RowwiseScaling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,8 +23,9 @@ class Fp8DotGeneral:
     """A ``lax.dot_general``-compatible callable that runs FP8 GEMMs.
 
     Attributes:
-      recipe: a :class:`~fp8jax.CurrentScaling` (the default). Its precisions
-        set the accumulation; the ``precision`` Flax passes is ignored.
+      recipe: a :class:`~fp8jax.CurrentScaling` (the default), or the
+        stateless :class:`~fp8jax.RowwiseScaling` or :class:`~fp8jax.BlockScaling`.
+        Its precisions set the accumulation; the ``precision`` Flax passes is ignored.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -35,12 +36,15 @@ class Fp8DotGeneral:
       (4, 16)
     """
 
-    recipe: CurrentScaling = dataclasses.field(default_factory=CurrentScaling)
+    recipe: CurrentScaling | RowwiseScaling | BlockScaling = dataclasses.field(
+        default_factory=CurrentScaling
+    )
 
     def __post_init__(self):
-        if not isinstance(self.recipe, CurrentScaling):
+        if not isinstance(self.recipe, CurrentScaling | RowwiseScaling | BlockScaling):
             raise TypeError(
-                "Fp8DotGeneral.recipe must be fp8jax.CurrentScaling(...): a dot_general "
+                "Fp8DotGeneral.recipe must be fp8jax.CurrentScaling(...) (or the stateless "
+                "RowwiseScaling(...), BlockScaling(...)): a dot_general "
                 f"callable cannot carry scale state, got {self.recipe!r}. For DelayedScaling "
                 "use the modules in fp8jax.flax.linen or fp8jax.flax.nnx."
             )

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax.formats import is_fp8
-from fp8jax.ops import _partitioning, dimensions, gemm
+from fp8jax.ops import _partitioning, dimensions, fine_grained, gemm
 from fp8jax.ops.operand import Fp8Layout
 from fp8jax.ops.quantizing import quantize_operand
 from fp8jax.ops.split import Split, SplitGradient
@@ -111,7 +111,7 @@ def check_state(state, recipe, group=DotScaleState) -> None:
     if not isinstance(recipe, DelayedScaling):
         if state is not None:
             raise ValueError(
-                "state must be None with CurrentScaling, which keeps no state; "
+                f"state must be None with {type(recipe).__name__}, which keeps no state; "
                 f"got a {type(state).__name__}. Pass recipe=DelayedScaling(...) to use it."
             )
         return
@@ -208,6 +208,8 @@ def dot_with_bias(lhs, rhs, bias, dims, recipe, state, out_dtype, split: Split |
     """:func:`dot_general` on checked inputs, plus a bias over the output's trailing axes."""
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
+    if fine_grained.is_fine(recipe):  # scales per row or block: GEMMs of their own
+        return fine_grained.dot(lhs, rhs, bias, dims, recipe, out_dtype, split)
     config = DotConfig(
         dimension_numbers=dims,
         recipe=recipe,

@@ -28,7 +28,7 @@ from jax import lax
 
 from fp8jax import activations as activations_
 from fp8jax.kernels import activation_cast, dispatch
-from fp8jax.ops import _fused, _partitioning, gemm, norm_backward
+from fp8jax.ops import _fused, _partitioning, fine_fused, fine_grained, gemm, norm_backward
 from fp8jax.ops._fused import ACTIVATIONS, FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -356,6 +356,10 @@ def layernorm_mlp(
     _fused.check_bias("bias_2", bias_2, (kernel_2.shape[1],))
     recipe = resolve_recipe(recipe)
     check_state(state, recipe, MlpScaleState)
+    if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_fused)
+        return fine_fused.layernorm_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, norm,
+                                        recipe, activations,
+                                        return_residual=return_residual)  # fmt: skip
     config = FusedConfig(
         norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel_1.dtype), jnp.dtype(kernel_2.dtype)),
         activations=activations, return_residual=return_residual,

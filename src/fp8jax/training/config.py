@@ -13,7 +13,7 @@ import fp8jax
 from fp8jax.models.gpt import PRECISIONS, GptConfig
 from fp8jax.training.errors import ConfigError
 
-RECIPES = ("current", "delayed")
+RECIPES = ("current", "delayed", "row", "block")
 DELAYED_HISTORY = 16  # amax history of --recipe delayed; short, so the scales follow training
 
 
@@ -78,7 +78,8 @@ class TrainOptions:
       out: the run directory (config.json, metrics.jsonl, checkpoints/, summary.json).
       config: a preset name from :data:`PRESETS`.
       precision: ``"fp8"`` or ``"bf16"``.
-      recipe: ``"current"`` or ``"delayed"`` (FP8 only; default current).
+      recipe: ``"current"``, ``"delayed"``, ``"row"`` (RowwiseScaling) or ``"block"``
+        (BlockScaling); FP8 only, default current.
       steps, batch_size, seq_len, learning_rate, log_every, eval_every,
       eval_batches, checkpoint_every: override the preset.
       seed: initialization and batch order.
@@ -171,7 +172,8 @@ class RunConfig:
             return None
         if self.recipe == "delayed":
             return fp8jax.DelayedScaling(amax_history_len=DELAYED_HISTORY)
-        return fp8jax.CurrentScaling()
+        fine = {"row": fp8jax.RowwiseScaling, "block": fp8jax.BlockScaling}.get(self.recipe)
+        return fp8jax.CurrentScaling() if fine is None else fine()
 
     def schedule(self) -> optax.Schedule:
         """Linear warmup to the peak learning rate, then cosine decay to 10% at ``steps``."""

@@ -1,10 +1,12 @@
 """The GEMM report: which backend runs each matmul, in which dtypes, from which line.
 
 A GEMM is FP8 when both operands the GEMM kernel reads are FP8: a cuBLASLt
-``__cublas$lt$matmul$f8`` call, or a Triton GEMM fusion whose ``dot`` reads f8
-values. A GEMM whose operands were converted from f8 to a wider type on the way
-in (the quantize-dequantize pattern) is flagged ``upcast_from_fp8``: the data
-was FP8 once, but the multiply runs in BF16 or F32.
+``__cublas$lt$matmul$f8`` call, a Triton GEMM fusion whose ``dot`` reads f8
+values, or one of fp8jax's Pallas GEMM kernels reading f8 operands
+(backend ``pallas``; :mod:`fp8jax.verify.pallas_gemms`). A GEMM whose
+operands were converted from f8 to a wider type on the way in (the
+quantize-dequantize pattern) is flagged ``upcast_from_fp8``: the data was FP8
+once, but the multiply runs in BF16 or F32.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from fp8jax.verify import _hlo, _upcast
+from fp8jax.verify import _hlo, _upcast, pallas_gemms
 
-GEMM_BACKENDS = ("cublaslt-fp8", "triton-fp8", "cublaslt", "cublas", "triton", "cudnn", "dot")
+GEMM_BACKENDS = (
+    "cublaslt-fp8", "triton-fp8", "cublaslt", "cublas", "triton", "cudnn", "pallas", "dot"
+)  # fmt: skip
 COLLECTIVES = (
     "all-gather",
     "reduce-scatter",
@@ -269,16 +273,20 @@ def _dot_row(module, comp, dot, gemm, backend, target, callers) -> GemmRow:
 
 def _custom_call_row(module, comp, inst) -> GemmRow | None:
     target = inst.custom_call_target or ""
+    pallas = pallas_gemms.gemm_operands(target, inst.attrs)
+    operands = [inst.operands[i] for i in pallas or (0, 1)]
     if target in _CUBLAS_TARGETS:
         backend, kind = _CUBLAS_TARGETS[target], "gemm"
     elif "cudnn" in target and ("fmha" in target or "attention" in target):
         backend, kind = "cudnn", "attention"
+    elif pallas is not None:
+        backend, kind = pallas_gemms.BACKEND, "gemm"
     else:
         return None
-    lhs, rhs = (_upcast.type_of(comp, op) for op in inst.operands[:2])
+    lhs, rhs = (_upcast.type_of(comp, op) for op in operands)
     row = _row(module, inst, backend, kind, target, lhs, rhs, inst.types[0])
     if kind == "gemm" and not row.is_fp8:
-        upcast = any(_upcast.dequantized(module, comp, op, ()) for op in inst.operands[:2])
+        upcast = any(_upcast.dequantized(module, comp, op, ()) for op in operands)
         row = dataclasses.replace(row, upcast_from_fp8=upcast)
     return row
 

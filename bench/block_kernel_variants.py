@@ -1,0 +1,150 @@
+"""Variants of the block-scaled GEMM kernel at 8192^3 on the GPU: what its speed depends on.
+
+Against :func:`fp8jax.ops.block_gemm.pallas_block_matmul` (the library's), each
+variant changes one thing: program order grouped along M (L2 reuse of the
+weight's tiles), the weight's 128x128 block scale applied as one scalar per
+tile (one multiply-add per accumulator element and step instead of three
+operations), both, and more tile shapes.
+
+    PYTHONPATH=src python bench/block_kernel_variants.py --heat 0.5 --out variants.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+from harness import add_compile_cache_argument, add_heat_argument, dump, measure, start
+from jax import lax
+from scaling import operands
+
+from fp8jax import E4M3
+from fp8jax.fine_quantize import quantize_blocks
+from fp8jax.ops import triton_fp8_dot
+
+BF16, BLOCK = jnp.bfloat16, 128
+
+
+def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices, tile_scale):
+    from jax.experimental import pallas as pl
+
+    def step(kb, acc):
+        a = a_ref[:, pl.ds(kb * BLOCK, BLOCK)]
+        b = b_ref[:, pl.ds(kb * BLOCK, BLOCK)]
+        p = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if tile_scale:
+            return acc + p * (sa_ref[kb, :] * sb_ref[kb, 0])[:, None]
+        return acc + p * sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :]
+
+    acc = lax.fori_loop(0, slices, step, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def variant(a, b, sa, sb_blocks, *, tile=(128, 128), warps=8, stages=3, group=0,
+            tile_scale=False, interpret=False):  # fmt: skip
+    """``sb_blocks``: the weight's block scales (B, N/128, K/128)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    triton_fp8_dot.install()  # as the library's kernel: FP8 wgmma
+    _, m, k = a.shape
+    n, slices = b.shape[1], k // BLOCK
+    tm, tn = tile
+    gm, gn = m // tm, n // tn
+    if tile_scale:
+        assert tn == BLOCK
+        sb = jnp.swapaxes(sb_blocks, 1, 2)  # (B, slices, N / 128)
+        sb_spec = lambda z, i, j: (z, 0, j)  # noqa: E731
+        sb_block = (None, slices, 1)
+    else:
+        sb = jnp.swapaxes(jnp.repeat(sb_blocks, BLOCK, axis=1), 1, 2)
+        sb_spec = lambda z, i, j: (z, 0, j)  # noqa: E731
+        sb_block = (None, slices, tn)
+
+    def where(z, t):
+        if not group:
+            return z, t // gn, t % gn
+        width = group * gn
+        first = (t // width) * group
+        rows = jnp.minimum(gm - first, group)
+        return z, first + (t % width) % rows, (t % width) // rows
+
+    def spec(block, index):
+        return pl.BlockSpec(block, lambda z, t: index(*where(z, t)))
+
+    return pl.pallas_call(
+        functools.partial(_kernel, slices=slices, tile_scale=tile_scale),
+        grid=(a.shape[0], gm * gn),
+        in_specs=[
+            spec((None, tm, k), lambda z, i, j: (z, i, 0)),
+            spec((None, tn, k), lambda z, i, j: (z, j, 0)),
+            spec((None, slices, tm), lambda z, i, j: (z, 0, i)),
+            spec(sb_block, sb_spec),
+        ],
+        out_specs=spec((None, tm, tn), lambda z, i, j: (z, i, j)),
+        out_shape=jax.ShapeDtypeStruct((a.shape[0], m, n), BF16),
+        interpret=interpret,
+        **(
+            {}
+            if interpret
+            else {
+                "compiler_params": pallas_triton.CompilerParams(num_warps=warps, num_stages=stages)
+            }
+        ),
+    )(a, b, jnp.swapaxes(sa, 1, 2), sb)
+
+
+VARIANTS = {
+    "flat_128x128_w8_s3": {},
+    "flat_128x128_w8_s4": {"stages": 4},
+    "flat_64x128_w4_s3": {"tile": (64, 128), "warps": 4},
+    "group8_128x128_w8_s3": {"group": 8},
+    "tile_scale_128x128_w8_s3": {"tile_scale": True},
+    "tile_scale_group8_128x128_w8_s3": {"tile_scale": True, "group": 8},
+    "tile_scale_group8_128x128_w8_s4": {"tile_scale": True, "group": 8, "stages": 4},
+    "tile_scale_group8_64x128_w4_s4": {
+        "tile_scale": True,
+        "group": 8,
+        "tile": (64, 128),
+        "warps": 4,
+        "stages": 4,
+    },
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=None)
+    add_compile_cache_argument(parser)
+    add_heat_argument(parser)
+    args = parser.parse_args()
+    results = {"environment": start(args), "rows": []}
+    s = args.size
+    _x, w, (qa, qb, sa, _) = operands(s, s, s)
+    _, sb_blocks = quantize_blocks(w, E4M3, BLOCK)
+    reference = None
+    for name, options in VARIANTS.items():
+        fn = jax.jit(functools.partial(variant, **options))
+        try:
+            y = fn(qa, qb, sa, sb_blocks).astype(jnp.float32)
+            reference = y if reference is None else reference
+            diff = float(jnp.max(jnp.abs(y - reference)) / jnp.max(jnp.abs(reference)))
+            row = measure(name, fn, qa, qb, sa, sb_blocks, iters=args.iters)
+        except Exception as e:
+            print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            results["rows"].append({"name": name, "error": f"{type(e).__name__}: {e}"[:400]})
+            continue
+        row.pop("report", None)
+        tflops = 2 * s**3 / row["median_ms"] / 1e9
+        print(f"    {name}: {tflops:.0f} TFLOP/s, max diff vs first {diff:.2e}", flush=True)
+        results["rows"].append(row | {"tflops": tflops, "max_rel_diff_vs_first": diff})
+    if args.out:
+        dump(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

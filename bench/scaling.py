@@ -1,0 +1,155 @@
+"""Fine-grained scaling on the GPU (issue 35): the block kernel's numerics and speed, rowwise dense.
+
+1. The block-scaled GEMM kernel against XLA's expression of the same sums
+   (:func:`fp8jax.ops.block_gemm.xla_block_matmul`) and an f32 reference.
+2. The block-scaled GEMM alone at ``--gemm`` (TFLOP/s) for a few kernel
+   configurations, against the BF16 GEMM and the per-tensor FP8 GEMM
+   (cuBLASLt, operands pre-quantized).
+3. ``fp8jax.dense`` forward + backward (random output gradient) at
+   ``--dense`` under RowwiseScaling, BlockScaling, CurrentScaling and BF16.
+
+    PYTHONPATH=src python bench/scaling.py --heat 0.5 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+from harness import (
+    add_compile_cache_argument,
+    add_heat_argument,
+    dump,
+    measure,
+    output_cotangent,
+    start,
+)
+from jax import lax
+
+import fp8jax
+from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
+from fp8jax.ops import block_gemm
+
+BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
+CONFIGS = [  # (tile_m, tile_n, warps, stages)
+    (128, 128, 8, 3), (128, 128, 4, 4), (128, 256, 8, 3), (64, 256, 4, 4), (256, 128, 8, 3),
+]  # fmt: skip
+
+
+def operands(m, k, n, key=0):
+    kx, kw = jax.random.split(jax.random.key(key))
+    x = jax.random.normal(kx, (1, m, k), jnp.float32)
+    w = jax.random.normal(kw, (1, n, k), jnp.float32) * 0.02
+    qa, sa = quantize_tiles(x, fp8jax.E4M3, 128)
+    qb, sb = quantize_blocks(w, fp8jax.E4M3, 128)
+    return x, w, (qa, qb, sa, expand_blocks(sb, 128))
+
+
+def check(m=1024, k=2048, n=768) -> dict:
+    x, w, ops = operands(m, k, n, key=1)
+    out = {}
+    xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))(*ops)
+    exact = jnp.einsum("bmk,bnk->bmn", x, w, precision=lax.Precision.HIGHEST)
+    for cfg in CONFIGS[:1]:
+        fn = functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32,
+                               tile=cfg[:2], warps=cfg[2], stages=cfg[3])  # fmt: skip
+        y = jax.jit(fn)(*ops)
+        out[str(cfg)] = {
+            "max_rel_diff_vs_xla": float(jnp.max(jnp.abs(y - xla)) / jnp.max(jnp.abs(xla))),
+            "rel_error_vs_f32": float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)),
+        }
+    out["xla_rel_error_vs_f32"] = float(jnp.linalg.norm(xla - exact) / jnp.linalg.norm(exact))
+    print("check", out, flush=True)
+    return out
+
+
+def gemm_rows(m, k, n, iters) -> list[dict]:
+    x, w, ops = operands(m, k, n)
+    flops = 2 * m * k * n
+    rows = []
+    dims = (((1,), (1,)), ((), ()))
+    a8, b8 = x[0].astype(E4M3), w[0].astype(E4M3)
+    variants = {
+        "bf16": (jax.jit(lambda a, b: lax.dot_general(a, b, dims, preferred_element_type=BF16)),
+                 (x[0].astype(BF16), w[0].astype(BF16))),
+        "fp8_per_tensor_cublaslt": (
+            jax.jit(lambda a, b, s: lax.dot_general(a, b, dims, preferred_element_type=BF16) * s,
+                    compiler_options=fp8jax.compiler_options()),
+            (a8, b8, jnp.float32(0.5).astype(BF16))),
+    }  # fmt: skip
+    for cfg in CONFIGS:
+        fn = functools.partial(block_gemm.pallas_block_matmul, out_dtype=BF16, tile=cfg[:2],
+                               warps=cfg[2], stages=cfg[3])  # fmt: skip
+        variants[f"block_pallas_{cfg[0]}x{cfg[1]}_w{cfg[2]}_s{cfg[3]}"] = (jax.jit(fn), ops)
+    for name, (fn, args) in variants.items():
+        try:
+            row = measure(name, fn, *args, iters=iters)
+        except Exception as e:  # a kernel configuration Triton cannot compile
+            print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        row.pop("report", None)
+        rows.append(row | {"tflops": flops / row["median_ms"] / 1e9})
+    return rows
+
+
+def dense_rows(m, k, n, iters) -> list[dict]:
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(BF16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * 0.02).astype(BF16)
+    g = output_cotangent((m, n))
+    recipes = {
+        "bf16": None,
+        "fp8_current": fp8jax.CurrentScaling(),
+        "fp8_rowwise": fp8jax.RowwiseScaling(),
+        "fp8_block": fp8jax.BlockScaling(),
+    }
+    rows = []
+    for name, recipe in recipes.items():
+
+        def step(x, w, g, recipe=recipe):
+            dense = (lambda x, w: x @ w) if recipe is None else functools.partial(
+                fp8jax.dense, recipe=recipe)  # fmt: skip
+            y, vjp = jax.vjp(dense, x, w)
+            return y, vjp(g)
+
+        fn = jax.jit(step, compiler_options=fp8jax.compiler_options())
+        try:
+            row = measure(name, fn, x, w, g, iters=iters)
+        except Exception as e:
+            print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            rows.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        row.pop("report", None)
+        rows.append(row | {"tflops": 3 * 2 * m * k * n / row["median_ms"] / 1e9})
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--gemm", default="8192x8192x8192")
+    parser.add_argument("--dense", default="16384x4096x16384")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--configs", type=int, default=len(CONFIGS), help="kernel configs timed")
+    parser.add_argument("--out", default=None)
+    add_compile_cache_argument(parser)
+    add_heat_argument(parser)
+    args = parser.parse_args()
+    env = start(args)
+    print(env, flush=True)
+    results = {"environment": env, "check": check()}
+    del CONFIGS[args.configs :]
+    gm, gk, gn = (int(v) for v in args.gemm.split("x"))
+    results["gemm"] = {args.gemm: gemm_rows(gm, gk, gn, args.iters)}
+    if args.out:
+        dump(args.out, results)
+    dm, dk, dn = (int(v) for v in args.dense.split("x"))
+    results["dense_fwd_bwd"] = {args.dense: dense_rows(dm, dk, dn, args.iters)}
+    if args.out:
+        dump(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Fine-grained FP8 quantization: one scale per row, per 1xB tile or per BxB block.
+
+The GEMM operands of :mod:`fp8jax.ops.rowwise` and :mod:`fp8jax.ops.blockwise`
+come here as (batch, rows, columns) arrays whose last axis is the one their
+GEMM contracts. Each function returns the FP8 data in the array's shape and
+the f32 ``scale_inv`` (``value ~= data * scale_inv``) of each group, so the
+GEMMs can rescale products group by group. Plain ``jnp``: XLA fuses the
+maxima, the scaling and the cast into the producer's kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.formats import Fp8Format
+from fp8jax.quantize import quantize_with_scale
+from fp8jax.scaling import scale_from_amax
+
+
+def _scales(group_amax: jax.Array, fmt: Fp8Format, margin: float, power_of_two: bool):
+    """Each group's scale from its amax; 1 for an all-zero or non-finite group."""
+    scale = scale_from_amax(group_amax, fmt.max, margin, fallback=1.0)
+    if power_of_two:
+        # Rounded down, so that the group's amax still maps within fmt.max.
+        scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
+    return scale
+
+
+def quantize_rows(x: jax.Array, fmt: Fp8Format, margin: float = 0):
+    """``(data, scale_inv)``: ``x`` scaled per row (last axis), ``scale_inv`` shaped (..., 1)."""
+    row_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    q = quantize_with_scale(x, fmt, _scales(row_amax, fmt, margin, False))
+    return q.data, q.scale_inv
+
+
+def quantize_tiles(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,
+                   power_of_two: bool = False):  # fmt: skip
+    """``(data, scale_inv)``: ``x`` (..., C) scaled per 1 x ``block`` tile of its last axis.
+
+    ``scale_inv`` is (..., C // block). ``C`` must be a multiple of ``block``.
+    """
+    *lead, cols = x.shape
+    tiles = x.astype(jnp.float32).reshape(*lead, cols // block, block)
+    scale = _scales(jnp.max(jnp.abs(tiles), axis=-1), fmt, margin, power_of_two)
+    # The cast runs on x's own shape, each scale repeated over its tile: cast
+    # in the tiled view, a transposed x (the weight gradient's operands) made
+    # XLA write the FP8 data through an untiled transpose
+    # (docs/design.md#the-forward-kernel-transposed-in-the-program).
+    q = quantize_with_scale(x, fmt, jnp.repeat(scale, block, axis=-1))
+    return q.data, 1.0 / scale
+
+
+def quantize_blocks(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,
+                    power_of_two: bool = False):  # fmt: skip
+    """``(data, scale_inv)``: ``x`` (B, R, C) scaled per ``block`` x ``block`` block.
+
+    ``scale_inv`` is (B, R // block, C // block); both R and C must be
+    multiples of ``block``. A block's scale serves the array and its
+    transpose alike, which is why weights are scaled this way: the forward
+    GEMM contracts them over one axis, the input-gradient GEMM over the other.
+    """
+    batch, rows, cols = x.shape
+    blocks = x.astype(jnp.float32).reshape(batch, rows // block, block, cols // block, block)
+    block_amax = jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
+    q = quantize_with_scale(blocks, fmt, _scales(block_amax, fmt, margin, power_of_two))
+    return q.data.reshape(x.shape), q.scale_inv[:, :, 0, :, 0]
+
+
+def expand_blocks(block_scale_inv: jax.Array, block: int) -> jax.Array:
+    """Block scales (B, R // block, C // block) as one per row and tile: (B, R, C // block)."""
+    return jnp.repeat(block_scale_inv, block, axis=1)

@@ -1,0 +1,125 @@
+"""The block-scaled FP8 GEMM: scales applied inside the main loop, every 128 of K.
+
+``y[m, n] = sum_kb sa[m, kb] * sb[n, kb] * sum_{k in kb} a[m, k] * b[n, k]``
+for FP8 ``a`` (B, M, K) and ``b`` (B, N, K), both with K minor, and f32
+scales per row and 128-long slice of K (``sa`` (B, M, K/128), ``sb``
+(B, N, K/128)). The scales vary along K, so no epilogue can apply them:
+each slice's product is taken on the FP8 tensor cores, scaled and added to
+an f32 accumulator, which is also DeepSeek-V3's promotion of the
+accumulator to FP32 every 128 elements (docs/design.md#fine-grained-scaling).
+
+On NVIDIA GPUs this is a Pallas Triton kernel: one program per output tile
+loops over K in 128-wide steps, each step's dot on Hopper's FP8 tensor cores
+(:mod:`fp8jax.ops.triton_fp8_dot`). Triton's ``dot`` takes FP8 operands (E4M3
+or E5M2, both of one type), so operands of two formats (a gradient in E5M2
+against a weight in E4M3, ``fp8jax.HYBRID``) go to XLA's path. XLA's path,
+also the CPU's and the reference, computes the same sums: K reshaped into
+its 128-wide slices, one batched FP8 dot per slice with f32 output, scaled
+and summed. It never dequantizes to a wider type before a GEMM. Whether the
+kernel runs is :mod:`fp8jax.kernels.dispatch`'s decision.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8jax.kernels import dispatch
+from fp8jax.ops import triton_fp8_dot
+
+BLOCK = 128  # the K slice each scale covers
+# Output tile rows x columns per program, warps and pipeline stages.
+TILE_M, TILE_N, WARPS, STAGES = 128, 128, 4, 4
+KERNEL_NAME = "fp8jax_block_scaled_gemm"
+
+
+def fits(a_shape, b_shape, a_dtype, b_dtype, tile=(TILE_M, TILE_N)) -> bool:
+    """Whether the kernel takes these operands: whole output tiles, K in slices, one FP8 type."""
+    (_, m, k), (_, n, _) = a_shape, b_shape
+    return a_dtype == b_dtype and m % tile[0] == 0 and n % tile[1] == 0 and k % BLOCK == 0
+
+
+def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype) -> jax.Array:
+    """``a (B, M, K) . b (B, N, K)^T`` with per-(row, K slice) scales, in ``out_dtype``.
+
+    Args:
+      a, b: FP8 operands, K a multiple of 128.
+      a_scale_inv: f32 (B, M, K // 128); b_scale_inv: f32 (B, N, K // 128).
+      out_dtype: the result's dtype; the accumulator is f32.
+    """
+    out_dtype = jnp.dtype(out_dtype)
+    where = dispatch.placement(
+        lambda shards: shards == 1 and fits(a.shape, b.shape, a.dtype, b.dtype),
+        rows_are_tokens=False,
+    )
+    xla = functools.partial(xla_block_matmul, out_dtype=out_dtype)
+    if where is None:
+        return xla(a, b, a_scale_inv, b_scale_inv)
+    pallas = functools.partial(pallas_block_matmul, out_dtype=out_dtype)
+    return dispatch.on_each_device(pallas, xla, (a, b, a_scale_inv, b_scale_inv), 0, ("rows",))
+
+
+def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype) -> jax.Array:
+    """The same sums in XLA: one FP8 dot per 128-wide slice of K (f32 out), scaled, summed."""
+    batch, m, k = a.shape
+    n, slices = b.shape[1], k // BLOCK
+    a4 = a.reshape(batch, m, slices, BLOCK)
+    b4 = b.reshape(batch, n, slices, BLOCK)
+    # (B, slices, M, N): each slice's exact FP8 product, accumulated in f32.
+    partial = lax.dot_general(a4, b4, (((3,), (3,)), ((0, 2), (0, 2))),
+                              preferred_element_type=jnp.float32)  # fmt: skip
+    sa = jnp.swapaxes(a_scale_inv, 1, 2)[..., :, None]  # (B, slices, M, 1)
+    sb = jnp.swapaxes(b_scale_inv, 1, 2)[..., None, :]  # (B, slices, 1, N)
+    return jnp.sum(partial * sa * sb, axis=1).astype(out_dtype)
+
+
+def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices: int):
+    from jax.experimental import pallas as pl
+
+    def step(kb, acc):
+        a = a_ref[:, pl.ds(kb * BLOCK, BLOCK)]
+        b = b_ref[:, pl.ds(kb * BLOCK, BLOCK)]
+        product = lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                  preferred_element_type=jnp.float32)  # fmt: skip
+        return acc + product * sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :]
+
+    acc = lax.fori_loop(0, slices, step, jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=False,
+                        tile=(TILE_M, TILE_N), warps=WARPS, stages=STAGES):  # fmt: skip
+    """The kernel: a program per (batch, output tile), looping over K in 128-wide slices.
+
+    The scales go in transposed, (B, K // 128, rows), so that each step reads
+    one contiguous row of them.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    triton_fp8_dot.install()  # FP8 tensor cores, not f16 ones
+    batch, m, k = a.shape
+    n, slices = b.shape[1], k // BLOCK
+    tm, tn = tile
+    params = {} if interpret else {
+        "compiler_params": pallas_triton.CompilerParams(num_warps=warps, num_stages=stages)
+    }  # fmt: skip
+    return pl.pallas_call(
+        functools.partial(_kernel, slices=slices),
+        grid=(batch, m // tm, n // tn),
+        in_specs=[
+            pl.BlockSpec((None, tm, k), lambda z, i, j: (z, i, 0)),
+            pl.BlockSpec((None, tn, k), lambda z, i, j: (z, j, 0)),
+            pl.BlockSpec((None, slices, tm), lambda z, i, j: (z, 0, i)),
+            pl.BlockSpec((None, slices, tn), lambda z, i, j: (z, 0, j)),
+        ],
+        out_specs=pl.BlockSpec((None, tm, tn), lambda z, i, j: (z, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
+        interpret=interpret,
+        name=KERNEL_NAME,
+        **params,
+    )(a, b, jnp.swapaxes(a_scale_inv, 1, 2).astype(jnp.float32),
+      jnp.swapaxes(b_scale_inv, 1, 2).astype(jnp.float32))  # fmt: skip

@@ -1,0 +1,68 @@
+"""BlockScaling's GEMMs, forward and backward, on the block-scaled FP8 GEMM.
+
+Operands come as ``a`` (B, M, K), the activation, and ``b`` (B, N, K), the
+weight with its contracted axis minor; every extent a multiple of 128
+(:mod:`fp8jax.ops.fine_grained` pads). The activation is scaled per 1x128
+tile along K and the weight per 128x128 block, which
+:func:`~fp8jax.ops.block_gemm.block_scaled_matmul` applies every 128 of K.
+
+Backward: the input gradient ``g . b`` contracts N, the output gradient per
+1x128 tile along N against the same weight blocks, transposed (a block's
+scale serves both orientations). The weight gradient ``g^T . a`` contracts
+M (tokens): both ``g`` and ``a`` are scaled per 1x128 tile along M. The
+forward saves the weight's FP8 blocks and ``a`` quantized along M.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
+from fp8jax.ops.block_gemm import BLOCK, block_scaled_matmul
+from fp8jax.recipes import BlockScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockDotConfig:
+    recipe: BlockScaling
+    out_dtype: np.dtype
+    a_dtype: np.dtype
+    b_dtype: np.dtype
+
+
+def _tiles(x, fmt, recipe: BlockScaling):
+    return quantize_tiles(x, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def block_dot(a, b, config: BlockDotConfig):
+    """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N) with block scales, FP8 both ways."""
+    return _block_dot_fwd(a, b, config)[0]
+
+
+def _block_dot_fwd(a, b, config: BlockDotConfig):
+    recipe, fmt = config.recipe, config.recipe.formats.forward
+    qa, sa = _tiles(a, fmt, recipe)  # (B, M, K / 128)
+    qb, sb = quantize_blocks(b, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
+    y = block_scaled_matmul(qa, qb, sa, expand_blocks(sb, BLOCK), config.out_dtype)
+    qa_t, sa_t = _tiles(jnp.swapaxes(a, 1, 2), fmt, recipe)  # (B, K, M): the wgrad contracts M
+    return y, (qa_t, sa_t, qb, sb)
+
+
+def _block_dot_bwd(config: BlockDotConfig, residuals, g):
+    qa_t, sa_t, qb, sb = residuals
+    recipe, fmt = config.recipe, config.recipe.formats.backward
+    qg, sg = _tiles(g, fmt, recipe)  # (B, M, N / 128): the dgrad contracts N
+    qb_t, sb_t = jnp.swapaxes(qb, 1, 2), jnp.swapaxes(sb, 1, 2)  # (B, K, N), (B, K/128, N/128)
+    d_a = block_scaled_matmul(qg, qb_t, sg, expand_blocks(sb_t, BLOCK), config.a_dtype)
+    qg_t, sg_t = _tiles(jnp.swapaxes(g, 1, 2), fmt, recipe)  # (B, N, M)
+    d_b = block_scaled_matmul(qg_t, qa_t, sg_t, sa_t, config.b_dtype)
+    return d_a, d_b
+
+
+block_dot.defvjp(_block_dot_fwd, _block_dot_bwd)

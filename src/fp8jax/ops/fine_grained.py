@@ -1,0 +1,80 @@
+"""Any dot_general under RowwiseScaling or BlockScaling, as a batch of matrix products.
+
+The fine-grained GEMMs (:mod:`fp8jax.ops.rowwise`, :mod:`fp8jax.ops.blockwise`)
+take ``a`` (B, M, K) and ``b`` (B, N, K): batch axes first, the free axes
+merged into rows, the contracted axes merged into the minor axis, which is
+where cuBLASLt's FP8 GEMM and the block kernel read K. Each operand is
+brought there in high precision, where XLA fuses the transpose into the
+pass that quantizes it; JAX differentiates the reshapes and transposes
+around the custom_vjp. Under BlockScaling, M, N and K are padded with zeros
+to multiples of 128 (zeros add nothing to a sum, and their scale is 1).
+
+The fused ops (``layernorm_dense``, ``layernorm_mlp``) take these recipes
+as a norm followed by these GEMMs (:func:`unfused_layernorm_dense`): not
+fused into one custom_vjp as the per-tensor recipes are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.ops import _partitioning, blockwise, rowwise
+from fp8jax.ops.block_gemm import BLOCK
+from fp8jax.recipes import BlockScaling, RowwiseScaling
+
+
+def dot_general(lhs, rhs, dims, recipe, out_dtype) -> jax.Array:
+    """FP8 ``lax.dot_general(lhs, rhs, dims)`` under a fine-grained ``recipe``, in ``out_dtype``.
+
+    ``dims`` are normalized (:func:`fp8jax.ops.dimensions.normalize`); the
+    result is laid out as ``lax.dot_general`` lays it out.
+    """
+    (lc, rc), (lb, rb) = dims
+    lf = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
+    rf = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
+    batch = [lhs.shape[i] for i in lb]
+    free_l, free_r = [lhs.shape[i] for i in lf], [rhs.shape[i] for i in rf]
+    out_shape = (*batch, *free_l, *free_r)
+    b_, m, n = math.prod(batch), math.prod(free_l), math.prod(free_r)
+    k = math.prod(lhs.shape[i] for i in lc)
+    if 0 in (b_, m, n, k):  # an empty operand: no GEMM, a zero (or empty) product
+        return jnp.zeros(out_shape, out_dtype)
+    a = jnp.transpose(lhs, (*lb, *lf, *lc)).reshape(b_, m, k)
+    b = jnp.transpose(rhs, (*rb, *rf, *rc)).reshape(b_, n, k)
+    return _product(a, b, recipe, jnp.dtype(out_dtype)).reshape(out_shape)
+
+
+def _product(a, b, recipe, out_dtype) -> jax.Array:
+    if isinstance(recipe, RowwiseScaling):
+        config = rowwise.RowDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype))
+        return rowwise.row_dot(a, b, config)
+    if not isinstance(recipe, BlockScaling):
+        raise TypeError(f"recipe must be RowwiseScaling or BlockScaling here, got {recipe!r}.")
+    _, m, k = a.shape
+    n = b.shape[1]
+    pad = lambda size: -size % BLOCK  # noqa: E731
+    a = jnp.pad(a, ((0, 0), (0, pad(m)), (0, pad(k))))
+    b = jnp.pad(b, ((0, 0), (0, pad(n)), (0, pad(k))))
+    config = blockwise.BlockDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype))
+    return blockwise.block_dot(a, b, config)[:, :m, :n]
+
+
+def is_fine(recipe) -> bool:
+    """Whether ``recipe`` scales finer than per tensor (its GEMMs run here)."""
+    return isinstance(recipe, RowwiseScaling | BlockScaling)
+
+
+def dot(lhs, rhs, bias, dims, recipe, out_dtype, split=None):
+    """:func:`dot_general`, plus a bias over the output's trailing axes, cut by ``split``.
+
+    ``bias`` (checked by the caller) spans the rhs's free axes; its gradient
+    is JAX's sum of the output gradient. ``split``: a
+    :class:`~fp8jax.ops.split.Split` of the output, or None.
+    """
+    y = dot_general(lhs, rhs, dims, recipe, out_dtype)
+    if bias is not None:
+        y = y + _partitioning.broadcastable(bias.astype(y.dtype), y.ndim)
+    return y if split is None else split.apply(y)

@@ -1,0 +1,97 @@
+"""RowwiseScaling's GEMM: FP8 operands scaled per row, the product rescaled in an epilogue.
+
+Operands come as ``a`` (B, M, K) and ``b`` (B, N, K), both with the
+contracted axis minor, as cuBLASLt's FP8 GEMM reads them
+(:mod:`fp8jax.ops.fine_grained` brings every dot_general to that form). A
+scale per row of ``a`` and per row of ``b`` is constant along K, so it
+factors out of the sum: ``y[m, n] = sa[m] * sb[n] * sum_k qa[m, k] qb[n, k]``.
+The GEMM takes the FP8 data as they are (a real FP8 tensor-core GEMM;
+docs/design.md#why-fp8-operands-go-straight-into-dot_general) with no
+scaling, and the outer product of the two ``scale_inv`` vectors multiplies
+its output afterwards: an elementwise op XLA fuses into the consumer.
+
+The backward contracts other axes, so it quantizes again along them: the
+input gradient ``g . b`` contracts N, which takes ``b`` per K-row; the
+weight gradient ``g^T . a`` contracts M, which takes ``a`` and ``g`` per
+column. The forward saves ``a`` and ``b`` only in those FP8 layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp8jax.fine_quantize import quantize_rows
+from fp8jax.recipes import RowwiseScaling
+
+
+@dataclasses.dataclass(frozen=True)
+class RowDotConfig:
+    recipe: RowwiseScaling
+    out_dtype: np.dtype
+    a_dtype: np.dtype
+    b_dtype: np.dtype
+
+
+def gemm_dtype(out_dtype) -> np.dtype:
+    """The dtype the FP8 GEMM writes before the scale epilogue.
+
+    Unscaled, the product of two FP8 rows reaches ``448**2 * K`` (about
+    3e9 for K = 16384): beyond float16's range, within bfloat16's. bfloat16
+    output rounds once more (a relative 2**-9, against E4M3's 2**-4 per
+    operand) and halves what the GEMM writes; float16 and float32 outputs
+    are computed in float32 (docs/design.md#fine-grained-scaling).
+    """
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else np.float32
+
+
+def scaled_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, precision) -> jax.Array:
+    """``(a . b^T) * a_scale_inv * b_scale_inv^T``: a (B, M, K), b (B, N, K) FP8, scales (B, *, 1).
+
+    A batch of one runs as a plain matrix product.
+    """
+    acc = gemm_dtype(out_dtype)
+    if a.shape[0] == 1:
+        y = lax.dot_general(a[0], b[0], (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=acc)[None]  # fmt: skip
+    else:
+        y = lax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), precision=precision,
+                            preferred_element_type=acc)  # fmt: skip
+    outer = a_scale_inv * jnp.swapaxes(b_scale_inv, 1, 2)
+    return (y.astype(jnp.float32) * outer).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def row_dot(a, b, config: RowDotConfig):
+    """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N), both scaled per row, FP8 both ways."""
+    return _row_dot_fwd(a, b, config)[0]
+
+
+def _row_dot_fwd(a, b, config: RowDotConfig):
+    recipe, fmt = config.recipe, config.recipe.formats.forward
+    qa, sa = quantize_rows(a, fmt, recipe.margin)
+    qb, sb = quantize_rows(b, fmt, recipe.margin)
+    y = scaled_gemm(qa, sa, qb, sb, config.out_dtype, recipe.forward_precision)
+    # The backward GEMMs contract M (a's tokens) and N (b's rows): each operand
+    # is saved quantized along the axis its backward GEMM contracts.
+    a_cols = quantize_rows(jnp.swapaxes(a, 1, 2), fmt, recipe.margin)  # (B, K, M)
+    b_cols = quantize_rows(jnp.swapaxes(b, 1, 2), fmt, recipe.margin)  # (B, K, N)
+    return y, (a_cols, b_cols)
+
+
+def _row_dot_bwd(config: RowDotConfig, residuals, g):
+    (qa_t, sa_t), (qb_t, sb_t) = residuals
+    recipe, fmt = config.recipe, config.recipe.formats.backward
+    qg, sg = quantize_rows(g, fmt, recipe.margin)  # per token: dgrad contracts N
+    d_a = scaled_gemm(qg, sg, qb_t, sb_t, config.a_dtype, recipe.dgrad_precision)
+    qg_t, sg_t = quantize_rows(jnp.swapaxes(g, 1, 2), fmt, recipe.margin)  # wgrad contracts M
+    d_b = scaled_gemm(qg_t, sg_t, qa_t, sa_t, config.b_dtype, recipe.wgrad_precision)
+    return d_a, d_b
+
+
+row_dot.defvjp(_row_dot_fwd, _row_dot_bwd)

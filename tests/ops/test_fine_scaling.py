@@ -1,0 +1,388 @@
+"""RowwiseScaling and BlockScaling: FP8 error budgets, outliers, the block kernel, routing.
+
+The budgets are numerics.gemm_error_bound's, with each element's own scale:
+per row (or column) under RowwiseScaling, per 1x128 tile or 128x128 block
+under BlockScaling, along the axis each GEMM quantizes its operand.
+"""
+
+import functools
+import pathlib
+import re
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
+from fp8jax.ops import block_gemm
+from numerics import assert_within, gemm_error_bound
+
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+B = 128  # BlockScaling's tile
+
+
+def _scale(amax, fmt, power_of_two=False):
+    scale = np.where(amax > 0, FP8_MAX[fmt] / np.where(amax > 0, amax, 1.0), 1.0)
+    return np.exp2(np.floor(np.log2(scale))) if power_of_two else scale
+
+
+def row_scales(v, fmt, axis):
+    """Each element's scale when ``v`` is scaled per slice along ``axis`` (a row or a column)."""
+    return np.broadcast_to(_scale(np.max(np.abs(v), axis=axis, keepdims=True), fmt), v.shape)
+
+
+def tile_scales(v, fmt, axis, power_of_two=False):
+    """Each element's scale for 1x128 tiles of 2-D ``v`` along ``axis``."""
+    t = np.moveaxis(v, axis, -1)
+    amax = np.max(np.abs(t.reshape(*t.shape[:-1], -1, B)), axis=-1)
+    s = np.repeat(_scale(amax, fmt, power_of_two), B, axis=-1)
+    return np.moveaxis(s, -1, axis)
+
+
+def block_scales(v, fmt, power_of_two=False):
+    r, c = v.shape
+    amax = np.max(np.abs(v.reshape(r // B, B, c // B, B)), axis=(1, 3))
+    return np.repeat(np.repeat(_scale(amax, fmt, power_of_two), B, 0), B, 1)
+
+
+def _data(m=256, k=256, n=128, seed=0):
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    # Magnitudes over a few binades, so that subnormals and rounding both matter.
+    x = jax.random.normal(kx, (m, k)) * jnp.exp2(
+        jax.random.randint(kx, (m, k), -3, 3).astype(jnp.float32)
+    )
+    w = jax.random.normal(kw, (k, n)) * 0.05
+    g = jax.random.normal(kg, (m, n))
+    return x, w, g
+
+
+# Jitted: eager dispatch compiles every small op on its own, which is slow on the CPU.
+dense = jax.jit(fp8jax.dense, static_argnames="recipe")
+
+
+@functools.partial(jax.jit, static_argnames="recipe")
+def dense_and_grads(x, w, g, recipe):
+    y, vjp = jax.vjp(lambda x, w: fp8jax.dense(x, w, recipe=recipe), x, w)
+    return y, *vjp(g)
+
+
+def _run(recipe, x, w, g, dtype):
+    x, w, g = x.astype(dtype), w.astype(dtype), g.astype(dtype)
+    y, dx, dw = dense_and_grads(x, w, g, recipe)
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+    return [np.asarray(v, np.float64) for v in (x, w, g, y, dx, dw)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rowwise_dense_within_fp8_bound(dtype):
+    xs, ws, gs, y, dx, dw = _run(fp8jax.RowwiseScaling(), *_data(), dtype)
+    e4, e5 = "e4m3", "e5m2"
+    # forward: x per token, w per output channel; dgrad: g per token, w per
+    # input row; wgrad: x and g per feature column.
+    fwd = gemm_error_bound(xs, ws, e4, e4, row_scales(xs, e4, 1), row_scales(ws, e4, 0),
+                           "mk,kn->mn", dtype)  # fmt: skip
+    assert_within(y, xs @ ws, fwd, "forward")
+    dgrad = gemm_error_bound(gs, ws, e5, e4, row_scales(gs, e5, 1), row_scales(ws, e4, 1),
+                             "mn,kn->mk", dtype)  # fmt: skip
+    assert_within(dx, gs @ ws.T, dgrad, "dgrad")
+    wgrad = gemm_error_bound(xs, gs, e4, e5, row_scales(xs, e4, 0), row_scales(gs, e5, 0),
+                             "mk,mn->kn", dtype)  # fmt: skip
+    assert_within(dw, xs.T @ gs, wgrad, "wgrad")
+
+
+@pytest.mark.parametrize(
+    ("power_of_two", "formats"),
+    [(False, fp8jax.ALL_E4M3), (True, fp8jax.ALL_E4M3), (False, fp8jax.HYBRID)],
+)
+def test_block_dense_within_fp8_bound(power_of_two, formats):
+    recipe = fp8jax.BlockScaling(power_of_two_scales=power_of_two, formats=formats)
+    xs, ws, gs, y, dx, dw = _run(recipe, *_data(), jnp.float32)
+    e4, p2 = "e4m3", power_of_two
+    eg = "e4m3" if formats == fp8jax.ALL_E4M3 else "e5m2"  # the gradient's format
+    wb = block_scales(ws, e4, p2)
+    fwd = gemm_error_bound(xs, ws, e4, e4, tile_scales(xs, e4, 1, p2), wb, "mk,kn->mn",
+                           jnp.float32)  # fmt: skip
+    assert_within(y, xs @ ws, fwd, "forward")
+    dgrad = gemm_error_bound(gs, ws, eg, e4, tile_scales(gs, eg, 1, p2), wb, "mn,kn->mk",
+                             jnp.float32)  # fmt: skip
+    assert_within(dx, gs @ ws.T, dgrad, "dgrad")
+    wgrad = gemm_error_bound(xs, gs, e4, eg, tile_scales(xs, e4, 0, p2),
+                             tile_scales(gs, eg, 0, p2), "mk,mn->kn", jnp.float32)  # fmt: skip
+    assert_within(dw, xs.T @ gs, wgrad, "wgrad")
+
+
+def test_rowwise_float16_output_does_not_overflow_before_its_scales():
+    """Unscaled, a GEMM of full-range E4M3 rows reaches 448**2 * K, beyond float16's 65504."""
+    x = jnp.ones((16, 256), jnp.float16)
+    y = dense(x, jnp.ones((256, 16), jnp.float16), recipe=fp8jax.RowwiseScaling())
+    np.testing.assert_array_equal(y, np.full((16, 16), 256.0, np.float16))
+
+
+# The issue's example: (256 x 1024) @ (1024 x 384); outliers 3e4 times the rest put
+# per-tensor scaling's other values near E4M3's subnormals (about 15% error there).
+OUTLIER = 3e4
+
+
+def _error(recipe, x, w, keep_rows=slice(None), keep_cols=slice(None)):
+    y = np.asarray(dense(x, w, recipe=recipe), np.float64)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    d, r = (y - ref)[keep_rows][:, keep_cols], ref[keep_rows][:, keep_cols]
+    return np.linalg.norm(d) / np.linalg.norm(r)
+
+
+@pytest.fixture(scope="module")
+def outlier_data():
+    kx, kw = jax.random.split(jax.random.key(3))
+    return jax.random.normal(kx, (256, 1024)), jax.random.normal(kw, (1024, 384)) * 0.03
+
+
+def test_outlier_tokens_rowwise_and_block_halve_per_tensor_error(outlier_data):
+    x, w = outlier_data
+    tokens = np.array([3, 50, 100, 200])
+    x = x.at[tokens].multiply(OUTLIER)
+    others = np.setdiff1d(np.arange(256), tokens)
+    per_tensor = _error(fp8jax.CurrentScaling(), x, w, others)
+    for recipe in (fp8jax.RowwiseScaling(), fp8jax.BlockScaling()):
+        assert _error(recipe, x, w, others) <= per_tensor / 2, (recipe, per_tensor)
+
+
+def test_outlier_channels_halve_per_tensor_error(outlier_data):
+    x, w = outlier_data
+    channels = np.array([7, 99])
+    # Outlier output channels of the weight: RowwiseScaling scales them apart.
+    w_out = w.at[:, channels].multiply(OUTLIER)
+    others = np.setdiff1d(np.arange(384), channels)
+    per_tensor = _error(fp8jax.CurrentScaling(), x, w_out, keep_cols=others)
+    assert _error(fp8jax.RowwiseScaling(), x, w_out, keep_cols=others) <= per_tensor / 2
+    # Outlier input channels of the activation (LLMs' usual kind) swamp the
+    # output either way; they cost the weight gradient of the other channels,
+    # which both recipes quantize per feature column (tiles) of x.
+    x_in = x.at[:, channels].multiply(OUTLIER)
+    g = jax.random.normal(jax.random.key(8), (256, 384))
+    keep = np.setdiff1d(np.arange(1024), channels)
+    ref = (np.asarray(x_in, np.float64).T @ np.asarray(g, np.float64))[keep]
+
+    def wgrad_error(recipe):
+        dw = np.asarray(dense_and_grads(x_in, w, g, recipe)[2], np.float64)[keep]
+        return np.linalg.norm(dw - ref) / np.linalg.norm(ref)
+
+    per_tensor = wgrad_error(fp8jax.CurrentScaling())
+    for recipe in (fp8jax.RowwiseScaling(), fp8jax.BlockScaling()):
+        assert wgrad_error(recipe) <= per_tensor / 2, (recipe, per_tensor)
+
+
+def _block_operands(batch, m, k, n, seed=4):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    qa, sa = quantize_tiles(jax.random.normal(kx, (batch, m, k)), fp8jax.E4M3, B)
+    qb, sb = quantize_blocks(jax.random.normal(kw, (batch, n, k)) * 0.1, fp8jax.E4M3, B)
+    return qa, qb, sa, expand_blocks(sb, B)
+
+
+def test_xla_block_matmul_is_the_scaled_sum_over_k_slices():
+    qa, qb, sa, sb = _block_operands(2, 128, 384, 128)
+    y = block_gemm.xla_block_matmul(qa, qb, sa, sb, out_dtype=jnp.float32)
+    a = np.asarray(qa, np.float64).reshape(2, 128, 3, B) * np.asarray(sa)[..., None]
+    b = np.asarray(qb, np.float64).reshape(2, 128, 3, B) * np.asarray(sb)[..., None]
+    expected = np.einsum("zmsk,znsk->zmn", a, b)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_block_kernel_matches_xla_in_interpret_mode():
+    ops = _block_operands(2, 128, 256, 256)  # a grid of (2, 2, 2) programs of (64, 128)
+    kernel = block_gemm.pallas_block_matmul(*ops, out_dtype=jnp.float32, interpret=True,
+                                            tile=(64, 128))  # fmt: skip
+    xla = block_gemm.xla_block_matmul(*ops, out_dtype=jnp.float32)
+    # Only the f32 summation order differs.
+    np.testing.assert_allclose(kernel, xla, rtol=1e-5, atol=1e-5 * float(jnp.abs(xla).max()))
+
+
+@pytest.mark.gpu
+def test_block_kernel_matches_xla_on_the_gpu():
+    """On FP8 tensor cores each 128-slice is summed at the tensor core's precision first."""
+    ops = _block_operands(1, 512, 1024, 384)
+    kernel = jax.jit(functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32))
+    xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))
+    y, expected = kernel(*ops), xla(*ops)
+    # Hopper's FP8 accumulation keeps fewer bits than f32 (DeepSeek-V3's reason to
+    # promote every 128), and XLA's batched dot may accumulate fast too; both
+    # stay far below E4M3's own rounding, 2**-4.
+    assert float(jnp.max(jnp.abs(y - expected)) / jnp.max(jnp.abs(expected))) < 2**-10
+
+
+def test_block_kernel_takes_only_whole_tiles_of_one_fp8_type():
+    e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    assert block_gemm.fits((1, 256, 384), (1, 128, 384), e4, e4)
+    assert not block_gemm.fits((1, 256, 384), (1, 128, 384), e5, e4)  # HYBRID's dgrad
+    assert not block_gemm.fits((1, 200, 384), (1, 128, 384), e4, e4)
+
+
+RECIPES = [fp8jax.RowwiseScaling(), fp8jax.BlockScaling()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
+def test_unaligned_batched_dot_general_and_einsum(recipe):
+    """Batch axes, several contracted axes, extents off the 128 grid (padded under blocks)."""
+    kx, kw = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(kx, (2, 40, 6, 30))
+    w = jax.random.normal(kw, (2, 6, 30, 20)) * 0.1
+    dims = (((2, 3), (1, 2)), ((0,), (0,)))
+
+    @jax.jit
+    def run(x, w):
+        y = fp8jax.dot_general(x, w, dims, recipe=recipe)
+        e = fp8jax.einsum("bmhk,bhkn->bnm", x, w, recipe=recipe)
+        grads = jax.grad(lambda x, w: jnp.sum(fp8jax.dot_general(x, w, dims, recipe=recipe)),
+                         (0, 1))(x, w)  # fmt: skip
+        return y, e, grads
+
+    y, e, (dx, dw) = run(x, w)
+    ref = jnp.einsum("bmhk,bhkn->bmn", x, w, precision="highest")
+    assert y.shape == ref.shape
+    # Each element within E4M3's rounding of both operands, norm-wise (2 u + u^2).
+    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 2 * 2**-4 + 2**-8
+    np.testing.assert_array_equal(e, jnp.swapaxes(y, 1, 2))
+    assert dx.shape == x.shape and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
+def test_fused_ops_are_norm_then_fine_grained_dense(recipe):
+    """layernorm_dense and layernorm_mlp under these recipes: the norm, then their GEMMs."""
+    ks = jax.random.split(jax.random.key(6), 5)
+    x = jax.random.normal(ks[0], (2, 32, 128))
+    gamma, beta = 1.0 + 0.1 * jax.random.normal(ks[1], (128,)), jnp.zeros(128)
+    k = jax.random.normal(ks[2], (128, 3, 64)) * 0.1
+    k1 = jax.random.normal(ks[3], (128, 2, 128)) * 0.1
+    k2 = jax.random.normal(ks[4], (128, 128)) * 0.1
+
+    @jax.jit
+    def run(x, k1):
+        normed = fp8jax.layernorm(x, gamma, beta)
+        qkv = fp8jax.layernorm_dense(x, gamma, beta, k, recipe=recipe, split=(1, 1, 1))
+        whole = fp8jax.dense(normed, k, recipe=recipe)
+        y = fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=("silu", "linear"),
+                                 recipe=recipe)  # fmt: skip
+        pre = fp8jax.dense(normed, k1, recipe=recipe)
+        h = jax.nn.silu(pre[..., 0, :]) * pre[..., 1, :]
+        composed = fp8jax.dense(h, k2, recipe=recipe)
+        grads = jax.grad(lambda x, k1: jnp.sum(fp8jax.layernorm_mlp(x, gamma, beta, k1, k2,
+                                                                    recipe=recipe)),
+                         (0, 1))(x, k1)  # fmt: skip
+        return jnp.concatenate(qkv, axis=-2), whole, y, composed, grads
+
+    qkv, whole, y, composed, grads = run(x, k1)
+    np.testing.assert_allclose(qkv, whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(y, composed, rtol=1e-6, atol=1e-6)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+
+
+def test_fine_recipes_validate_and_keep_no_state():
+    with pytest.raises(ValueError, match="RowwiseScaling.margin"):
+        fp8jax.RowwiseScaling(margin=-1)
+    with pytest.raises(TypeError, match="BlockScaling.formats"):
+        fp8jax.BlockScaling(formats="e4m3")
+    with pytest.raises(TypeError, match="power_of_two_scales"):
+        fp8jax.BlockScaling(power_of_two_scales=1)
+    assert fp8jax.init_state(fp8jax.BlockScaling()) is None
+    state = fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=2))
+    x = jnp.ones((4, 8))
+    with pytest.raises(ValueError, match="None with RowwiseScaling"):
+        fp8jax.dense(x, x.T, recipe=fp8jax.RowwiseScaling(), state=state)
+
+
+@functools.cache
+def _deviceless_reports():
+    from fp8jax import verify
+
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((256, 384), jnp.float32)
+    g = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+
+    def step(recipe):
+        def f(x, w, g):
+            y, vjp = jax.vjp(lambda x, w: fp8jax.dense(x, w, recipe=recipe), x, w)
+            return y, vjp(g)
+
+        return f
+
+    calls = [(step(r), (x, w, g)) for r in RECIPES]
+    dump = tempfile.mkdtemp(prefix="fp8jax_fine_scaling_")
+    flags = f"{fp8jax.xla_options.as_xla_flags()} --xla_dump_to={dump}"
+    texts = verify.compile_many(calls, target="h100", xla_flags=flags)
+    # The GPU code of every kernel: only the block kernel's dots run on tensor cores
+    # here (cuBLASLt's GEMMs are library calls, and XLA's Triton GEMMs are off).
+    ptx = "".join(path.read_text() for path in pathlib.Path(dump).glob("*.ptx"))
+    shutil.rmtree(dump, ignore_errors=True)
+    untiled = [[r for r in verify.fp8_relayouts(t) if r.untiled_transpose] for t in texts]
+    return [verify.gemm_report(t) for t in texts], ptx, untiled
+
+
+@pytest.mark.deviceless
+def test_deviceless_h100_every_gemm_is_fp8():
+    """Rowwise: three cuBLASLt FP8 GEMMs; block: three block-scaled Pallas kernels on f8."""
+    (row, block), _, untiled = _deviceless_reports()
+    assert [g.backend for g in row.gemms] == ["cublaslt-fp8"] * 3, str(row)
+    assert [g.backend for g in block.gemms] == ["pallas"] * 3, str(block)
+    for report in (row, block):
+        assert not report.non_fp8_gemms, str(report)
+    # No FP8 data moved through XLA's slow untiled transposes
+    # (docs/design.md#the-forward-kernel-transposed-in-the-program).
+    assert untiled == [[], []], untiled
+
+
+@pytest.mark.deviceless
+def test_deviceless_block_kernel_multiplies_on_fp8_tensor_cores():
+    """Hopper's FP8 wgmma, not f16 mma.sync on operands converted in registers."""
+    _, ptx, _ = _deviceless_reports()
+    assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx), "no FP8 wgmma in the kernels"
+    assert "mma.sync" not in ptx and "f16x2.e4m3x2" not in ptx
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
+def test_linen_and_nnx_modules_take_the_recipe(recipe):
+    from flax import linen as nn
+    from flax import nnx
+
+    from fp8jax.flax import linen as fnn
+    from fp8jax.flax import nnx as fnnx
+
+    x = jax.random.normal(jax.random.key(9), (2, 16, 32))
+    layer = fnn.DenseGeneral(features=48, recipe=recipe)
+    variables = layer.init(jax.random.key(0), x)
+    assert set(variables) == {"params"}  # no fp8_state: the recipe keeps none
+    params = nn.unbox(variables["params"])  # logical-axis metadata off
+    kernel, bias = params["kernel"], params["bias"]
+    expected = dense(x, kernel, bias, recipe=recipe)
+    np.testing.assert_allclose(layer.apply(variables, x), expected, rtol=1e-6, atol=1e-6)
+    module = fnnx.DenseGeneral(32, 48, recipe=recipe, rngs=nnx.Rngs(0))
+    expected = dense(x, module.kernel[...], module.bias[...], recipe=recipe)
+    np.testing.assert_allclose(module(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_train_recipe_names():
+    from fp8jax.training import config
+
+    for name, cls in (("row", fp8jax.RowwiseScaling), ("block", fp8jax.BlockScaling)):
+        options = config.TrainOptions(out="unused", config="tiny", precision="fp8", recipe=name)
+        assert isinstance(config.resolve(options).fp8_recipe(), cls)
+
+
+def test_flax_drop_in_dot_general_takes_the_recipe():
+    from fp8jax.flax import Fp8DotGeneral
+
+    x, w, _ = _data()
+    dims = (((1,), (0,)), ((), ()))
+    for recipe in RECIPES:
+        expected = fp8jax.dot_general(x, w, dims, recipe=recipe)
+        np.testing.assert_array_equal(Fp8DotGeneral(recipe=recipe)(x, w, dims), expected)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
+def test_empty_batch_gives_empty_output_and_zero_gradient(recipe):
+    w = jnp.ones((16, 8))
+    y, vjp = jax.vjp(lambda w: fp8jax.dense(jnp.ones((0, 16)), w, recipe=recipe), w)
+    assert y.shape == (0, 8)
+    np.testing.assert_array_equal(vjp(y)[0], np.zeros((16, 8)))
