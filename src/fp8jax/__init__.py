@@ -8,6 +8,7 @@ from fp8jax.ops.dense import dense, dot_general
 from fp8jax.ops.einsum import einsum
 from fp8jax.ops.fused import layernorm_dense, layernorm_mlp
 from fp8jax.ops.norm import layernorm
+from fp8jax.ops.ragged_dot import ragged_dot
 from fp8jax.quantize import Fp8Array, dequantize, quantize
 from fp8jax.recipes import CurrentScaling, DelayedScaling
 from fp8jax.scaling import (
@@ -46,5 +47,6 @@ __all__ = [
     "layernorm_dense",
     "layernorm_mlp",
     "quantize",
+    "ragged_dot",
     "take_new_state",
 ]
