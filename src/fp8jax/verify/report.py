@@ -1,10 +1,12 @@
 """The GEMM report: which backend runs each matmul, in which dtypes, from which line.
 
 A GEMM is FP8 when both operands the GEMM kernel reads are FP8: a cuBLASLt
-``__cublas$lt$matmul$f8`` call, or a Triton GEMM fusion whose ``dot`` reads f8
-values. A GEMM whose operands were converted from f8 to a wider type on the way
-in (the quantize-dequantize pattern) is flagged ``upcast_from_fp8``: the data
-was FP8 once, but the multiply runs in BF16 or F32.
+``__cublas$lt$matmul$f8`` call, a Triton GEMM fusion whose ``dot`` reads f8
+values, or one of fp8jax's Pallas GEMM kernels (:data:`PALLAS_GEMM_KERNELS`,
+the grouped expert GEMMs of ``fp8jax.ragged_dot``) reading two f8 operands. A
+GEMM whose operands were converted from f8 to a wider type on the way in (the
+quantize-dequantize pattern) is flagged ``upcast_from_fp8``: the data was FP8
+once, but the multiply runs in BF16 or F32.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any
 
 from fp8jax.verify import _hlo, _upcast
 
-GEMM_BACKENDS = ("cublaslt-fp8", "triton-fp8", "cublaslt", "cublas", "triton", "cudnn", "dot")
+GEMM_BACKENDS = (
+    "cublaslt-fp8", "triton-fp8", "pallas-fp8", "cublaslt", "cublas", "triton", "pallas",
+    "cudnn", "dot",
+)  # fmt: skip
 COLLECTIVES = (
     "all-gather",
     "reduce-scatter",
@@ -33,6 +38,12 @@ _CUBLAS_TARGETS = {
     "__cublas$lt$matmul": "cublaslt",
     "__cublas$gemm": "cublas",
 }
+# fp8jax's Pallas (Triton) kernels that are GEMMs, by their pallas_call name:
+# each reads its two GEMM operands as its last two operands and multiplies
+# them in the dtype it reads them in (fp8jax.ops.grouped_gemm). A Pallas call
+# is a ``__gpu$xla.gpu.triton`` custom call whose op name ends in its name.
+PALLAS_GEMM_KERNELS = ("fp8jax_grouped_gemm", "fp8jax_grouped_gemm_wgrad")
+_PALLAS_TARGET = "__gpu$xla.gpu.triton"
 # Frames in these packages are plumbing; the source column shows the first
 # frame outside them, which is the line of user code that asked for the GEMM.
 _LIBRARY_FILE = re.compile(
@@ -273,6 +284,11 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
         backend, kind = _CUBLAS_TARGETS[target], "gemm"
     elif "cudnn" in target and ("fmha" in target or "attention" in target):
         backend, kind = "cudnn", "attention"
+    elif target == _PALLAS_TARGET and _pallas_gemm_kernel(inst) is not None:
+        lhs, rhs = (_upcast.type_of(comp, op) for op in inst.operands[-2:])
+        backend = "pallas-fp8" if lhs.is_fp8 and rhs.is_fp8 else "pallas"
+        return _row(module, inst, backend, "gemm", _pallas_gemm_kernel(inst), lhs, rhs,
+                    inst.types[0])  # fmt: skip
     else:
         return None
     lhs, rhs = (_upcast.type_of(comp, op) for op in inst.operands[:2])
@@ -281,6 +297,13 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
         upcast = any(_upcast.dequantized(module, comp, op, ()) for op in inst.operands[:2])
         row = dataclasses.replace(row, upcast_from_fp8=upcast)
     return row
+
+
+def _pallas_gemm_kernel(inst) -> str | None:
+    """The :data:`PALLAS_GEMM_KERNELS` name of a Pallas call, or None for other kernels."""
+    parts = inst.metadata.get("op_name", "").split("/")
+    name = parts[-2] if len(parts) >= 2 and parts[-1] == "pallas_call" else None
+    return name if name in PALLAS_GEMM_KERNELS else None
 
 
 def _row(module, inst, backend, kind, target, lhs, rhs, out) -> GemmRow:
