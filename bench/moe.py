@@ -13,6 +13,9 @@ the useful FLOPs (``2 * rows * k * n``):
 - ``fp8jax_op_fwd_bwd`` / ``bf16_ragged_dot_fwd_bwd``: ``fp8jax.ragged_dot``
   (quantization included) and ``lax.ragged_dot``, forward and backward.
 
+Part ``tiles``: the grouped GEMM alone under each of :data:`TILINGS`; the
+fastest is then used by the other parts of the run (``--part all``).
+
 Part ``block``: the MoE block forward and backward (router and permutation
 included) with fp8jax's FP8 experts vs the same block in BF16.
 
@@ -33,6 +36,7 @@ from harness import dump, environment, time_ms
 from jax import lax
 
 import fp8jax
+from fp8jax.ops import grouped_gemm as gg
 from fp8jax.ops import ragged_dot as rd
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -71,6 +75,39 @@ def _row(name, fn, args, flops, iters=20):
            "tflops": flops / (t["median_ms"] * 1e-3) / 1e12}  # fmt: skip
     print(f"  {name}: {t['median_ms']:.3f} ms, {row['tflops']:.0f} TFLOP/s (useful)", flush=True)
     return row
+
+
+TILINGS = (
+    gg.Tiles(),
+    gg.Tiles(m=128, n=128, k=128, warps=8, stages=3),
+    gg.Tiles(m=128, n=256, k=128, warps=8, stages=3),
+    gg.Tiles(m=64, n=128, k=128, warps=4, stages=4),
+    gg.Tiles(m=128, n=128, k=64, warps=4, stages=4),
+)
+
+
+def _gemm_operands(shape: Shape):
+    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
+    x = jax.random.normal(jax.random.key(0), (rows, k), BF16).astype(fp8jax.E4M3.dtype)
+    w_t = jax.random.normal(jax.random.key(1), (g, n, k), BF16).astype(fp8jax.E4M3.dtype)
+    return x, w_t, jnp.full((g,), rows // g, jnp.int32), 2 * rows * k * n
+
+
+def tile_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
+    """The grouped GEMM under each tiling; the rows and the fastest tiling."""
+    x8, w8_t, sizes, flops = _gemm_operands(shape)
+    one, scales = jnp.float32(1.0), jnp.ones((shape.experts,), F32)
+    print(f"\ntilings, {shape}", flush=True)
+    out, best = [], (float("inf"), gg.TILES)
+    for tiles in TILINGS:
+        with gg.use_tiles(tiles):
+            row = _row(f"fp8jax_grouped {tiles}",
+                       lambda a, b, s: rd._grouped(a, b, s, one, scales, BF16),
+                       (x8, w8_t, sizes), flops)  # fmt: skip
+        out.append(row)
+        if row.get("median_ms", float("inf")) < best[0]:
+            best = (row["median_ms"], tiles)
+    return out, best[1]
 
 
 def gemm_rows(shape: Shape) -> list[dict]:
@@ -154,7 +191,7 @@ def block_rows(shape: Shape) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("gemm", "block", "all"), default="all")
+    parser.add_argument("--part", choices=("tiles", "gemm", "block", "all"), default="all")
     parser.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -163,6 +200,10 @@ def main():
     names = list(SHAPES) if args.shape == "both" else [args.shape]
     for name in names:
         shape = SHAPES[name]
+        if args.part in ("tiles", "all"):
+            payload["results"][f"{name}/tiles"], best = tile_rows(shape)
+            payload["results"][f"{name}/best_tiles"] = dataclasses.asdict(best)
+            gg.TILES = best if args.part == "all" else gg.TILES
         if args.part in ("gemm", "all"):
             payload["results"][f"{name}/gemm"] = gemm_rows(shape)
         if args.part in ("block", "all"):

@@ -139,8 +139,9 @@ def test_a_nearly_dead_expert_keeps_its_relative_accuracy(factor):
                                  _budget("dw", refs["dw"][1], x, w, g, 64) + 1e-30)  # fmt: skip
 
 
-def test_kernels_in_interpret_mode_match_their_xla_twins():
-    # Same FP8 operands: the kernels sum BLOCK_K (or BLOCK_M) products at a
+@pytest.mark.parametrize("tiles", [gg.TILES, gg.Tiles(m=32, n=64, k=32)], ids=("default", "small"))
+def test_kernels_in_interpret_mode_match_their_xla_twins(tiles):
+    # Same FP8 operands: the kernels sum tiles.k (or tiles.m) products at a
     # time in f32, XLA in its own order; f32 sums of k terms differ by at most
     # 2 * k * 2**-24 * sum |a_j b_j|.
     m, k, n, sizes = 150, 128, 128, [70, 0, 65, 10]
@@ -158,7 +159,8 @@ def test_kernels_in_interpret_mode_match_their_xla_twins():
         return gg.grouped_xla(a, b, gs, per_group[gg.row_groups(gs, m)], jnp.float32)
 
     f = jax.jit(forward, static_argnums=3)
-    got, want = f(a, b, gs, True), f(a, b, gs, False)
+    with gg.use_tiles(tiles):
+        got, want = f(a, b, gs, True), f(a, b, gs, False)
     bound = 2 * k * 2.0**-24 * _f64(forward(abs(a.astype(jnp.float32)),
                                             abs(b.astype(jnp.float32)), gs, False))  # fmt: skip
     assert (np.abs(_f64(got) - _f64(want)) <= bound).all()
@@ -174,7 +176,8 @@ def test_kernels_in_interpret_mode_match_their_xla_twins():
         return gg.grouped_transposed_xla(a, g8, gs, jnp.float32(2.0), jnp.float32)
 
     f = jax.jit(wgrad, static_argnums=3)
-    got, want = f(a, g8, gs, True), f(a, g8, gs, False)
+    with gg.use_tiles(tiles):
+        got, want = f(a, g8, gs, True), f(a, g8, gs, False)
     bound = 2 * m * 2.0**-24 * _f64(wgrad(abs(a.astype(jnp.float32)),
                                           abs(g8.astype(jnp.float32)), gs, False))  # fmt: skip
     assert (np.abs(_f64(got) - _f64(want)) <= bound).all()

@@ -6,6 +6,7 @@ import pytest
 
 import fp8jax
 from fp8jax import verify
+from fp8jax.ops import grouped_gemm
 
 M, K, N, G = 512, 256, 384, 4
 
@@ -33,7 +34,8 @@ def test_grouped_gemms_are_reported_fp8_with_their_operand_dtypes(hlo):
     # lax.ragged_dot) and no other GEMM anywhere.
     report = verify.gemm_report(hlo)
     rows = sorted((g.target, g.lhs_dtype, g.rhs_dtype, g.out_shape) for g in report.gemms)
-    padded = 768  # M + G * (BLOCK_M - 1), rounded up to BLOCK_M = 64
+    tile = grouped_gemm.TILES.m
+    padded = -(-(M + G * (tile - 1)) // tile) * tile  # the kernels' padded rows
     assert rows == [
         ("fp8jax_grouped_gemm", "f8e4m3fn", "f8e4m3fn", (padded, N)),
         ("fp8jax_grouped_gemm", "f8e5m2", "f8e5m2", (padded, K)),

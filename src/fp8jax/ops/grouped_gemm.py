@@ -7,7 +7,7 @@ GEMM over all groups (a deviceless H100 compile, jax 0.10.2: lhs expanded to
 kernels run instead and do only the useful ones.
 
 Layout (:class:`Layout`): every group's rows are padded to whole row tiles
-(``BLOCK_M``) in a static buffer of ``m + g * (BLOCK_M - 1)`` rows (rounded
+(``TILES.m``) in a static buffer of ``m + g * (TILES.m - 1)`` rows (rounded
 up to a tile), so each row tile belongs to one group; the tile-to-group
 table is computed by XLA from the group sizes. Padding rows are zero.
 
@@ -28,6 +28,7 @@ kernels off XLA computes the same products with ``lax.ragged_dot``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -35,9 +36,45 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Rows per tile (the padding granularity), output columns per tile and the
-# contraction step. FP8 MMAs on Hopper contract 32 elements at a time.
-BLOCK_M, BLOCK_N, BLOCK_K, WARPS = 64, 128, 64, 4
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The kernels' tiling: rows per tile (the padding granularity), output
+    columns per tile, the contraction step (FP8 MMAs on Hopper contract 32
+    elements at a time), warps and software-pipelining stages (None: Triton's
+    default). The wgrad kernel's output tiles are ``n`` x ``n`` and it
+    contracts ``m`` rows at a time.
+    """
+
+    m: int = 64
+    n: int = 128
+    k: int = 64
+    warps: int = 4
+    stages: int | None = None
+
+
+# The tiling every kernel is traced with; bench/moe.py --part tiles compares others.
+TILES = Tiles()
+
+
+@contextlib.contextmanager
+def use_tiles(tiles: Tiles):
+    """Traces the kernels with ``tiles`` inside (a function traced before keeps its own)."""
+    global TILES
+    before, TILES = TILES, tiles
+    try:
+        yield
+    finally:
+        TILES = before
+
+
+def _compiler_params(interpret: bool) -> dict:
+    from jax.experimental.pallas import triton as pallas_triton
+
+    if interpret:
+        return {}
+    stages = {} if TILES.stages is None else {"num_stages": TILES.stages}
+    return {"compiler_params": pallas_triton.CompilerParams(num_warps=TILES.warps, **stages)}
 
 
 @functools.partial(
@@ -91,8 +128,12 @@ def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.searchsorted(ends, rows_index, side="right").astype(jnp.int32)
 
 
-def layout(group_sizes: jax.Array, rows: int, block_m: int = BLOCK_M) -> Layout:
-    """The tile-padded :class:`Layout` of ``rows`` rows in groups of ``group_sizes``."""
+def layout(group_sizes: jax.Array, rows: int, block_m: int | None = None) -> Layout:
+    """The tile-padded :class:`Layout` of ``rows`` rows in groups of ``group_sizes``.
+
+    ``block_m``: rows per tile, :data:`TILES`'s by default.
+    """
+    block_m = block_m or TILES.m
     groups = group_sizes.shape[0]
     ends = group_ends(group_sizes, rows)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
@@ -146,7 +187,7 @@ def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _grouped_kernel(k_steps, tg_ref, scale_ref, a_ref, b_ref, o_ref):
+def _grouped_kernel(tiles: Tiles, k_steps, tg_ref, scale_ref, a_ref, b_ref, o_ref):
     from jax.experimental import pallas as pl
 
     group = tg_ref[0]
@@ -156,13 +197,13 @@ def _grouped_kernel(k_steps, tg_ref, scale_ref, a_ref, b_ref, o_ref):
     @pl.when(group < groups)
     def _():
         def body(step, acc):
-            k0 = pl.multiple_of(step * BLOCK_K, BLOCK_K)
-            a = a_ref[:, pl.ds(k0, BLOCK_K)]
-            b = b_ref[group, pl.ds(j * BLOCK_N, BLOCK_N), pl.ds(k0, BLOCK_K)]
+            k0 = pl.multiple_of(step * tiles.k, tiles.k)
+            a = a_ref[:, pl.ds(k0, tiles.k)]
+            b = b_ref[group, pl.ds(j * tiles.n, tiles.n), pl.ds(k0, tiles.k)]
             return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)  # fmt: skip
 
-        acc = lax.fori_loop(0, k_steps, body, jnp.zeros((BLOCK_M, BLOCK_N), jnp.float32))
+        acc = lax.fori_loop(0, k_steps, body, jnp.zeros((tiles.m, tiles.n), jnp.float32))
         o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
 
 
@@ -173,46 +214,45 @@ def grouped_pallas(a_pad, b, tile_scale, lay: Layout, out_dtype, interpret: bool
     row tile. Returns ``[padded_rows, n]`` (rows of unused tiles undefined).
     """
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pallas_triton
 
+    t = TILES
     n = b.shape[1]
-    a_pad = _pad_axis(a_pad, 1, BLOCK_K)
-    b = _pad_axis(_pad_axis(b, 1, BLOCK_N), 2, BLOCK_K)
+    a_pad = _pad_axis(a_pad, 1, t.k)
+    b = _pad_axis(_pad_axis(b, 1, t.n), 2, t.k)
     k, n_pad = a_pad.shape[1], b.shape[1]
-    grid = (lay.padded_rows // BLOCK_M, n_pad // BLOCK_N)
-    params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
+    grid = (lay.padded_rows // t.m, n_pad // t.n)
     out = pl.pallas_call(
-        functools.partial(_grouped_kernel, k // BLOCK_K),
+        functools.partial(_grouped_kernel, t, k // t.k),
         grid=grid,
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (i,)),
             pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((BLOCK_M, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((t.m, k), lambda i, j: (i, 0)),
             pl.no_block_spec,
         ],
-        out_specs=pl.BlockSpec((BLOCK_M, BLOCK_N), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((t.m, t.n), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((lay.padded_rows, n_pad), out_dtype),
         interpret=interpret,
         name="fp8jax_grouped_gemm",
-        **params,
+        **_compiler_params(interpret),
     )(lay.tile_group, tile_scale.astype(jnp.float32), a_pad, b)
     return out[:, :n]
 
 
-def _transposed_kernel(start_ref, count_ref, scale_ref, a_ref, b_ref, o_ref):
+def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_ref, o_ref):
     from jax.experimental import pallas as pl
 
     i, j = pl.program_id(1), pl.program_id(2)
     start = start_ref[0]
 
     def body(t, acc):
-        r0 = pl.multiple_of((start + t) * BLOCK_M, BLOCK_M)
-        a = a_ref[pl.ds(i * BLOCK_N, BLOCK_N), pl.ds(r0, BLOCK_M)]
-        b = b_ref[pl.ds(j * BLOCK_N, BLOCK_N), pl.ds(r0, BLOCK_M)]
+        r0 = pl.multiple_of((start + t) * tiles.m, tiles.m)
+        a = a_ref[pl.ds(i * tiles.n, tiles.n), pl.ds(r0, tiles.m)]
+        b = b_ref[pl.ds(j * tiles.n, tiles.n), pl.ds(r0, tiles.m)]
         return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32)  # fmt: skip
 
-    acc = lax.fori_loop(0, count_ref[0], body, jnp.zeros((BLOCK_N, BLOCK_N), jnp.float32))
+    acc = lax.fori_loop(0, count_ref[0], body, jnp.zeros((tiles.n, tiles.n), jnp.float32))
     o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
 
 
@@ -224,14 +264,13 @@ def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dty
     transposed, so that both contract their minor axis. An empty group gives zeros.
     """
     from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pallas_triton
 
+    t = TILES
     k, n = a_t.shape[0], b_t.shape[0]
-    a_t, b_t = _pad_axis(a_t, 0, BLOCK_N), _pad_axis(b_t, 0, BLOCK_N)
-    grid = (groups, a_t.shape[0] // BLOCK_N, b_t.shape[0] // BLOCK_N)
-    params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
+    a_t, b_t = _pad_axis(a_t, 0, t.n), _pad_axis(b_t, 0, t.n)
+    grid = (groups, a_t.shape[0] // t.n, b_t.shape[0] // t.n)
     out = pl.pallas_call(
-        _transposed_kernel,
+        functools.partial(_transposed_kernel, t),
         grid=grid,
         in_specs=[
             pl.BlockSpec((1,), lambda g, i, j: (g,)),
@@ -240,11 +279,11 @@ def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dty
             pl.no_block_spec,
             pl.no_block_spec,
         ],
-        out_specs=pl.BlockSpec((None, BLOCK_N, BLOCK_N), lambda g, i, j: (g, i, j)),
+        out_specs=pl.BlockSpec((None, t.n, t.n), lambda g, i, j: (g, i, j)),
         out_shape=jax.ShapeDtypeStruct((groups, a_t.shape[0], b_t.shape[0]), out_dtype),
         interpret=interpret,
         name="fp8jax_grouped_gemm_wgrad",
-        **params,
+        **_compiler_params(interpret),
     )(lay.tile_start, lay.tile_count, jnp.reshape(scale, (1,)).astype(jnp.float32), a_t, b_t)
     return out[:, :k, :n]
 
