@@ -33,6 +33,15 @@ With ``fp8jax.ALL_E4M3`` no conversion happens.
 
 Rows past ``sum(group_sizes)`` give zeros, as in ``lax.ragged_dot``, and
 get zero gradients.
+
+Sharding: where data parallelism alone splits the token rows
+(:func:`fp8jax.kernels.data_parallel`, entered by
+:func:`fp8jax.sharding.use_mesh`), each device runs the kernels on its own
+rows inside ``shard_map``, with its share of each group; the FP8 weights are
+whole there, so FSDP-sharded weights are all-gathered in FP8, and the
+weights' gradient is summed over the devices. Under any other mesh (tensor
+or expert parallelism; expert parallelism with an all-to-all is not
+implemented) the GEMMs take ``lax.ragged_dot``, with a warning.
 """
 
 from __future__ import annotations
@@ -40,10 +49,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.kernels import dispatch
@@ -78,55 +89,98 @@ class RaggedConfig:
     rhs_dtype: np.dtype
 
 
-def _kernel_mode() -> str:
-    """The grouped GEMMs' path: interpret (tests), kernel (Pallas on CUDA, XLA elsewhere), xla."""
+def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
+    """The grouped GEMMs' path and the mesh axes splitting their rows.
+
+    "interpret" (tests), "kernel" (Pallas on CUDA, XLA elsewhere; with axes:
+    on each device's rows inside ``shard_map``) or "xla".
+    """
     if _INTERPRET:
-        return "interpret"
-    return "kernel" if dispatch.row_axes(rows_are_tokens=False) == () else "xla"
+        return "interpret", ()
+    axes = dispatch.row_axes(rows_are_tokens=True)
+    if axes is None or rows % dispatch.devices_along(axes):
+        if dispatch.enabled():
+            warnings.warn(
+                "fp8jax.ragged_dot: the grouped-GEMM kernel runs on whole arrays or on each "
+                "device's rows under data parallelism (rows divisible by the devices); here "
+                f"({rows} rows, mesh {dict(jax.sharding.get_abstract_mesh().shape)}) the GEMMs "
+                "take lax.ragged_dot, which XLA's GPU backend expands to one dense GEMM over "
+                "all groups.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return "xla", ()
+    return "kernel", axes
 
 
-def _run(pallas_fn, xla_fn, operands):
-    mode = _kernel_mode()
+def _run(pallas_fn, xla_fn, operands, n_rows: int, reduce: bool = False):
+    """``pallas_fn`` or ``xla_fn`` on ``operands`` (group sizes third, the first ``n_rows`` split).
+
+    Where data parallelism alone splits token rows (:mod:`fp8jax.kernels.dispatch`),
+    each device runs the grouped GEMM on its own rows inside ``shard_map``:
+    its group sizes are the global groups clipped to its rows, the other
+    operands (the FP8 weights, gathered in FP8 where sharded) are whole, and
+    ``reduce`` sums the results over the devices (the weights' gradient).
+    """
+    mode, axes = _kernel_mode(operands[0].shape[0])
     if mode == "interpret":
         return pallas_fn(*operands, interpret=True)
     if mode == "xla":
         return xla_fn(*operands)
-    return dispatch.on_each_device(pallas_fn, xla_fn, operands, 0, ())
+
+    def call(*ops):
+        return jax.lax.platform_dependent(*ops, cuda=pallas_fn, default=xla_fn)
+
+    if not axes:
+        return call(*operands)
+    rows = operands[0].shape[0]
+
+    def local(*ops):
+        local_rows = ops[0].shape[0]
+        first = jax.lax.axis_index(axes) * local_rows
+        ends = jnp.clip(gg.group_ends(ops[2], rows) - first, 0, local_rows)
+        sizes = jnp.diff(ends, prepend=jnp.zeros((1,), ends.dtype))
+        out = call(*ops[:2], sizes, *ops[3:])
+        return jax.lax.psum(out, axes) if reduce else out
+
+    split = P(axes)
+    in_specs = (split,) * n_rows + (P(),) * (len(operands) - n_rows)
+    return jax.shard_map(local, in_specs=in_specs, out_specs=P() if reduce else split,
+                         check_vma=False)(*operands)  # fmt: skip
 
 
 def _grouped(a, b, group_sizes, a_scale_inv, b_scale_inv, out_dtype):
     """``a [m, k] . b[i]^T`` per group (``b [g, n, k]``), times ``a_scale_inv * b_scale_inv[i]``."""
-    m = a.shape[0]
     per_group = jnp.concatenate([a_scale_inv * b_scale_inv, jnp.zeros((1,), jnp.float32)])
 
     def pallas_fn(a, b, group_sizes, per_group, interpret=False):
-        lay = gg.layout(group_sizes, m)
+        lay = gg.layout(group_sizes, a.shape[0])
         out = gg.grouped_pallas(gg.to_padded(a, lay), b, per_group[lay.tile_group], lay,
                                 out_dtype, interpret)  # fmt: skip
         return gg.from_padded(out, lay)
 
     def xla_fn(a, b, group_sizes, per_group):
+        m = a.shape[0]
         row_scale = per_group[gg.row_groups(group_sizes, m)]
         return gg.grouped_xla(a, b, gg.effective_sizes(group_sizes, m), row_scale, out_dtype)
 
-    return _run(pallas_fn, xla_fn, (a, b, group_sizes, per_group))
+    return _run(pallas_fn, xla_fn, (a, b, group_sizes, per_group), 1)
 
 
 def _grouped_wgrad(a, b, group_sizes, scale_inv, groups, out_dtype):
     """``out[i] = a[rows of i]^T . b[rows of i] * scale_inv``: ``[g, k, n]``."""
-    m = a.shape[0]
 
     def pallas_fn(a, b, group_sizes, scale_inv, interpret=False):
-        lay = gg.layout(group_sizes, m)
+        lay = gg.layout(group_sizes, a.shape[0])
         a_t, b_t = gg.to_padded(a, lay).T, gg.to_padded(b, lay).T
         return gg.grouped_transposed_pallas(a_t, b_t, scale_inv, lay, groups, out_dtype,
                                             interpret)  # fmt: skip
 
     def xla_fn(a, b, group_sizes, scale_inv):
-        return gg.grouped_transposed_xla(a, b, gg.effective_sizes(group_sizes, m), scale_inv,
-                                         out_dtype)  # fmt: skip
+        sizes = gg.effective_sizes(group_sizes, a.shape[0])
+        return gg.grouped_transposed_xla(a, b, sizes, scale_inv, out_dtype)
 
-    return _run(pallas_fn, xla_fn, (a, b, group_sizes, scale_inv))
+    return _run(pallas_fn, xla_fn, (a, b, group_sizes, scale_inv), 2, reduce=True)
 
 
 def quantize_per_expert(rhs: jax.Array, fmt: Fp8Format, recipe) -> tuple[jax.Array, jax.Array]:
