@@ -14,12 +14,13 @@ the useful FLOPs (``2 * rows * k * n``):
   (quantization included) and ``lax.ragged_dot``, forward and backward.
 
 Part ``tiles``: the grouped GEMM alone under each of :data:`TILINGS`; the
-fastest is then used by the other parts of the run (``--part all``).
+fastest is then used by that shape's other parts.
 
 Part ``block``: the MoE block forward and backward (router and permutation
 included) with fp8jax's FP8 experts vs the same block in BF16.
 
-    PYTHONPATH=src python bench/moe.py [--part gemm|block|all] [--shape mixtral|deepseek] [--out F]
+    cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,block] [--shape deepseek,mixtral]
+        [--iters N] [--out F]
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ SHAPES = {
 }
 
 
-def _row(name, fn, args, flops, iters=20):
+ITERS = {"n": 20}
+
+
+def _row(name, fn, args, flops, iters=None):
+    iters = iters or ITERS["n"]
     start = time.perf_counter()
     # fp8jax's variants compile with its XLA options, the baselines with XLA's defaults.
     options = fp8jax.compiler_options() if name.startswith("fp8") else None
@@ -185,31 +190,36 @@ def block_rows(shape: Shape) -> list[dict]:
             _, vjp = jax.vjp(f, params, x)
             return vjp(gy)
 
-        out.append(_row(name, step, (params, x, gy), useful, iters=10))
+        out.append(_row(name, step, (params, x, gy), useful, iters=max(1, ITERS["n"] // 2)))
     return out
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("tiles", "gemm", "block", "all"), default="all")
-    parser.add_argument("--shape", choices=(*SHAPES, "both"), default="both")
+    parser.add_argument(
+        "--part", default="all", help="all, or a comma-separated list of tiles, gemm, block"
+    )
+    parser.add_argument("--shape", default="mixtral,deepseek",
+                        help=f"comma-separated, in order, of {tuple(SHAPES)}")  # fmt: skip
     parser.add_argument("--out", default=None)
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per row")
     args = parser.parse_args()
+    ITERS["n"] = args.iters
     payload = {"environment": environment(), "fp8_compiler_options": fp8jax.compiler_options(),
                "results": {}}  # fmt: skip
-    names = list(SHAPES) if args.shape == "both" else [args.shape]
-    for name in names:
+    parts = {"tiles", "gemm", "block"} if args.part == "all" else set(args.part.split(","))
+    for name in args.shape.split(","):
         shape = SHAPES[name]
-        if args.part in ("tiles", "all"):
+        if "tiles" in parts:
             payload["results"][f"{name}/tiles"], best = tile_rows(shape)
             payload["results"][f"{name}/best_tiles"] = dataclasses.asdict(best)
-            gg.TILES = best if args.part == "all" else gg.TILES
-        if args.part in ("gemm", "all"):
+            gg.TILES = best  # for this shape's other parts
+        if "gemm" in parts:
             payload["results"][f"{name}/gemm"] = gemm_rows(shape)
-        if args.part in ("block", "all"):
+        if "block" in parts:
             payload["results"][f"{name}/block"] = block_rows(shape)
-    if args.out:
-        dump(args.out, payload)
+        if args.out:  # after each shape: a run cut short keeps what it measured
+            dump(args.out, payload)
 
 
 if __name__ == "__main__":
