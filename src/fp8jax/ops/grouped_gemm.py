@@ -4,7 +4,8 @@ A grouped GEMM multiplies each group of rows of ``a`` (rows sorted by
 group) by its group's matrix. XLA lowers ``lax.ragged_dot`` to one dense
 GEMM over all groups (a deviceless H100 compile, jax 0.10.2: lhs expanded to
 ``[m, g * k]``), ``g`` times the useful FLOPs, so on NVIDIA GPUs these
-kernels run instead and do only the useful ones.
+kernels run instead and do only the useful ones
+(docs/design.md#grouped-expert-gemms).
 
 Layout (:class:`Layout`): every group's rows are padded to whole row tiles
 (``TILES.m``) in a static buffer of ``m + g * (TILES.m - 1)`` rows (rounded

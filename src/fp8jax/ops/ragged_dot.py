@@ -18,7 +18,8 @@ epilogue a product of two factors (tests/ops/test_ragged_dot.py checks a
 nearly dead expert, weights 1e-4 times the others, within the E4M3 budget).
 Scaling is current (each tensor's own amax); DelayedScaling is refused.
 
-The GEMMs (:mod:`fp8jax.ops.grouped_gemm`): on NVIDIA GPUs a Pallas Triton
+The GEMMs (:mod:`fp8jax.ops.grouped_gemm`,
+docs/design.md#grouped-expert-gemms): on NVIDIA GPUs a Pallas Triton
 kernel that does only the useful FLOPs; XLA's own ``lax.ragged_dot`` expands
 to one dense GEMM over all groups (``g`` times the work). Elsewhere and with
 the kernels off (:mod:`fp8jax.kernels.dispatch`) ``lax.ragged_dot`` on the
