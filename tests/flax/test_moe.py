@@ -172,3 +172,24 @@ def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
     assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
     shared = [g for g in report.fp8_gemms if g not in grouped]
     assert len(shared) == 6  # the shared expert's two dense GEMMs, fwd, dgrad, wgrad
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"top_k": 5}, r"MoEBlock.top_k must be <= num_experts=4, got 5"),
+        (
+            {"gating": "relu"},
+            r"MoEBlock.gating must be one of \('softmax', 'sigmoid'\), got 'relu'",
+        ),
+        ({"activation": "tanh"}, r"MoEBlock.activation must be one of .*got 'tanh'"),
+        ({"shared_experts": -1}, r"MoEBlock.shared_experts must be an int >= 0, got -1"),
+        ({"ffn": 0}, r"ffn must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_settings_name_the_argument_expected_and_given(kw, match):
+    settings = {"num_experts": E, "top_k": K, "ffn": F, **kw}
+    with pytest.raises(ValueError, match=match):
+        fnn.MoEBlock(**settings)
+    with pytest.raises(ValueError, match=match):
+        fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))
