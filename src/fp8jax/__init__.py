@@ -10,6 +10,7 @@ from fp8jax.ops.einsum import einsum
 from fp8jax.ops.layernorm_dense import layernorm_dense
 from fp8jax.ops.layernorm_mlp import layernorm_mlp
 from fp8jax.ops.norm import layernorm
+from fp8jax.ops.ragged_dot import ragged_dot
 from fp8jax.quantize import Fp8Array, dequantize, quantize
 from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
 from fp8jax.scaling import (
@@ -50,5 +51,6 @@ __all__ = [
     "layernorm_dense",
     "layernorm_mlp",
     "quantize",
+    "ragged_dot",
     "take_new_state",
 ]

@@ -325,7 +325,7 @@ def test_deviceless_h100_every_gemm_is_fp8():
     """Rowwise: three cuBLASLt FP8 GEMMs; block: three block-scaled Pallas kernels on f8."""
     (row, block), _, untiled = _deviceless_reports()
     assert [g.backend for g in row.gemms] == ["cublaslt-fp8"] * 3, str(row)
-    assert [g.backend for g in block.gemms] == ["pallas"] * 3, str(block)
+    assert [g.backend for g in block.gemms] == ["pallas-fp8"] * 3, str(block)
     for report in (row, block):
         assert not report.non_fp8_gemms, str(report)
     # No FP8 data moved through XLA's slow untiled transposes

@@ -14,7 +14,8 @@ XLA emits untiled (slow).
 What counts as FP8: a GEMM whose kernel reads two FP8 operands, i.e. a
 cuBLASLt ``__cublas$lt$matmul$f8`` call (backend ``cublaslt-fp8``) or a Triton
 GEMM fusion whose ``dot`` reads f8 values (``triton-fp8``), including a fusion
-that converts a BF16 input to f8 inside, before its dot. A GEMM that reads
+that converts a BF16 input to f8 inside, before its dot, or one of fp8jax's
+Pallas grouped-GEMM kernels reading two f8 operands (``pallas-fp8``). A GEMM that reads
 values converted from f8 to BF16/F32 (quantize, then dequantize, then a BF16
 dot) is not FP8; the report marks it ``upcast_from_fp8``.
 

@@ -4,8 +4,8 @@ A Pallas Triton kernel compiles to a ``__gpu$xla.gpu.triton`` custom call
 whose backend config names the kernel (``name = "..."``). Such a call is a
 GEMM of the report only when its name is one of :data:`KERNELS`, each
 listed with the operands that hold its two GEMM inputs; it is FP8 when both
-are f8, as for cuBLASLt's and Triton's GEMMs. Other Pallas kernels (casts,
-norms) stay out of the report.
+are f8 (backend ``pallas-fp8``, else ``pallas``), as for cuBLASLt's and
+Triton's GEMMs. Other Pallas kernels (casts, norms) stay out of the report.
 """
 
 from __future__ import annotations
@@ -13,16 +13,30 @@ from __future__ import annotations
 import re
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
-BACKEND = "pallas"
 # Kernel name -> the operand indices of its two GEMM inputs.
-KERNELS = {"fp8jax_block_scaled_gemm": (0, 1)}  # fp8jax.ops.block_gemm
+KERNELS = {
+    "fp8jax_block_scaled_gemm": (0, 1),  # fp8jax.ops.block_gemm
+    # fp8jax.ops.grouped_gemm: the group tables come first, the operands last.
+    "fp8jax_grouped_gemm": (-2, -1),
+    "fp8jax_grouped_gemm_wgrad": (-2, -1),
+}
 
 _NAME = re.compile(r'\bname = "([^"]*)"')
 
 
-def gemm_operands(target: str, attrs: str) -> tuple[int, int] | None:
-    """The GEMM inputs' operand indices if the custom call is a known Pallas GEMM, else None."""
+def kernel_name(target: str, attrs: str, op_name: str) -> str | None:
+    """The :data:`KERNELS` name of a Pallas custom call, or None for any other call."""
     if target != TRITON_TARGET:
         return None
     match = _NAME.search(attrs.split("backend_config=", 1)[-1])
-    return KERNELS.get(match.group(1)) if match else None
+    # The backend config names the kernel; JAX's op_name ends in ".../<name>/pallas_call".
+    parts = op_name.split("/")
+    names = [match.group(1)] if match else []
+    if len(parts) >= 2 and parts[-1] == "pallas_call":
+        names.append(parts[-2])
+    return next((name for name in names if name in KERNELS), None)
+
+
+def backend(lhs_is_fp8: bool, rhs_is_fp8: bool) -> str:
+    """The report's backend of a Pallas GEMM: ``pallas-fp8`` on two f8 operands."""
+    return "pallas-fp8" if lhs_is_fp8 and rhs_is_fp8 else "pallas"

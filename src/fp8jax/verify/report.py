@@ -2,8 +2,9 @@
 
 A GEMM is FP8 when both operands the GEMM kernel reads are FP8: a cuBLASLt
 ``__cublas$lt$matmul$f8`` call, a Triton GEMM fusion whose ``dot`` reads f8
-values, or one of fp8jax's Pallas GEMM kernels reading f8 operands
-(backend ``pallas``; :mod:`fp8jax.verify.pallas_gemms`). A GEMM whose
+values, or one of fp8jax's Pallas GEMM kernels (:mod:`fp8jax.verify.pallas_gemms`:
+the block-scaled GEMM, the grouped expert GEMMs of ``fp8jax.ragged_dot``)
+reading two f8 operands (backend ``pallas-fp8``). A GEMM whose
 operands were converted from f8 to a wider type on the way in (the
 quantize-dequantize pattern) is flagged ``upcast_from_fp8``: the data was FP8
 once, but the multiply runs in BF16 or F32.
@@ -21,7 +22,8 @@ from typing import Any
 from fp8jax.verify import _hlo, _upcast, pallas_gemms
 
 GEMM_BACKENDS = (
-    "cublaslt-fp8", "triton-fp8", "cublaslt", "cublas", "triton", "cudnn", "pallas", "dot"
+    "cublaslt-fp8", "triton-fp8", "pallas-fp8", "cublaslt", "cublas", "triton", "pallas",
+    "cudnn", "dot",
 )  # fmt: skip
 COLLECTIVES = (
     "all-gather",
@@ -37,6 +39,10 @@ _CUBLAS_TARGETS = {
     "__cublas$lt$matmul": "cublaslt",
     "__cublas$gemm": "cublas",
 }
+# fp8jax's Pallas (Triton) kernels that are GEMMs, by their pallas_call name:
+# each reads its two GEMM operands as its last two operands and multiplies
+# them in the dtype it reads them in (fp8jax.ops.grouped_gemm). A Pallas call
+# is a ``__gpu$xla.gpu.triton`` custom call whose op name ends in its name.
 # Frames in these packages are plumbing; the source column shows the first
 # frame outside them, which is the line of user code that asked for the GEMM.
 _LIBRARY_FILE = re.compile(
@@ -273,22 +279,26 @@ def _dot_row(module, comp, dot, gemm, backend, target, callers) -> GemmRow:
 
 def _custom_call_row(module, comp, inst) -> GemmRow | None:
     target = inst.custom_call_target or ""
-    pallas = pallas_gemms.gemm_operands(target, inst.attrs)
+    kernel = pallas_gemms.kernel_name(target, inst.attrs, inst.metadata.get("op_name", ""))
+    pallas = None if kernel is None else pallas_gemms.KERNELS[kernel]
     operands = [inst.operands[i] for i in pallas or (0, 1)]
     if target in _CUBLAS_TARGETS:
         backend, kind = _CUBLAS_TARGETS[target], "gemm"
     elif "cudnn" in target and ("fmha" in target or "attention" in target):
         backend, kind = "cudnn", "attention"
     elif pallas is not None:
-        backend, kind = pallas_gemms.BACKEND, "gemm"
+        backend, kind = "pallas", "gemm"  # pallas-fp8 once the operands are known
     else:
         return None
     lhs, rhs = (_upcast.type_of(comp, op) for op in operands)
+    if pallas is not None:
+        backend, target = pallas_gemms.backend(lhs.is_fp8, rhs.is_fp8), kernel
     row = _row(module, inst, backend, kind, target, lhs, rhs, inst.types[0])
     if kind == "gemm" and not row.is_fp8:
         upcast = any(_upcast.dequantized(module, comp, op, ()) for op in operands)
         row = dataclasses.replace(row, upcast_from_fp8=upcast)
     return row
+
 
 
 def _row(module, inst, backend, kind, target, lhs, rhs, out) -> GemmRow:

@@ -8,6 +8,7 @@ Under CurrentScaling (the default) modules keep no FP8 state.
 from fp8jax.flax.linen.attention import MultiHeadAttention
 from fp8jax.flax.linen.dense import DenseGeneral, LayerNormDenseGeneral
 from fp8jax.flax.linen.mlp import LayerNormMLP
+from fp8jax.flax.linen.moe import MoEBlock
 from fp8jax.flax.linen.norm import LayerNorm
 from fp8jax.flax.linen.transformer import TransformerLayer
 
@@ -16,6 +17,7 @@ __all__ = [
     "LayerNorm",
     "LayerNormDenseGeneral",
     "LayerNormMLP",
+    "MoEBlock",
     "MultiHeadAttention",
     "TransformerLayer",
 ]

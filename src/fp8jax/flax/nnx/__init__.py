@@ -9,6 +9,7 @@ from fp8jax.flax.nnx._base import Fp8State
 from fp8jax.flax.nnx.attention import MultiHeadAttention
 from fp8jax.flax.nnx.dense import DenseGeneral, LayerNormDenseGeneral
 from fp8jax.flax.nnx.mlp import LayerNormMLP
+from fp8jax.flax.nnx.moe import MoEBlock
 from fp8jax.flax.nnx.norm import LayerNorm
 from fp8jax.flax.nnx.train import train_step
 from fp8jax.flax.nnx.transformer import TransformerLayer
@@ -19,6 +20,7 @@ __all__ = [
     "LayerNorm",
     "LayerNormDenseGeneral",
     "LayerNormMLP",
+    "MoEBlock",
     "MultiHeadAttention",
     "TransformerLayer",
     "train_step",

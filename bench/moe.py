@@ -1,0 +1,226 @@
+"""Grouped expert GEMMs and MoE blocks: fp8jax's FP8 ragged_dot vs BF16 and dense FP8.
+
+Part ``gemm``: one grouped GEMM (forward), balanced routing, in TFLOP/s on
+the useful FLOPs (``2 * rows * k * n``):
+
+- ``fp8jax_grouped``: fp8jax's grouped-GEMM path on pre-quantized FP8
+  operands (layout, padding gather, Pallas kernel, un-padding);
+- ``fp8_dense``: one dense FP8 GEMM of the same total rows (cuBLASLt);
+- ``bf16_ragged_dot``: ``lax.ragged_dot`` in BF16;
+- ``bf16_capacity``: the rows as ``[g, rows / g, k]`` (a capacity-padded
+  batch with no padding needed), a batched BF16 ``dot_general``;
+- ``bf16_mgpu``: JAX's Mosaic GPU ``ragged_dot_mgpu``, where importable;
+- ``fp8jax_op_fwd_bwd`` / ``bf16_ragged_dot_fwd_bwd``: ``fp8jax.ragged_dot``
+  (quantization included) and ``lax.ragged_dot``, forward and backward.
+
+Part ``tiles``: the grouped GEMM alone under each of :data:`TILINGS`; the
+fastest is then used by that shape's other parts.
+
+Part ``block``: the MoE block forward and backward (router and permutation
+included) with fp8jax's FP8 experts vs the same block in BF16.
+
+    cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,block] [--shape deepseek,mixtral]
+        [--iters N] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+from harness import dump, environment, time_ms
+from jax import lax
+
+import fp8jax
+from fp8jax.ops import grouped_gemm as gg
+from fp8jax.ops import ragged_dot as rd
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    shared: int
+
+
+SHAPES = {
+    "mixtral": Shape(16384, 4096, 14336, 8, 2, 0),
+    "deepseek": Shape(16384, 2048, 1408, 64, 6, 2),
+}
+
+
+ITERS = {"n": 20}
+
+
+def _row(name, fn, args, flops, iters=None):
+    iters = iters or ITERS["n"]
+    start = time.perf_counter()
+    # fp8jax's variants compile with its XLA options, the baselines with XLA's defaults.
+    options = fp8jax.compiler_options() if name.startswith("fp8") else None
+    try:
+        compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+        compile_s = time.perf_counter() - start
+        t = time_ms(compiled, *args, warmup=3, iters=iters)
+    except Exception as e:  # a baseline that does not run here is reported, not fatal
+        traceback.print_exc()
+        print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+    t.pop("clocks", None)
+    row = {"name": name, "compile_s": compile_s, **t,
+           "tflops": flops / (t["median_ms"] * 1e-3) / 1e12}  # fmt: skip
+    print(f"  {name}: {t['median_ms']:.3f} ms, {row['tflops']:.0f} TFLOP/s (useful)", flush=True)
+    return row
+
+
+TILINGS = (
+    gg.Tiles(),
+    gg.Tiles(m=128, n=128, k=128, warps=8, stages=3),
+    gg.Tiles(m=128, n=256, k=128, warps=8, stages=3),
+    gg.Tiles(m=64, n=128, k=128, warps=4, stages=4),
+    gg.Tiles(m=128, n=128, k=64, warps=4, stages=4),
+)
+
+
+def _gemm_operands(shape: Shape):
+    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
+    x = jax.random.normal(jax.random.key(0), (rows, k), BF16).astype(fp8jax.E4M3.dtype)
+    w_t = jax.random.normal(jax.random.key(1), (g, n, k), BF16).astype(fp8jax.E4M3.dtype)
+    return x, w_t, jnp.full((g,), rows // g, jnp.int32), 2 * rows * k * n
+
+
+def tile_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
+    """The grouped GEMM under each tiling; the rows and the fastest tiling."""
+    x8, w8_t, sizes, flops = _gemm_operands(shape)
+    one, scales = jnp.float32(1.0), jnp.ones((shape.experts,), F32)
+    print(f"\ntilings, {shape}", flush=True)
+    out, best = [], (float("inf"), gg.TILES)
+    for tiles in TILINGS:
+        with gg.use_tiles(tiles):
+            row = _row(f"fp8jax_grouped {tiles}",
+                       lambda a, b, s: rd._grouped(a, b, s, one, scales, BF16),
+                       (x8, w8_t, sizes), flops)  # fmt: skip
+        out.append(row)
+        if row.get("median_ms", float("inf")) < best[0]:
+            best = (row["median_ms"], tiles)
+    return out, best[1]
+
+
+def gemm_rows(shape: Shape) -> list[dict]:
+    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
+    print(f"\ngrouped GEMM: rows {rows}, k {k}, n {n} (gate+up), {g} experts", flush=True)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (rows, k), BF16)
+    w = (jax.random.normal(keys[1], (g, k, n), F32) * k**-0.5).astype(BF16)
+    sizes = jnp.full((g,), rows // g, jnp.int32)
+    flops = 2 * rows * k * n
+    e4 = fp8jax.E4M3.dtype
+    x8, w8_t = x.astype(e4), jnp.swapaxes(w, 1, 2).astype(e4)
+    one = jnp.float32(1.0)
+    scales = jnp.ones((g,), F32)
+    out = []
+    out.append(_row("fp8jax_grouped",
+                    lambda a, b, s: rd._grouped(a, b, s, one, scales, BF16),
+                    (x8, w8_t, sizes), flops))  # fmt: skip
+    w8_dense_t = w8_t[0]  # [n, k]
+    out.append(_row("fp8_dense",
+                    lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                 preferred_element_type=BF16),
+                    (x8, w8_dense_t), flops))  # fmt: skip
+    out.append(_row("bf16_dense",
+                    lambda a, b: a @ b, (x, w[0]), flops))  # fmt: skip
+    out.append(_row("bf16_ragged_dot", lambda a, b, s: lax.ragged_dot(a, b, s),
+                    (x, w, sizes), flops))  # fmt: skip
+    out.append(_row("bf16_capacity",
+                    lambda a, b: jnp.einsum("gck,gkn->gcn", a.reshape(g, -1, k), b),
+                    (x, w), flops))  # fmt: skip
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+        mgpu = functools.partial(ragged_dot_mgpu.ragged_dot, block_m=128, block_n=128,
+                                 block_k=64, max_concurrent_steps=4, grid_block_n=1)  # fmt: skip
+        out.append(_row("bf16_mgpu", lambda a, b, s: mgpu(a, b, group_sizes=s),
+                        (x, w, sizes), flops))  # fmt: skip
+    except ImportError as e:
+        out.append({"name": "bf16_mgpu", "error": f"not importable: {e}"})
+    gy = jax.random.normal(keys[2], (rows, n), BF16)
+
+    def fwd_bwd(f):
+        def step(a, b, s, gy):
+            _, vjp = jax.vjp(lambda a, b: f(a, b, s), a, b)
+            return vjp(gy)
+
+        return step
+
+    out.append(_row("fp8jax_op_fwd_bwd", fwd_bwd(fp8jax.ragged_dot), (x, w, sizes, gy),
+                    3 * flops))  # fmt: skip
+    out.append(_row("bf16_ragged_dot_fwd_bwd", fwd_bwd(lax.ragged_dot), (x, w, sizes, gy),
+                    3 * flops))  # fmt: skip
+    return out
+
+
+def block_rows(shape: Shape) -> list[dict]:
+    from fp8jax.flax.linen import moe as lmoe
+
+    print(f"\nMoE block fwd+bwd: {shape}", flush=True)
+    x = jax.random.normal(jax.random.key(0), (shape.tokens, shape.hidden), BF16)
+    gy = jax.random.normal(jax.random.key(1), x.shape, BF16)
+    useful = 3 * 2 * shape.tokens * shape.top_k * shape.hidden * shape.ffn * 3
+    out = []
+    for name, fp8 in (("fp8jax", True), ("bf16", False)):
+        block = lmoe.MoEBlock(num_experts=shape.experts, top_k=shape.top_k, ffn=shape.ffn,
+                              shared_experts=shape.shared, fp8=fp8, dtype=BF16)  # fmt: skip
+        variables = block.init(jax.random.key(2), x)
+        params = jax.tree.map(lambda p: p.astype(BF16) if p.ndim > 1 else p, variables)
+
+        def step(params, x, gy, block=block):
+            def f(params, x):
+                y, _ = block.apply(params, x, mutable=["intermediates"])
+                return y
+
+            _, vjp = jax.vjp(f, params, x)
+            return vjp(gy)
+
+        out.append(_row(name, step, (params, x, gy), useful, iters=max(1, ITERS["n"] // 2)))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--part", default="all", help="all, or a comma-separated list of tiles, gemm, block"
+    )
+    parser.add_argument("--shape", default="mixtral,deepseek",
+                        help=f"comma-separated, in order, of {tuple(SHAPES)}")  # fmt: skip
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per row")
+    args = parser.parse_args()
+    ITERS["n"] = args.iters
+    payload = {"environment": environment(), "fp8_compiler_options": fp8jax.compiler_options(),
+               "results": {}}  # fmt: skip
+    parts = {"tiles", "gemm", "block"} if args.part == "all" else set(args.part.split(","))
+    for name in args.shape.split(","):
+        shape = SHAPES[name]
+        if "tiles" in parts:
+            payload["results"][f"{name}/tiles"], best = tile_rows(shape)
+            payload["results"][f"{name}/best_tiles"] = dataclasses.asdict(best)
+            gg.TILES = best  # for this shape's other parts
+        if "gemm" in parts:
+            payload["results"][f"{name}/gemm"] = gemm_rows(shape)
+        if "block" in parts:
+            payload["results"][f"{name}/block"] = block_rows(shape)
+        if args.out:  # after each shape: a run cut short keeps what it measured
+            dump(args.out, payload)
+
+
+if __name__ == "__main__":
+    main()

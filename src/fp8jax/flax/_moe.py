@@ -1,0 +1,120 @@
+"""The Mixture-of-Experts block's math, shared by the Linen and NNX modules.
+
+Router (high precision) -> top-k -> tokens sorted by expert (argsort) ->
+gated experts on :func:`fp8jax.ragged_dot` (FP8 GEMMs, one scale per
+expert) -> back to token order, weighted by the gates -> plus optional
+shared experts (an FP8 gated MLP on :func:`fp8jax.dense`).
+
+No token is dropped: every token reaches its ``top_k`` experts whatever the
+load, because the grouped GEMMs take any group sizes (no capacity, no
+padding to one). The auxiliary load-balancing loss is Switch Transformer's:
+``num_experts * sum_e f_e * p_e``, ``f_e`` the fraction of routed slots that
+go to expert ``e`` and ``p_e`` its mean gate probability; 1 when balanced.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import fp8jax
+from fp8jax.flax import _common
+
+GATINGS = ("softmax", "sigmoid")
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
+EXPERT = "expert"  # the logical axis name of the experts
+
+
+def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_experts) -> None:
+    """Raises for bad MoE settings, naming the argument, the expected and the given."""
+    _common.positive_int(owner, "num_experts", num_experts)
+    _common.positive_int(owner, "top_k", top_k)
+    _common.positive_int(owner, "ffn", ffn)
+    if top_k > num_experts:
+        raise ValueError(f"{owner}.top_k must be <= num_experts={num_experts}, got {top_k}.")
+    if gating not in GATINGS:
+        raise ValueError(f"{owner}.gating must be one of {GATINGS}, got {gating!r}.")
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{owner}.activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}."
+        )
+    if not isinstance(shared_experts, int) or shared_experts < 0:
+        raise ValueError(f"{owner}.shared_experts must be an int >= 0, got {shared_experts!r}.")
+
+
+def expert_init(init):
+    """``init`` applied to each expert's ``shape[1:]`` matrix (its own fan-in)."""
+
+    def wrapped(key, shape, dtype=jnp.float32):
+        keys = jax.random.split(key, shape[0])
+        return jax.vmap(lambda k: init(k, shape[1:], dtype))(keys)
+
+    return wrapped
+
+
+def route(x2: jax.Array, router: jax.Array, top_k: int, gating: str):
+    """``(gates [t, k], experts [t, k], aux_loss)`` for tokens ``x2 [t, hidden]``, in f32."""
+    logits = jnp.dot(x2.astype(jnp.float32), router.astype(jnp.float32))
+    num_experts = router.shape[-1]
+    if gating == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    gates, experts = lax.top_k(probs, top_k)
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+    fraction = counts / experts.size
+    aux_loss = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+    return gates, experts, aux_loss
+
+
+def _gemm(fp8: bool, recipe):
+    if fp8:
+        return lambda a, b, sizes: fp8jax.ragged_dot(a, b, sizes, recipe=recipe)
+    return lambda a, b, sizes: lax.ragged_dot(a, b.astype(a.dtype), sizes)
+
+
+def experts_ffn(xs, sizes, wi, wo, activation: str, fp8: bool, recipe):
+    """Gated experts on rows sorted by expert: ``act(xs . wi_gate) * (xs . wi_up) . wo``.
+
+    ``wi [e, hidden, 2, ffn]`` (gate, then up), ``wo [e, ffn, hidden]``.
+    """
+    gemm = _gemm(fp8, recipe)
+    e, hidden, _, ffn = wi.shape
+    h = gemm(xs, wi.reshape(e, hidden, 2 * ffn), sizes).reshape(-1, 2, ffn)
+    a = ACTIVATIONS[activation](h[:, 0].astype(jnp.float32)) * h[:, 1].astype(jnp.float32)
+    return gemm(a.astype(xs.dtype), wo, sizes)
+
+
+def shared_ffn(x2, wi, wo, activation: str, fp8: bool, recipe):
+    """The shared experts as one gated MLP: ``wi [hidden, 2, width]``, ``wo [width, hidden]``."""
+    if fp8:
+        h = fp8jax.dense(x2, wi, contracting_dims=((1,), (0,)), recipe=recipe)
+    else:
+        h = jnp.einsum("th,hcf->tcf", x2, wi.astype(x2.dtype))
+    a = ACTIVATIONS[activation](h[:, 0].astype(jnp.float32)) * h[:, 1].astype(jnp.float32)
+    a = a.astype(x2.dtype)
+    return fp8jax.dense(a, wo, recipe=recipe) if fp8 else a @ wo.astype(a.dtype)
+
+
+def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, activation: str,
+        fp8: bool, recipe):  # fmt: skip
+    """The block on ``x [..., hidden]``: ``(y, aux_loss)``, ``y`` shaped and typed like ``x``."""
+    shape, hidden = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    gates, experts, aux_loss = route(x2, router, top_k, gating)
+    flat = experts.reshape(-1)
+    # Sort the (token, slot) pairs by expert; stable, so each expert's tokens
+    # keep their order. inverse puts the expert-ordered rows back.
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
+    xs = jnp.take(x2, order // top_k, axis=0)
+    ys = experts_ffn(xs, sizes, wi, wo, activation, fp8, recipe)
+    per_slot = jnp.take(ys, inverse, axis=0).reshape(-1, top_k, hidden)
+    y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x.dtype)
+    if shared_wi is not None:
+        y = y + shared_ffn(x2, shared_wi, shared_wo, activation, fp8, recipe).astype(x.dtype)
+    return y.reshape(shape), aux_loss

@@ -1,0 +1,93 @@
+"""Linen MoEBlock: a Mixture-of-Experts feed-forward block on FP8 grouped GEMMs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fp8jax.flax import _common, _moe
+from fp8jax.flax._common import ACT, EMBED, MLP
+from fp8jax.flax.linen._base import param
+from fp8jax.flax.linen.dense import default_kernel_init
+from fp8jax.recipes import Recipe
+
+
+class MoEBlock(nn.Module):
+    """Router, top-k, experts on ``fp8jax.ragged_dot``, optional shared experts.
+
+    No token is dropped (no capacity factor): the grouped GEMMs take any
+    number of tokens per expert. The auxiliary load-balancing loss (1 when
+    balanced, see :mod:`fp8jax.flax._moe`) is sown as ``"aux_loss"`` in the
+    ``"intermediates"`` collection; add it to the training loss with a
+    coefficient (0.01 is common).
+
+    Parameters: ``router`` ``(hidden, num_experts)`` (used in f32),
+    ``wi`` ``(num_experts, hidden, 2, ffn)`` (gate, up), ``wo``
+    ``(num_experts, ffn, hidden)``; with shared experts ``shared_wi``
+    ``(hidden, 2, shared_experts * ffn)`` and ``shared_wo``.
+
+    Attributes:
+      num_experts, top_k: experts, and experts per token.
+      ffn: each expert's inner width (and each shared expert's).
+      gating: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3); the
+        top-k gates are normalized to sum to 1.
+      activation: the gate's activation, ``"silu"`` (SwiGLU) or ``"gelu"``.
+      shared_experts: how many always-on experts, run as one gated MLP.
+      fp8: FP8 GEMMs (fp8jax.ragged_dot, fp8jax.dense); False runs the same
+        block with ``lax.ragged_dot`` in the input's dtype (a BF16 baseline).
+      dtype, param_dtype, kernel_init, recipe: as in DenseGeneral
+        (CurrentScaling only: ragged_dot keeps no delayed-scaling state).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from fp8jax.flax import linen as fnn
+      >>> block = fnn.MoEBlock(num_experts=4, top_k=2, ffn=64)
+      >>> x = jnp.ones((2, 8, 32))
+      >>> variables = block.init(jax.random.key(0), x)
+      >>> block.apply(variables, x).shape
+      (2, 8, 32)
+    """
+
+    num_experts: int
+    top_k: int
+    ffn: int
+    _: dataclasses.KW_ONLY
+    gating: str = "softmax"
+    activation: str = "silu"
+    shared_experts: int = 0
+    fp8: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    kernel_init: Any = default_kernel_init
+    recipe: Recipe | None = None
+
+    def __post_init__(self):
+        _moe.check(type(self).__name__, self.num_experts, self.top_k, self.ffn, self.gating,
+                   self.activation, self.shared_experts)  # fmt: skip
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        _common.rank(type(self).__name__, x, at_least=2)
+        x = x.astype(self.dtype or x.dtype)
+        hidden, e, ffn, pd = x.shape[-1], self.num_experts, self.ffn, self.param_dtype
+        init = _common.fan_in_init(self.kernel_init, 1)
+        router = param(self, "router", init, (hidden, e), pd, (EMBED, None))
+        per_expert = _moe.expert_init(_common.fan_in_init(self.kernel_init, 1))
+        wi = param(self, "wi", per_expert, (e, hidden, 2, ffn), pd, (_moe.EXPERT, EMBED, ACT, MLP))
+        wo = param(self, "wo", per_expert, (e, ffn, hidden), pd, (_moe.EXPERT, MLP, EMBED))
+        shared_wi = shared_wo = None
+        if self.shared_experts:
+            width = self.shared_experts * ffn
+            shared_wi = param(self, "shared_wi", init, (hidden, 2, width), pd, (EMBED, ACT, MLP))
+            shared_wo = param(self, "shared_wo", init, (width, hidden), pd, (MLP, EMBED))
+        y, aux_loss = _moe.moe(
+            x, router, wi, wo, shared_wi, shared_wo, top_k=self.top_k, gating=self.gating,
+            activation=self.activation, fp8=self.fp8, recipe=self.recipe,
+        )  # fmt: skip
+        self.sow("intermediates", "aux_loss", aux_loss)
+        return y

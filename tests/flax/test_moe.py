@@ -1,0 +1,195 @@
+"""MoEBlock (Linen and NNX): an f32 per-token reference, gradients, scan, FP8 expert GEMMs.
+
+The value budget chains tests/numerics.py's elementwise GEMM bound: the
+first grouped GEMM (E4M3 x E4M3, each expert at its own scale), the gated
+activation (|silu'| <= 1.1, so its error is at most 1.1 e_gate |up| +
+|silu(gate)| e_up + 1.1 e_gate e_up), the second grouped GEMM with that
+error on its input, then the gates' weighted sum (gates are computed in
+f32 from the same input by both, so they agree).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from fp8jax import verify
+from fp8jax.flax import linen as fnn
+from fp8jax.flax import nnx as fnnx
+from numerics import assert_within, gemm_error_bound
+
+T, H, F, E, K = 48, 64, 128, 4, 2
+SILU_SLOPE = 1.1  # max |d silu / dx| = 1.0998
+
+
+def _block(**kw):
+    return fnn.MoEBlock(num_experts=E, top_k=K, ffn=F, **kw)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    x = jax.random.normal(jax.random.key(0), (2, T // 2, H))
+    variables = jax.jit(_block().init)(jax.random.key(1), x)
+    return x, nn.meta.unbox(variables)
+
+
+def _reference(x, p):
+    """The block in f64 numpy, token by token: outputs, routing, and each slot's pieces."""
+    x2 = np.asarray(x, np.float64).reshape(-1, H)
+    logits = x2 @ np.asarray(p["router"], np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :K]
+    gates = np.take_along_axis(probs, experts, -1)
+    gates /= gates.sum(-1, keepdims=True)
+    wi, wo = np.asarray(p["wi"], np.float64), np.asarray(p["wo"], np.float64)
+    rows_x = np.repeat(x2, K, axis=0)
+    rows_wi, rows_wo = wi[experts.reshape(-1)], wo[experts.reshape(-1)]
+    h = np.einsum("rh,rhcf->rcf", rows_x, rows_wi)
+    gate, up = h[:, 0], h[:, 1]
+    a = gate / (1 + np.exp(-gate)) * up
+    ys = np.einsum("rf,rfh->rh", a, rows_wo)
+    y = np.einsum("tkh,tk->th", ys.reshape(-1, K, H), gates)
+    return y, dict(rows_x=rows_x, rows_wi=rows_wi, rows_wo=rows_wo, gate=gate, up=up, a=a,
+                   gates=gates, experts=experts)  # fmt: skip
+
+
+def _expert_scales(w, experts):
+    amax = np.abs(np.asarray(w, np.float64)).reshape(E, -1).max(axis=1)
+    return (448.0 / amax)[experts.reshape(-1)]
+
+
+def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup):
+    x, p = setup
+    y, state = jax.jit(lambda v, x: _block().apply(v, x, mutable=["intermediates"]))(
+        {"params": p["params"]}, x
+    )
+    want, r = _reference(x, p["params"])
+    scale_x = 448.0 / np.abs(r["rows_x"]).max()
+    s_wi = _expert_scales(p["params"]["wi"], r["experts"])[:, None, None, None]
+    h_bound = gemm_error_bound(r["rows_x"], r["rows_wi"], "e4m3", "e4m3", scale_x, s_wi,
+                               "rh,rhcf->rcf", jnp.float32)  # fmt: skip
+    e_gate, e_up = h_bound[:, 0], h_bound[:, 1]
+    silu = r["gate"] / (1 + np.exp(-r["gate"]))
+    a_err = SILU_SLOPE * e_gate * np.abs(r["up"]) + np.abs(silu) * e_up
+    a_err = a_err + SILU_SLOPE * e_gate * e_up
+    # The op's scale for a comes from its own amax, at most max(a_err) above the reference's.
+    scale_a = 448.0 / (np.abs(r["a"]).max() + a_err.max())
+    s_wo = _expert_scales(p["params"]["wo"], r["experts"])[:, None, None]
+    ys_bound = gemm_error_bound(r["a"], r["rows_wo"], "e4m3", "e4m3", scale_a, s_wo,
+                                "rf,rfh->rh", jnp.float32, a_error=a_err)  # fmt: skip
+    bound = np.einsum("tkh,tk->th", ys_bound.reshape(-1, K, H), r["gates"])
+    assert_within(np.asarray(y).reshape(-1, H), want, bound, "MoE output")
+    assert np.abs(np.asarray(y).reshape(-1, H) - want).max() > 0
+    aux = float(state["intermediates"]["aux_loss"][0])
+    counts = np.bincount(r["experts"].reshape(-1), minlength=E) / (T * K)
+    probs = np.exp(x.reshape(-1, H) @ p["params"]["router"])
+    probs = np.asarray(probs / probs.sum(-1, keepdims=True), np.float64)
+    np.testing.assert_allclose(aux, E * np.sum(counts * probs.mean(0)), rtol=1e-5)
+
+
+def test_gradients_track_the_f32_block(setup):
+    # The same block with fp8=False in f32 is the reference (its values are
+    # lax.ragged_dot's). Each FP8 backward GEMM errs elementwise by at most
+    # (1 + 2**-3)(1 + 2**-4)(1 + 2**-3) - 1 < 0.35 of its |.|-product
+    # (tests/ops/test_ragged_dot.py); norm-wise, over random signs, a small
+    # part of that: 0.35 / 2 bounds each gradient's relative norm error here.
+    x, p = setup
+    g = jax.random.normal(jax.random.key(5), x.shape)
+
+    def grads(fp8):
+        def loss(params, x):
+            y, _ = _block(fp8=fp8).apply({"params": params}, x, mutable=["intermediates"])
+            return jnp.sum(y * g)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(p["params"], x)
+
+    got, want = grads(True), grads(False)
+    for path, a in jax.tree_util.tree_leaves_with_path(got):
+        b = _at(want, path)
+        rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert 0 < rel < 0.175, (jax.tree_util.keystr(path), rel)
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key.key] if hasattr(key, "key") else tree[key.idx]
+    return tree
+
+
+def test_nnx_block_equals_linen_with_the_same_parameters(setup):
+    x, p = setup
+    block = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, rngs=nnx.Rngs(0))
+    for name in ("router", "wi", "wo"):
+        getattr(block, name).set_value(p["params"][name])
+    want = jax.jit(_block().apply)({"params": p["params"]}, x)
+    got = nnx.jit(lambda block, x: block(x))(block, x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert float(block.aux_loss[...]) > 0
+
+
+def test_linen_block_under_nn_scan():
+    # Two stacked blocks, parameters stacked on a leading axis.
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + _block(shared_experts=1, gating="sigmoid")(x), None
+
+    stack = nn.scan(Layer, variable_axes={"params": 0, "intermediates": 0},
+                    split_rngs={"params": True}, length=2,
+                    metadata_params={nn.PARTITION_NAME: None})  # fmt: skip
+    x = jax.random.normal(jax.random.key(0), (T, H))
+    variables = jax.jit(stack().init)(jax.random.key(1), x, None)
+    assert nn.meta.unbox(variables)["params"]["MoEBlock_0"]["wi"].shape == (2, E, H, 2, F)
+    run = jax.jit(lambda v, x: stack().apply(v, x, None, mutable=["intermediates"]))
+    (y, _), state = run(variables, x)
+    assert y.shape == x.shape and bool(jnp.isfinite(y).all())
+    assert state["intermediates"]["MoEBlock_0"]["aux_loss"][0].shape == (2,)
+
+
+def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
+    # Forward and backward: the two grouped GEMMs x (fwd, dgrad, wgrad) are
+    # Pallas FP8 kernels; the shared expert's GEMMs are FP8 dots; the only
+    # other GEMM is the router (f32, [tokens, hidden] x [hidden, experts])
+    # and its backward.
+    block = _block(shared_experts=1)
+    x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+    params = jax.eval_shape(lambda: nn.meta.unbox(block.init(jax.random.key(0), jnp.ones((T, H)))))
+
+    def step(params, x):
+        def f(params, x):
+            return block.apply(params, x, mutable=["intermediates"])[0]
+
+        y, vjp = jax.vjp(f, params, x)
+        return vjp(y)
+
+    report = verify.gemm_report(verify.compile_for(step, params, x, target="h100"))
+    grouped = [g for g in report.gemms if g.target in verify.pallas_gemms.KERNELS]
+    assert len(grouped) == 6 and all(g.backend == "pallas-fp8" for g in grouped)
+    others = [g for g in report.non_fp8_gemms if g not in grouped]
+    assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
+    shared = [g for g in report.fp8_gemms if g not in grouped]
+    assert len(shared) == 6  # the shared expert's two dense GEMMs, fwd, dgrad, wgrad
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"top_k": 5}, r"MoEBlock.top_k must be <= num_experts=4, got 5"),
+        (
+            {"gating": "relu"},
+            r"MoEBlock.gating must be one of \('softmax', 'sigmoid'\), got 'relu'",
+        ),
+        ({"activation": "tanh"}, r"MoEBlock.activation must be one of .*got 'tanh'"),
+        ({"shared_experts": -1}, r"MoEBlock.shared_experts must be an int >= 0, got -1"),
+        ({"ffn": 0}, r"ffn must be an int >= 1, got 0"),
+    ],
+)
+def test_bad_settings_name_the_argument_expected_and_given(kw, match):
+    settings = {"num_experts": E, "top_k": K, "ffn": F, **kw}
+    with pytest.raises(ValueError, match=match):
+        fnn.MoEBlock(**settings)
+    with pytest.raises(ValueError, match=match):
+        fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))

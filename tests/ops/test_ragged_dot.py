@@ -1,0 +1,222 @@
+"""fp8jax.ragged_dot: values and gradients against f32 lax.ragged_dot, its kernel, its errors.
+
+Budgets, elementwise and rigorous. A value rounded to an FP8 format with
+``mantissa`` bits errs by at most ``u = 2**-(mantissa + 1)`` of itself
+(E4M3: 2**-4, E5M2: 2**-3) in the normal range, and by at most half the
+smallest subnormal step times ``scale_inv`` below it. So each product
+``a_j b_j`` errs by at most ``((1 + u_a)(1 + u_b) - 1) |a_j b_j|`` plus the
+subnormal terms, and the dot by that times ``sum_j |a_j b_j|`` (computed as
+``|a| . |b|`` with the same grouping). The backward GEMMs read the E4M3
+operand converted to E5M2 (the Pallas Triton lowering takes one element
+type per dot): rounded twice, ``(1 + 2**-4)(1 + 2**-3) - 1``. f32
+accumulation adds ``k * 2**-24`` of the same sum.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import fp8jax
+from fp8jax.ops import grouped_gemm as gg
+from fp8jax.ops import ragged_dot as rd
+
+U4, U5 = 2.0**-4, 2.0**-3  # E4M3, E5M2: half an ulp, relative
+U4_AS_5 = (1 + U4) * (1 + U5) - 1  # E4M3 rounded again to E5M2
+SUB4, SUB5 = 2.0**-10 / 448, 2.0**-17 / 57344  # half the smallest subnormal, per unit amax
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _f64(x):
+    return np.asarray(x, np.float64)
+
+
+def _inputs(m, k, n, sizes, dead=None, seed=0, factor=1e-4):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (m, k))
+    w = jax.random.normal(keys[1], (len(sizes), k, n)) * k**-0.5
+    if dead is not None:
+        w = w.at[dead].multiply(factor)
+    return x, w, jnp.array(sizes, jnp.int32), jax.random.normal(keys[2], (m, n))
+
+
+def _products(x, w, gs, g):
+    """f32 references: y, dx, dw and the |.|-products their budgets scale with."""
+
+    def ragged(a, b):
+        return lax.ragged_dot(a, b, gs, precision=HIGHEST)
+
+    dims = lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), [0], [])
+
+    def wgrad(a, b):
+        return lax.ragged_dot_general(a, b, gs, dims, precision=HIGHEST)
+
+    wt = jnp.swapaxes(w, 1, 2)
+    return {
+        "y": (ragged(x, w), ragged(jnp.abs(x), jnp.abs(w))),
+        "dx": (ragged(g, wt), ragged(jnp.abs(g), jnp.abs(wt))),
+        "dw": (wgrad(x, g), wgrad(jnp.abs(x), jnp.abs(g))),
+    }
+
+
+def _budget(name, abs_product, x, w, g, k):
+    """The elementwise bound of the module docstring for output ``name``."""
+    ax, ag = float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(g)))
+    aw = _f64(jnp.max(jnp.abs(w), axis=(1, 2)))  # per expert
+    p = _f64(abs_product)
+    if name == "y":
+        rel, sub = (1 + U4) ** 2 - 1, SUB4 * ax * _f64(jnp.max(jnp.abs(w))) * k * 2
+    elif name == "dx":
+        rel, sub = (1 + U5) * (1 + U4_AS_5) - 1, (SUB5 * ag * aw.max() + SUB4 * aw.max() * ag) * k
+    else:
+        rel, sub = (1 + U5) * (1 + U4_AS_5) - 1, (SUB5 * ag * ax + SUB4 * ax * ag) * p.shape[0]
+    return (rel + k * 2.0**-24) * p + sub
+
+
+def _value_and_grads(x, w, gs, g):
+    y, vjp = jax.vjp(lambda x, w: fp8jax.ragged_dot(x, w, gs), x, w)
+    return (y, *vjp(g))
+
+
+CASES = {
+    # uneven groups, an empty one, none a multiple of the 64-row tile
+    "uneven_empty": (150, 64, 128, [70, 0, 65, 15]),
+    # k and n not multiples of the kernel's tiles; rows past the groups' sum
+    "ragged_shapes_rows_past": (90, 96, 72, [1, 40, 30]),
+}
+
+
+# The kernel in interpret mode on the case whose k and n are not whole tiles;
+# test_kernels_in_interpret_mode_match_their_xla_twins covers an empty group.
+@pytest.mark.parametrize(
+    "case,path",
+    [("uneven_empty", "xla"), ("ragged_shapes_rows_past", "xla"),
+     ("ragged_shapes_rows_past", "interpret")],
+)  # fmt: skip
+def test_values_and_gradients_within_fp8_budgets(case, path):
+    m, k, n, sizes = CASES[case]
+    x, w, gs, g = _inputs(m, k, n, sizes)
+    run = jax.jit(_value_and_grads)
+    if path == "interpret":
+        with rd.interpret_kernels():
+            got = run(x, w, gs, g)
+    else:
+        got = run(x, w, gs, g)
+    refs = _products(x, w, gs, g)
+    for name, value in zip(("y", "dx", "dw"), got, strict=True):
+        want, abs_product = refs[name]
+        err = np.abs(_f64(value) - _f64(want))
+        budget = _budget(name, abs_product, x, w, g, n if name == "dx" else k)
+        assert (err <= budget).all(), (name, float((err - budget).max()))
+        assert float(err.max()) > 0  # FP8 really rounded something
+    # rows in no group: zero output and zero gradient, as lax.ragged_dot
+    tail = int(sum(sizes))
+    assert not np.asarray(got[0][tail:]).any() and not np.asarray(got[1][tail:]).any()
+
+
+@pytest.mark.parametrize("factor", [1e-4, 1e-5])
+def test_a_nearly_dead_expert_keeps_its_relative_accuracy(factor):
+    # Expert 1's weights are 1e-4 (1e-5) times the others'. With its own scale
+    # its outputs and input gradients keep the budgets, with subnormal terms
+    # from its own amax. One scale for all experts would put its weights near
+    # 0.01 (0.001) before the cast: E4M3's subnormals, whose step 2**-9 is a
+    # large part of such a value, or zero (errors up to 100%): at 1e-5 a
+    # shared scale fails this test, at 1e-4 it still fits the loose bound.
+    x, w, gs, g = _inputs(128, 64, 128, [40, 48, 40], dead=1, factor=factor)
+    y, dx, dw = jax.jit(_value_and_grads)(x, w, gs, g)
+    refs = _products(x, w, gs, g)
+    rows = slice(40, 88)
+    ax, ag, aw = (float(jnp.max(jnp.abs(t))) for t in (x, g, w[1]))
+    budgets = {
+        "y": ((1 + U4) ** 2 - 1) * _f64(refs["y"][1]) + SUB4 * ax * aw * 64 * 2,
+        "dx": ((1 + U5) * (1 + U4_AS_5) - 1) * _f64(refs["dx"][1])
+        + (SUB5 * ag * aw + SUB4 * aw * ag) * 128,
+    }
+    for name, value in (("y", y), ("dx", dx)):
+        err = np.abs(_f64(value) - _f64(refs[name][0]))[rows]
+        assert (err <= budgets[name][rows]).all(), name
+    np.testing.assert_array_less(np.abs(_f64(dw) - _f64(refs["dw"][0])),
+                                 _budget("dw", refs["dw"][1], x, w, g, 64) + 1e-30)  # fmt: skip
+
+
+@pytest.mark.parametrize("tiles", [gg.TILES, gg.Tiles(m=32, n=64, k=32)], ids=("default", "small"))
+def test_kernels_in_interpret_mode_match_their_xla_twins(tiles):
+    # Same FP8 operands: the kernels sum tiles.k (or tiles.m) products at a
+    # time in f32, XLA in its own order; f32 sums of k terms differ by at most
+    # 2 * k * 2**-24 * sum |a_j b_j|.
+    m, k, n, sizes = 150, 128, 128, [70, 0, 65, 10]
+    x, w, gs, _ = _inputs(m, k, n, sizes, seed=3)
+    a, b = x.astype(jnp.float8_e4m3fn), jnp.swapaxes(w * 8, 1, 2).astype(jnp.float8_e4m3fn)
+    scales = jnp.array([1.0, 2.0, 0.5, 4.0], jnp.float32)
+
+    def forward(a, b, gs, interpret):
+        lay = gg.layout(gs, m)
+        per_group = jnp.concatenate([scales, jnp.zeros((1,))])
+        if interpret:
+            out = gg.grouped_pallas(gg.to_padded(a, lay), b, per_group[lay.tile_group], lay,
+                                    jnp.float32, interpret=True)  # fmt: skip
+            return gg.from_padded(out, lay)
+        return gg.grouped_xla(a, b, gs, per_group[gg.row_groups(gs, m)], jnp.float32)
+
+    f = jax.jit(forward, static_argnums=3)
+    with gg.use_tiles(tiles):
+        got, want = f(a, b, gs, True), f(a, b, gs, False)
+    bound = 2 * k * 2.0**-24 * _f64(forward(abs(a.astype(jnp.float32)),
+                                            abs(b.astype(jnp.float32)), gs, False))  # fmt: skip
+    assert (np.abs(_f64(got) - _f64(want)) <= bound).all()
+
+    g8 = jax.random.normal(jax.random.key(4), (m, n)).astype(jnp.float8_e4m3fn)
+
+    def wgrad(a, g8, gs, interpret):
+        if interpret:
+            lay = gg.layout(gs, m)
+            a_t, g_t = gg.to_padded(a, lay).T, gg.to_padded(g8, lay).T
+            return gg.grouped_transposed_pallas(a_t, g_t, jnp.float32(2.0), lay, 4, jnp.float32,
+                                                interpret=True)  # fmt: skip
+        return gg.grouped_transposed_xla(a, g8, gs, jnp.float32(2.0), jnp.float32)
+
+    f = jax.jit(wgrad, static_argnums=3)
+    with gg.use_tiles(tiles):
+        got, want = f(a, g8, gs, True), f(a, g8, gs, False)
+    bound = 2 * m * 2.0**-24 * _f64(wgrad(abs(a.astype(jnp.float32)),
+                                          abs(g8.astype(jnp.float32)), gs, False))  # fmt: skip
+    assert (np.abs(_f64(got) - _f64(want)) <= bound).all()
+    assert not np.asarray(got[1]).any()  # the empty group's gradient
+
+
+def test_traced_invalid_sizes_follow_the_documented_clipping():
+    # Inside jit sizes cannot be checked: a negative size is an empty group,
+    # rows past m are dropped; both paths agree with lax on valid ends.
+    x, w, _, _ = _inputs(40, 64, 128, [0, 0, 0])
+    run = jax.jit(lambda s: fp8jax.ragged_dot(x, w, s))
+    got = run(jnp.array([-5, 30, 30], jnp.int32))
+    want = run(jnp.array([0, 25, 15], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "lhs_shape,rhs_shape,sizes,error,match",
+    [
+        ((8, 4), (2, 4, 3), [5, 4], ValueError, r"sum to at most lhs's 8 rows, got sum 9"),
+        ((8, 4), (2, 4, 3), [-1, 4], ValueError, r"group_sizes must be >= 0, got \[-1, 4\]"),
+        ((2, 8, 4), (2, 4, 3), [1, 1], ValueError, r"lhs must be 2-D \[m, k\].*\(2, 8, 4\)"),
+        ((8, 4), (4, 3), [1, 1], ValueError, r"rhs must be 3-D \[g, k, n\].*\(4, 3\)"),
+        ((8, 4), (2, 5, 3), [1, 1], ValueError, r"k=4 must equal rhs's.*\(2, 5, 3\)"),
+        ((8, 4), (2, 4, 3), [1, 1, 1], ValueError, r"shape \(2,\).*got shape \(3,\)"),
+        ((8, 4), (2, 4, 3), [1.0, 2.0], TypeError, r"group_sizes must be an integer.*float32"),
+    ],
+)
+def test_bad_inputs_name_the_argument_expected_and_given(lhs_shape, rhs_shape, sizes, error,
+                                                         match):  # fmt: skip
+    sizes = jnp.array(sizes, jnp.float32 if isinstance(sizes[0], float) else jnp.int32)
+    with pytest.raises(error, match=match):
+        fp8jax.ragged_dot(jnp.ones(lhs_shape), jnp.ones(rhs_shape), sizes)
+
+
+def test_delayed_scaling_and_fp8_inputs_are_refused():
+    x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32)
+    with pytest.raises(ValueError, match="CurrentScaling only"):
+        fp8jax.ragged_dot(x, w, gs, recipe=fp8jax.DelayedScaling())
+    with pytest.raises(TypeError, match="lhs must be a float32"):
+        fp8jax.ragged_dot(x.astype(jnp.float8_e4m3fn), w, gs)

@@ -1,0 +1,78 @@
+"""fp8jax.ragged_dot under data parallelism: each device's rows, FP8 weights gathered in FP8."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import fp8jax
+import fp8jax.sharding as fs
+from fp8jax import verify
+from fp8jax.ops import grouped_gemm
+
+M, K, N, G = 8 * 64, 128, 256, 4
+SIZES = [100, 0, 250, 130]  # groups straddle the devices' 64-row blocks; 32 rows in none
+
+
+def _fwd_bwd(x, w, sizes, g):
+    y, vjp = jax.vjp(lambda x, w: fp8jax.ragged_dot(x, w, sizes), x, w)
+    return y, *vjp(g)
+
+
+def test_each_devices_rows_give_the_unsharded_values():
+    # Quantization is global (one amax over all rows, reduced across devices),
+    # so each output row is the same product as without a mesh, only summed
+    # in its own order: f32 sums of d terms differ by at most 2 d 2**-24 of
+    # the magnitude sum, at most d max|a| max|b| (1 + 2**-3)**2 for the
+    # quantized operands. The weights' gradient is summed over the devices'
+    # partial products.
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, g = jax.random.normal(keys[0], (M, K)), jax.random.normal(keys[1], (M, N))
+    w = jax.random.normal(keys[2], (G, K, N)) * K**-0.5
+    sizes = jnp.array(SIZES, jnp.int32)
+    want = jax.jit(_fwd_bwd)(x, w, sizes, g)
+    mesh = fs.make_mesh(fsdp=8)
+    with fs.use_mesh(mesh):
+        rows = NamedSharding(mesh, P("fsdp", None))
+        run = jax.jit(_fwd_bwd)
+        assert "shard_map" in str(jax.make_jaxpr(run)(x, w, sizes, g))
+        got = run(jax.device_put(x, rows), w, sizes, jax.device_put(g, rows))
+    peak = {n: float(jnp.abs(v).max()) for n, v in (("x", x), ("g", g), ("w", w))}
+    operands = (("x", "w", K), ("g", "w", N), ("x", "g", M))
+    for name, a, b, (p, q, depth) in zip(("y", "dx", "dw"), got, want, operands, strict=True):
+        b = np.asarray(b, np.float64)
+        bound = 2 * depth * 2.0**-24 * depth * peak[p] * peak[q] * (1 + 2.0**-3) ** 2
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0, atol=bound,
+                                   err_msg=name)  # fmt: skip
+    assert not np.asarray(got[0][sum(SIZES) :]).any()
+
+
+@pytest.mark.deviceless
+def test_fsdp_weights_are_gathered_in_fp8_and_every_grouped_gemm_is_fp8():
+    # 8 H100s (deviceless): rows and the weights' hidden axis split over fsdp.
+    # Each device runs the three grouped GEMMs (Pallas, FP8) on its 64 rows;
+    # the weights reach it by all-gathers of their FP8 copies, never in bf16.
+    mesh = fs.make_mesh(fsdp=8)
+    rows = NamedSharding(mesh, P("fsdp", None))
+    bf16 = jnp.bfloat16
+    args = (
+        jax.ShapeDtypeStruct((M, K), bf16, sharding=rows),
+        jax.ShapeDtypeStruct((G, K, N), bf16, sharding=NamedSharding(mesh, P(None, "fsdp"))),
+        jax.ShapeDtypeStruct((G,), jnp.int32),
+        jax.ShapeDtypeStruct((M, N), bf16, sharding=rows),
+    )
+    with fs.use_mesh(mesh):
+        hlo = verify.compile_for(_fwd_bwd, *args, target="h100", devices=8)
+    report = verify.gemm_report(hlo)
+    tile = grouped_gemm.TILES.m
+    local = -(-(M // 8 + G * (tile - 1)) // tile) * tile  # a device's rows, tile-padded
+    assert sorted((g.target, g.lhs_shape) for g in report.gemms) == [
+        ("fp8jax_grouped_gemm", (local, K)),  # forward
+        ("fp8jax_grouped_gemm", (local, N)),  # dgrad
+        ("fp8jax_grouped_gemm_wgrad", (K, local)),
+    ]
+    assert len(report.fp8_gemms) == 3
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    assert gathers and all(c.dtype.startswith("f8") for c in gathers), gathers
