@@ -300,7 +300,6 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
     return row
 
 
-
 def _row(module, inst, backend, kind, target, lhs, rhs, out) -> GemmRow:
     source, op_name, stack = _location(module, inst)
     return GemmRow(
