@@ -1,6 +1,6 @@
 """Variants of the block-scaled GEMM kernel at 8192^3 on the GPU: what its speed depends on.
 
-Against :func:`fp8jax.ops.block_gemm.pallas_block_matmul` (the library's), each
+Against :func:`fp8jax.kernels.block_gemm.pallas_block_matmul` (the library's), each
 variant changes one thing: program order grouped along M (L2 reuse of the
 weight's tiles), the weight's 128x128 block scale applied as one scalar per
 tile (one multiply-add per accumulator element and step instead of three
@@ -22,7 +22,7 @@ from scaling import operands
 
 from fp8jax import E4M3
 from fp8jax.fine_quantize import quantize_blocks
-from fp8jax.ops import triton_fp8_dot
+from fp8jax.kernels import triton_fp8_dot
 
 BF16, BLOCK = jnp.bfloat16, 128
 

@@ -37,7 +37,7 @@ from harness import dump, environment, time_ms
 from jax import lax
 
 import fp8jax
-from fp8jax.ops import grouped_gemm as gg
+from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import ragged_dot as rd
 
 BF16, F32 = jnp.bfloat16, jnp.float32

@@ -1,7 +1,7 @@
 """Fine-grained scaling on the GPU (issue 35): the block kernel's numerics and speed, rowwise dense.
 
 1. The block-scaled GEMM kernel against XLA's expression of the same sums
-   (:func:`fp8jax.ops.block_gemm.xla_block_matmul`) and an f32 reference.
+   (:func:`fp8jax.kernels.block_gemm.xla_block_matmul`) and an f32 reference.
 2. The block-scaled GEMM alone at ``--gemm`` (TFLOP/s) for a few kernel
    configurations, against the BF16 GEMM and the per-tensor FP8 GEMM
    (cuBLASLt, operands pre-quantized).
@@ -30,7 +30,7 @@ from jax import lax
 
 import fp8jax
 from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
-from fp8jax.ops import block_gemm
+from fp8jax.kernels import block_gemm
 
 BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
 CONFIGS = [  # (tile_m, tile_n, warps, stages)

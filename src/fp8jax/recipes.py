@@ -250,7 +250,7 @@ class BlockScaling:
       formats: forward and gradient formats; E4M3 for both by default
         (``fp8jax.ALL_E4M3``), as DeepSeek-V3 trains. ``fp8jax.HYBRID`` runs
         the gradient GEMMs with E5M2 x E4M3 operands, which the GPU kernel
-        does not take: XLA's path computes them (:mod:`fp8jax.ops.block_gemm`).
+        does not take: XLA's path computes them (:mod:`fp8jax.kernels.block_gemm`).
       power_of_two_scales: round each scale down to a power of two, so that
         scaling changes only exponents.
 

@@ -18,7 +18,7 @@ import pytest
 
 import fp8jax
 from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
-from fp8jax.ops import block_gemm
+from fp8jax.kernels import block_gemm
 from numerics import assert_within, gemm_error_bound
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}

@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import fp8jax
-from fp8jax.ops import grouped_gemm as gg
+from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import ragged_dot as rd
 
 U4, U5 = 2.0**-4, 2.0**-3  # E4M3, E5M2: half an ulp, relative

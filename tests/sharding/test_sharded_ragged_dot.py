@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 import fp8jax
 import fp8jax.sharding as fs
 from fp8jax import verify
-from fp8jax.ops import grouped_gemm
+from fp8jax.kernels import grouped_gemm
 
 M, K, N, G = 8 * 64, 128, 256, 4
 SIZES = [100, 0, 250, 130]  # groups straddle the devices' 64-row blocks; 32 rows in none

@@ -6,7 +6,7 @@ import pytest
 
 import fp8jax
 from fp8jax import verify
-from fp8jax.ops import grouped_gemm
+from fp8jax.kernels import grouped_gemm
 
 M, K, N, G = 512, 256, 384, 4
 

@@ -4,7 +4,7 @@ Operands come as ``a`` (B, M, K), the activation, and ``b`` (B, N, K), the
 weight with its contracted axis minor; every extent a multiple of 128
 (:mod:`fp8jax.ops.fine_grained` pads). The activation is scaled per 1x128
 tile along K and the weight per 128x128 block, which
-:func:`~fp8jax.ops.block_gemm.block_scaled_matmul` applies every 128 of K.
+:func:`~fp8jax.kernels.block_gemm.block_scaled_matmul` applies every 128 of K.
 
 Backward: the input gradient ``g . b`` contracts N, the output gradient per
 1x128 tile along N against the same weight blocks, transposed (a block's
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
-from fp8jax.ops.block_gemm import BLOCK, block_scaled_matmul
+from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul
 from fp8jax.recipes import BlockScaling
 
 

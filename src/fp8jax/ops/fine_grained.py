@@ -21,8 +21,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from fp8jax.kernels.block_gemm import BLOCK
 from fp8jax.ops import _partitioning, blockwise, rowwise
-from fp8jax.ops.block_gemm import BLOCK
 from fp8jax.recipes import BlockScaling, RowwiseScaling
 
 

@@ -18,7 +18,7 @@ epilogue a product of two factors (tests/ops/test_ragged_dot.py checks a
 nearly dead expert, weights 1e-4 times the others, within the E4M3 budget).
 Scaling is current (each tensor's own amax); DelayedScaling is refused.
 
-The GEMMs (:mod:`fp8jax.ops.grouped_gemm`,
+The GEMMs (:mod:`fp8jax.kernels.grouped_gemm`,
 docs/design.md#grouped-expert-gemms): on NVIDIA GPUs a Pallas Triton
 kernel that does only the useful FLOPs; XLA's own ``lax.ragged_dot`` expands
 to one dense GEMM over all groups (``g`` times the work). Elsewhere and with
@@ -59,8 +59,8 @@ from jax.sharding import PartitionSpec as P
 
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.kernels import dispatch
+from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import _partitioning
-from fp8jax.ops import grouped_gemm as gg
 from fp8jax.quantize import amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 from fp8jax.scaling import scale_from_amax

@@ -15,8 +15,8 @@ import re
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 # Kernel name -> the operand indices of its two GEMM inputs.
 KERNELS = {
-    "fp8jax_block_scaled_gemm": (0, 1),  # fp8jax.ops.block_gemm
-    # fp8jax.ops.grouped_gemm: the group tables come first, the operands last.
+    "fp8jax_block_scaled_gemm": (0, 1),  # fp8jax.kernels.block_gemm
+    # fp8jax.kernels.grouped_gemm: the group tables come first, the operands last.
     "fp8jax_grouped_gemm": (-2, -1),
     "fp8jax_grouped_gemm_wgrad": (-2, -1),
 }

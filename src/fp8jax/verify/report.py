@@ -41,7 +41,7 @@ _CUBLAS_TARGETS = {
 }
 # fp8jax's Pallas (Triton) kernels that are GEMMs, by their pallas_call name:
 # each reads its two GEMM operands as its last two operands and multiplies
-# them in the dtype it reads them in (fp8jax.ops.grouped_gemm). A Pallas call
+# them in the dtype it reads them in (fp8jax.kernels.grouped_gemm). A Pallas call
 # is a ``__gpu$xla.gpu.triton`` custom call whose op name ends in its name.
 # Frames in these packages are plumbing; the source column shows the first
 # frame outside them, which is the line of user code that asked for the GEMM.

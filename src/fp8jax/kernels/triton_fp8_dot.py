@@ -11,7 +11,7 @@ and ``mma.sync...f16``; with the attribute, ``wgmma...e4m3.e4m3``).
 
 :func:`install` wraps Pallas's lowering rule so that a dot of two FP8
 operands with an f32 result gets Triton's Hopper default. The block-scaled
-GEMM (:mod:`fp8jax.ops.block_gemm`) is what makes this exact enough: each
+GEMM (:mod:`fp8jax.kernels.block_gemm`) is what makes this exact enough: each
 dot covers 128 elements of K, and its result is added to an f32 accumulator
 outside the tensor core, DeepSeek-V3's promotion every 128 of K
 (docs/design.md#fine-grained-scaling). The rule is global to the process;
@@ -67,7 +67,7 @@ def install() -> bool:
 def _cannot(why: str) -> bool:
     warnings.warn(
         f"fp8jax: {why}, so the block-scaled GEMM kernel's FP8 dots run on f16 tensor cores "
-        "(fp8jax.ops.triton_fp8_dot).",
+        "(fp8jax.kernels.triton_fp8_dot).",
         RuntimeWarning,
         stacklevel=3,
     )

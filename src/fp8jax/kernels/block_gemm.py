@@ -10,7 +10,7 @@ accumulator to FP32 every 128 elements (docs/design.md#fine-grained-scaling).
 
 On NVIDIA GPUs this is a Pallas Triton kernel: one program per output tile
 loops over K in 128-wide steps, each step's dot on Hopper's FP8 tensor cores
-(:mod:`fp8jax.ops.triton_fp8_dot`). Triton's ``dot`` takes FP8 operands (E4M3
+(:mod:`fp8jax.kernels.triton_fp8_dot`). Triton's ``dot`` takes FP8 operands (E4M3
 or E5M2, both of one type), so operands of two formats (a gradient in E5M2
 against a weight in E4M3, ``fp8jax.HYBRID``) go to XLA's path. XLA's path,
 also the CPU's and the reference, computes the same sums: K reshaped into
@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.kernels import dispatch
-from fp8jax.ops import triton_fp8_dot
+from fp8jax.kernels import dispatch, triton_fp8_dot
 
 BLOCK = 128  # the K slice each scale covers
 # Output tile rows x columns per program, warps and pipeline stages.
