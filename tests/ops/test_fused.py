@@ -447,8 +447,11 @@ def test_activation_and_its_gradient_are_computed_in_the_cast_kernels(activation
         }  # fmt: skip
         assert bf16_written == []
     else:
-        assert activation_kernels == {}
-        assert len(bf16_written) == 2
+        # Current scaling: the forward kernel casts at a scale from a pass
+        # that only reads pre (no bf16 h); the gradient, whose scale needs its
+        # own amax first, goes through XLA and HBM in bf16.
+        assert activation_kernels == {"fp8jax_cast_activation": [("f8e4m3fn", (TOKENS, FFN))]}
+        assert len(bf16_written) == 1
 
 
 @pytest.mark.deviceless
@@ -470,6 +473,9 @@ def test_activation_amax_takes_no_pass_of_its_own(activations, recipe):
     # activation's amax rides along with its FP8 cast or with the backward
     # (quantizing.Recomputed, and the stored pass). A pass that only reduces
     # it (0.40 ms for GeGLU on the H200) means XLA split them apart.
+    # One exception, by design: under current scaling the forward cast kernel
+    # needs h's scale first, and that amax pass reads pre alone
+    # (docs/design.md#the-activation-cast-under-current-scaling).
     from fp8jax.verify import _hlo, gemm_report
 
     tokens, hidden, ffn = 4096, 256, 2048
@@ -490,7 +496,9 @@ def test_activation_amax_takes_no_pass_of_its_own(activations, recipe):
         and not large(inst.types)
         and any(large(types.get(o, ())) for o in inst.operands)
     ]
-    assert reduce_only == []
+    kernel_serves = fp8jax.activations.kernel_serves(activations)
+    expected = 1 if isinstance(recipe, fp8jax.CurrentScaling) and kernel_serves else 0
+    assert len(reduce_only) == expected, reduce_only
 
 
 def _biased_step_outputs(op, recipe) -> dict[str, list[tuple[str, tuple[int, ...]]]]:

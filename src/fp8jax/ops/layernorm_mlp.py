@@ -34,9 +34,9 @@ from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
 from fp8jax.ops.operand import Fp8Layout, QuantizedOperand, from_kernel, inverse, transposed_copy
 from fp8jax.ops.quantizing import Recomputed, amax_for_update, quantize_operand
-from fp8jax.quantize import Fp8Array, check_high_precision
+from fp8jax.quantize import Fp8Array, amax, check_high_precision
 from fp8jax.recipes import Recipe, resolve_recipe
-from fp8jax.scaling import MlpScaleState, update_group
+from fp8jax.scaling import MlpScaleState, scale_from_amax, update_group
 
 
 def gated(pre, activations, axis=-2):
@@ -93,9 +93,10 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     pre = gemm.scaled_dot(normed.fp8, k1_q, _fused.contract_last(x.ndim), config.x_dtype,
                           recipe.forward_precision)  # fmt: skip
     activation = functools.partial(_activation, activations=config.activations)
-    placement = _activation_kernel(pre, config, delayed=state is not None)
+    placement = _activation_kernel(pre, config)
     if placement.kernel:
-        h = _cast_activation(pre, b1, fc2.x.scale, config, placement.row_axes)
+        scale = _activation_scale(pre, b1, config) if fc2 is None else fc2.x.scale
+        h = _cast_activation(pre, b1, scale, config, placement.row_axes)
     elif fc2 is not None and b1 is not None:
         h = quantize_operand(Recomputed(activation, pre, (b1,), config.x_dtype), fwd, fc2.x,
                              recipe)  # fmt: skip
@@ -156,7 +157,9 @@ def _mlp_bwd(config: FusedConfig, saved: MlpResiduals, g):
     contract = _fused.contract_last(x.ndim)
     g_q = quantize_operand(g, bwd, fc2 and fc2.grad, recipe, rows_ndim=x.ndim - 1, transpose=True,
                            rows_are_tokens=True, column_sums=saved.bias_2 is not None)  # fmt: skip
-    placement = _activation_kernel(pre, config, delayed=state is not None)
+    # The backward kernel needs the gradient's scale before the gradient:
+    # delayed scaling only (docs/design.md#the-activation-cast-under-current-scaling).
+    placement = dispatch.XLA if state is None else _activation_kernel(pre, config)
     if placement.kernel:
         dh = gemm.dgrad_dot(contract, x.ndim, saved.kernel_2, g_q.fp8, config.x_dtype, recipe,
                             like=saved.h.data)  # fmt: skip
@@ -215,17 +218,19 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved: MlpResiduals, dpre: Qu
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def _activation_kernel(pre, config: FusedConfig, delayed: bool) -> dispatch.Placement:
+def _activation_kernel(pre, config: FusedConfig) -> dispatch.Placement:
     """Where the activation kernels run on ``pre``'s rows: the dispatcher's decision.
 
     The kernels (:mod:`fp8jax.kernels.activation_cast`) compute one activation
-    or a gated pair and need their scales before their values: delayed
-    scaling. They run where :func:`fp8jax.kernels.dispatch.decide` puts
-    them on token rows, for the activations the registry's kernel serves
+    or a gated pair and need their scales before their values. The forward
+    kernel runs under both recipes, current scaling taking its scale from
+    :func:`_activation_scale`; the backward one under delayed scaling only.
+    They run where :func:`fp8jax.kernels.dispatch.decide` puts them on token
+    rows, for the activations the registry's kernel serves
     (:attr:`fp8jax.activations.Activation.kernel`).
     """
     activations = config.activations
-    if not delayed or len(activations) > 2:
+    if len(activations) > 2:
         return dispatch.XLA
     if not activations_.kernel_serves(activations):
         return dispatch.XLA
@@ -235,6 +240,19 @@ def _activation_kernel(pre, config: FusedConfig, delayed: bool) -> dispatch.Plac
     return dispatch.decide(
         lambda shards: activation_cast.fits(rows_by_width, len(activations), shards)
     )
+
+
+def _activation_scale(pre, b1, config: FusedConfig):
+    """Current scaling's scale for the forward activation kernel, from a pass of its own.
+
+    The pass reads ``pre`` and writes only row maxima; the kernel computes the
+    activation again, so no bf16 copy of it reaches HBM
+    (docs/design.md#the-activation-cast-under-current-scaling).
+    """
+    recipe, fmt = config.recipe, config.recipe.formats.forward
+    h = _activation(pre, b1, config.activations).astype(config.x_dtype)
+    h_amax = _partitioning.reduce_amax(amax(h), recipe)
+    return scale_from_amax(h_amax, fmt.max, recipe.margin, fallback=1.0)
 
 
 def _rows(pre, b1):
