@@ -52,8 +52,8 @@ class Preset:
 
 
 # Sequences per step of the Llama presets (docs/train.md#llama-presets).
-LLAMA_1B_BATCH = 16
-LLAMA_3B_BATCH = 8
+LLAMA_1B_BATCH = 4
+LLAMA_3B_BATCH = 1
 
 PRESETS = {
     # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
