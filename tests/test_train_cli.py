@@ -266,3 +266,12 @@ def test_resume_names_the_precision_given_not_the_saved_recipe(copy_of_bf16_run,
     err = capsys.readouterr().err
     assert "precision: checkpoint has 'fp8', this run has 'bf16'" in err
     assert "--recipe current applies to FP8" not in err
+
+
+def test_a_run_saved_before_remat_and_accumulation_existed_resumes(copy_of_run):
+    config_path = copy_of_run / "config.json"
+    config = json.loads(config_path.read_text())
+    assert (config.pop("remat"), config.pop("accumulation_steps")) == ("none", 1)
+    config_path.write_text(json.dumps(config))
+    assert fp8jax_train("--resume", "--steps", "3", "--out", str(copy_of_run)) == 0
+    assert json.loads((copy_of_run / "summary.json").read_text())["step"] == 3

@@ -228,6 +228,9 @@ class RunConfig:
         )
 
 
+# What runs whose config.json predates these RunConfig fields did: they resume with these.
+OLD_RUN_DEFAULTS = {"remat": "none", "accumulation_steps": 1}
+
 # The RunConfig fields a resumed run takes from config.json when the command line leaves
 # them out (the name is the preset's; the model follows from it).
 _SAVED_OPTIONS = (

@@ -27,7 +27,7 @@ from fp8jax.models.gpt import Gpt, next_token_loss
 from fp8jax.recipes import DelayedScaling
 from fp8jax.training import gemm_count, mfu, summary
 from fp8jax.training import mesh as mesh_lib
-from fp8jax.training.config import RunConfig, TrainOptions, resolve
+from fp8jax.training.config import OLD_RUN_DEFAULTS, RunConfig, TrainOptions, resolve
 from fp8jax.training.errors import ConfigError, DivergedError, RunDirError
 from fp8jax.training.profile import StepProfiler
 from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl_c
@@ -225,7 +225,7 @@ def train(
     record = config.to_dict() | fingerprint
     start = 0
     if options.resume:
-        start = run.check_resume(record, RunConfig.MAY_CHANGE)
+        start = run.check_resume(record, RunConfig.MAY_CHANGE, OLD_RUN_DEFAULTS)
         if start >= config.steps:
             raise RunDirError(
                 f"--resume: the run in {run.path} is already at step {start}; pass --steps "
