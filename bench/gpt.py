@@ -78,7 +78,7 @@ def row_rates(row: dict, program: TrainProgram, tokens: int, devices: int) -> No
     used = jax.devices()[:devices] if program.mesh is None else list(program.mesh.devices.flat)
     peak, kind = mfu.peak_flops(used)
     row["mfu"] = mfu.mfu(row["tokens_per_s"], row["model_flops_per_token"], peak)
-    row["mfu_peak"] = mfu.describe(peak, kind, devices)
+    row["mfu_text"] = mfu.describe(peak, kind, devices, row["mfu"])
     row["batch"] = [c.batch_size, c.seq_len]
     row["remat"], row["accumulation_steps"] = c.remat, c.accumulation_steps
 
@@ -146,9 +146,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row_rates(row, program, tokens, devices)
             if "breakdown" in row:
                 row["all_gather_ms_per_gpu"] = row["breakdown"]["ms"].get("all-gather", 0.0)
-            mfu_text = "MFU n/a" if row["mfu"] is None else f"MFU {row['mfu']:.1%}"
-            print(f"    {row['tokens_per_s']:,.0f} tokens/s, {mfu_text} ({row['mfu_peak']})",
-                  flush=True)  # fmt: skip
+            print(f"    {row['tokens_per_s']:,.0f} tokens/s, {row['mfu_text']}", flush=True)
             rows.append(row)
             del program, step, step_args
         if args.out:

@@ -5,7 +5,7 @@ import types
 import pytest
 
 from fp8jax.models import GptConfig
-from fp8jax.training import mfu
+from fp8jax.training import mfu, progress, summary
 
 
 def test_flops_per_token_matches_a_hand_count():
@@ -34,6 +34,16 @@ def test_the_peak_is_the_h200_dense_bf16_datasheet_value_per_device():
     assert (peak, kind) == (2 * 989e12, "NVIDIA H200")
     text = mfu.describe(peak, kind, 2)
     assert text == "MFU against the 989 TFLOP/s dense BF16 peak of 2 x NVIDIA H200"
+    text = mfu.describe(peak, kind, 2, 0.4213)
+    assert text == "MFU 42.1% against the 989 TFLOP/s dense BF16 peak of 2 x NVIDIA H200"
+
+
+def test_the_bar_and_the_metrics_lines_show_the_mfu_where_there_is_one():
+    record = {"step": 10, "loss": 2.0, "tokens_per_s": 1e5, "step_time_s": 0.5, "mfu": 0.4213}
+    assert progress.postfix(record)["MFU"] == "42.1%"
+    assert summary.metrics_line(record).endswith(", 500 ms/step, MFU 42.1%")
+    del record["mfu"]
+    assert "MFU" not in progress.postfix(record) and "MFU" not in summary.metrics_line(record)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB"])

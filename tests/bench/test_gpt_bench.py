@@ -28,5 +28,5 @@ def test_each_variant_times_the_train_step_fp8jax_train_jits(tmp_path):
         assert row["tokens_per_s"] > 0 and row["compile_s"] > 0 and row["batch"] == [2, 32]
         assert row["model_flops_per_token"] > 0
         # A CPU has no known BF16 peak: no MFU, and the row says why.
-        assert row["mfu"] is None and row["mfu_peak"].startswith("MFU n/a")
+        assert row["mfu"] is None and row["mfu_text"].startswith("MFU n/a")
         assert "peak_memory_gib" in row

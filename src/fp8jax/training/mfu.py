@@ -61,10 +61,11 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> floa
     return tokens_per_s * flops_per_token / peak
 
 
-def describe(peak: float | None, kind: str, devices: int) -> str:
-    """How the MFU's peak is stated in the header and the summary."""
+def describe(peak: float | None, kind: str, devices: int, value: float | None = None) -> str:
+    """The MFU ``value`` (None: only its basis, for a header) with the peak it is against."""
     if peak is None:
         return f"MFU n/a: no known BF16 peak for {kind!r}"
     per_device = peak / devices
     where = f"{devices} x {kind}" if devices > 1 else kind
-    return f"MFU against the {per_device / 1e12:.0f} TFLOP/s dense BF16 peak of {where}"
+    shown = "MFU" if value is None else f"MFU {value:.1%}"
+    return f"{shown} against the {per_device / 1e12:.0f} TFLOP/s dense BF16 peak of {where}"

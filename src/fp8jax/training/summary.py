@@ -73,6 +73,7 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
     times tokens/s) over ``peak_flops``, the devices' dense BF16 peak; None
     where that peak is unknown (a CPU) or nothing was timed.
     """
+    value = mfu.mfu(tokens_per_s, flops_per_token, peak_flops)
     return {
         "status": status,
         "config": config.name,
@@ -84,9 +85,9 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
         "final_val_loss": val_loss,
         "tokens_per_s": tokens_per_s,
         "model_flops_per_token": flops_per_token,
-        "mfu": mfu.mfu(tokens_per_s, flops_per_token, peak_flops),
+        "mfu": value,
         "mfu_peak_flops": peak_flops,
-        "mfu_peak": mfu.describe(peak_flops, device_kind, devices),
+        "mfu_text": mfu.describe(peak_flops, device_kind, devices, value),
         "compile_s": compile_s,
         "train_s": train_s,
         "params": config.model.num_params(),
@@ -102,11 +103,9 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
 
 
 def _mfu_text(summary: dict) -> str:
-    if summary.get("mfu") is None:
-        if summary.get("mfu_peak_flops") is None:
-            return summary["mfu_peak"]
-        return f"{summary['mfu_peak']}: n/a (no step was timed)"
-    return f"MFU {summary['mfu']:.1%} ({summary['mfu_peak']})"
+    if summary["mfu"] is None and summary["mfu_peak_flops"] is not None:
+        return f"{summary['mfu_text']}: n/a (no step was timed)"
+    return summary["mfu_text"]
 
 
 def text(summary: dict, out) -> str:
