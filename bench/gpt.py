@@ -1,6 +1,6 @@
 """The ``fp8jax train`` step per preset: tokens/s and MFU, FP8 vs BF16 (issues 8, 9 and 33).
 
-Times the very step the CLI runs: :class:`fp8jax.training.loop.TrainProgram`'s
+Times the very step the CLI runs: :class:`fp8jax.training.program.TrainProgram`'s
 ``step``, jitted as ``fp8jax train`` jits it (``fp8jax.compiler_options()``,
 the state donated; each step's new state feeds the next, as in the loop).
 All variants run in one process against the BF16 row. Each row has the
@@ -34,7 +34,7 @@ from fp8jax import data
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training import mfu
 from fp8jax.training.config import TrainOptions, resolve
-from fp8jax.training.loop import TrainProgram
+from fp8jax.training.program import TrainProgram
 
 VARIANTS = {
     "bf16": {"precision": "bf16"},

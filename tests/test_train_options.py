@@ -16,7 +16,7 @@ import optax
 from fp8jax.models import GptConfig
 from fp8jax.training import TrainOptions, train
 from fp8jax.training.config import RunConfig, resolve
-from fp8jax.training.loop import TrainProgram
+from fp8jax.training.program import TrainProgram
 
 SEQ = 32
 MODEL = GptConfig(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)
