@@ -1,20 +1,24 @@
-"""The GPT train step of ``fp8jax train``: tokens/s, FP8 vs BF16 (issues 8 and 9).
+"""The ``fp8jax train`` step per preset: tokens/s and MFU, FP8 vs BF16 (issues 8, 9 and 33).
 
-Times the very step the CLI runs (model, AdamW, FP8 state handling), built
-by :class:`fp8jax.training.loop.TrainProgram` for a named preset. By default
-the state is not donated and the same state is fed again and again;
-``--donate`` donates it and chains the steps, as the train loop does. With ``--mesh`` the
-step runs over several GPUs (``fsdp=2``: parameters and AdamW moments split,
-FP8 kernels gathered). ``--trace`` breaks the step's kernels down by class,
-which gives the all-gather time per GPU: what FP8 weights save under FSDP.
+Times the very step the CLI runs: :class:`fp8jax.training.program.TrainProgram`'s
+``step``, jitted as ``fp8jax train`` jits it (``fp8jax.compiler_options()``,
+the state donated; each step's new state feeds the next, as in the loop).
+All variants run in one process against the BF16 row. Each row has the
+first-compile time (no compilation cache unless ``--compile-cache``), the
+median step time, tokens/s, MFU (model FLOPs per token, fp8jax.training.mfu,
+against the device's dense BF16 peak; none where that peak is unknown) and
+the peak memory of the compiled step (``compiled.memory_analysis()``). With
+``--mesh`` the step runs over several GPUs; ``--trace`` breaks the step's
+kernels down by class (all-gather time per GPU under FSDP, among others).
 
-    PYTHONPATH=src python bench/gpt.py --config medium [--mesh fsdp=2] [--trace DIR] [--out F]
+    PYTHONPATH=src:bench python bench/gpt.py --config llama-1b [--mesh fsdp=2] [--out F]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import traceback
 
 import jax
 from harness import (
@@ -28,8 +32,9 @@ from harness import (
 
 from fp8jax import data
 from fp8jax.training import mesh as mesh_lib
+from fp8jax.training import mfu
 from fp8jax.training.config import TrainOptions, resolve
-from fp8jax.training.loop import TrainProgram
+from fp8jax.training.program import TrainProgram
 
 VARIANTS = {
     "bf16": {"precision": "bf16"},
@@ -38,11 +43,16 @@ VARIANTS = {
 }
 
 
-def step_and_args(
-    preset: str, variant: str, mesh_text: str | None, attention: str, donate: bool,
-    unroll_layers: bool = True,
-):  # fmt: skip
-    options = TrainOptions(out="unused", config=preset, mesh=mesh_text, **VARIANTS[variant])
+def step_and_args(preset: str, variant: str, *, mesh_text: str | None = None,
+                  attention: str = "auto", unroll_layers: bool = True, **overrides):  # fmt: skip
+    """``(program, the jitted train step, its arguments, tokens per step, devices)``.
+
+    ``overrides`` are :class:`TrainOptions` fields (``batch_size``, ``remat``,
+    ``accumulation_steps``...), as ``fp8jax train`` takes them.
+    """
+    options = TrainOptions(
+        out="unused", config=preset, mesh=mesh_text, **VARIANTS[variant], **overrides
+    )
     config = resolve(options)
     axes = mesh_lib.parse_mesh(mesh_text)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
@@ -53,65 +63,105 @@ def step_and_args(
         data.train_batch(corpus.train, 0, batch_size=config.batch_size,
                          seq_len=config.seq_len, seed=0)
     )  # fmt: skip
-    out_shardings = None
-    if mesh is not None:
-        state_shardings = jax.tree.map(lambda a: a.sharding, program.initial_state)
-        out_shardings = (state_shardings, mesh_lib.replicated(mesh))
-    step = jax.jit(
-        program.raw_step, out_shardings=out_shardings, donate_argnums=0 if donate else ()
-    )
     tokens = config.batch_size * config.seq_len
     devices = 1 if mesh is None else mesh.size
-    return program, step, (program.initial_state, batch), tokens, devices
+    return program, program.step, (program.initial_state, batch), tokens, devices
 
 
-def main():
+def row_rates(row: dict, program: TrainProgram, tokens: int, devices: int) -> None:
+    """Adds tokens/s, model FLOPs per token and MFU (or why there is none) to ``row``."""
+    c = program.config
+    row["tokens_per_s"] = tokens / (row["median_ms"] / 1e3)
+    row["tokens_per_s_pipelined"] = tokens / (row["pipelined_ms"] / 1e3)
+    row["step_ms"] = row["median_ms"]
+    row["model_flops_per_token"] = mfu.flops_per_token(c.model, c.seq_len)
+    used = jax.devices()[:devices] if program.mesh is None else list(program.mesh.devices.flat)
+    peak, kind = mfu.peak_flops(used)
+    row["mfu"] = mfu.mfu(row["tokens_per_s"], row["model_flops_per_token"], peak)
+    row["mfu_text"] = mfu.describe(peak, kind, devices, row["mfu"])
+    row["batch"] = [c.batch_size, c.seq_len]
+    row["remat"], row["accumulation_steps"] = c.remat, c.accumulation_steps
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="medium")
     parser.add_argument("--mesh", default=None, help="e.g. fsdp=2; default one GPU")
-    parser.add_argument("--attention", default="cudnn")
+    parser.add_argument("--attention", default="auto", help="auto (cuDNN on a GPU), xla, cudnn")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument(
-        "--donate", action="store_true",
-        help="donate the state and feed each step's new state to the next, as fp8jax train does",
-    )  # fmt: skip
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
+    parser.add_argument("--remat", default=None, help="none, dots, full (default: the preset's)")
+    parser.add_argument("--accumulation-steps", type=int, default=None)
     parser.add_argument(
         "--rolled-layers", action="store_true",
         help="keep the scan over layers rolled (Gpt.unroll_layers=False), to compare",
     )  # fmt: skip
+    parser.add_argument(
+        "--donate", action="store_true",
+        help="accepted for older commands: the step is always donated and chained now",
+    )  # fmt: skip
     parser.add_argument("--trace", default=None, help="profile each variant here")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="JSON, rewritten after every row")
     add_compile_cache_argument(parser)
     add_heat_argument(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     env = start(args)
     print(env)
-    title = f"GPT {args.config} train step" + (f", mesh {args.mesh}" if args.mesh else "")
+    overrides = {
+        k: v
+        for k, v in {
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "remat": args.remat,
+            "accumulation_steps": args.accumulation_steps,
+        }.items()
+        if v is not None
+    }
+    title = f"GPT {args.config} train step (fp8jax train's jitted step)"
+    title += f", mesh {args.mesh}" if args.mesh else ""
     title += ", layers rolled" if args.rolled_layers else ""
     print(f"\n{title}", flush=True)
-    rows = []
+    rows, failed = [], []
     for name in args.variants:
-        program, step, step_args, tokens, devices = step_and_args(
-            args.config, name, args.mesh, args.attention, args.donate, not args.rolled_layers
-        )
-        trace = os.path.join(args.trace, name) if args.trace else None
-        with jax.numpy_dtype_promotion("standard"), program.sharding_context():
-            row = measure(name, step, *step_args, iters=args.iters, trace_dir=trace,
-                          devices=devices, carry=args.donate)  # fmt: skip
-        row["tokens_per_s"] = tokens / (row["median_ms"] / 1e3)
-        if "breakdown" in row:
-            ms = row["breakdown"]["ms"]
-            row["all_gather_ms_per_gpu"] = ms.get("all-gather", 0.0)
-        print(f"    {row['tokens_per_s']:,.0f} tokens/s", flush=True)
-        rows.append(row)
-        del program, step, step_args
-    print_table(title, rows, "bf16")
+        try:
+            program, step, step_args, tokens, devices = step_and_args(
+                args.config, name, mesh_text=args.mesh, attention=args.attention,
+                unroll_layers=not args.rolled_layers, **overrides,
+            )  # fmt: skip
+            trace = os.path.join(args.trace, name) if args.trace else None
+            with jax.numpy_dtype_promotion("standard"), program.sharding_context():
+                row = measure(name, step, *step_args, iters=args.iters, trace_dir=trace,
+                              devices=devices, carry=True)  # fmt: skip
+        except Exception as e:  # an OOM in one row keeps the rows measured before it
+            traceback.print_exc()
+            failed.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+            print(f"  {name}: FAILED ({type(e).__name__})", flush=True)
+        else:
+            row_rates(row, program, tokens, devices)
+            if "breakdown" in row:
+                row["all_gather_ms_per_gpu"] = row["breakdown"]["ms"].get("all-gather", 0.0)
+            print(f"    {row['tokens_per_s']:,.0f} tokens/s, {row['mfu_text']}", flush=True)
+            rows.append(row)
+            del program, step, step_args
+        if args.out:
+            payload = {"environment": env, "title": title, "mesh": args.mesh,
+                       "overrides": overrides, "rows": rows, "failed": failed}  # fmt: skip
+            dump(args.out, payload)
+    if any(r["name"] == "bf16" for r in rows):
+        print_table(title, rows, "bf16")
     for r in rows:
+        mfu_text = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        print(f"  {r['name']}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu_text}, "
+              f"peak {r['peak_memory_gib'] or 0:.2f} GiB")  # fmt: skip
         if "all_gather_ms_per_gpu" in r:
             print(f"  {r['name']}: all-gather {r['all_gather_ms_per_gpu']:.3f} ms/step per GPU")
-    if args.out:
-        dump(args.out, {"environment": env, "title": title, "mesh": args.mesh, "rows": rows})
+    return rows
 
 
 if __name__ == "__main__":

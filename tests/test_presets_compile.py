@@ -7,6 +7,8 @@ parameters (nothing is allocated), with the layer scan kept a loop
 (``--rolled-layers``): the same layer shapes, one body to compile.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,11 +20,17 @@ from fp8jax.recipes import DelayedScaling
 from fp8jax.training.config import TrainOptions, resolve
 
 
-def _compile(name: str, recipe: str, unroll_layers: bool):
-    """(the run's config, the GEMM report of its train step compiled for an H100)."""
+def _compile(name: str, recipe: str, unroll_layers: bool, **overrides):
+    """(the run's config, the GEMM report of its train step compiled for an H100).
+
+    ``overrides`` replace fields of the preset's model (``layers``, to keep a
+    compile cheap) and of the run (``batch_size``, ``seq_len``).
+    """
     from fp8jax.verify import compile_for, gemm_report
 
-    config = resolve(TrainOptions(out="unused", config=name, recipe=recipe))
+    run = {k: overrides.pop(k) for k in ("batch_size", "seq_len") if k in overrides}
+    config = resolve(TrainOptions(out="unused", config=name, recipe=recipe, **run))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, **overrides))
     fp8_recipe = config.fp8_recipe()
     model = Gpt(
         config=config.model,
@@ -56,6 +64,22 @@ def _compile(name: str, recipe: str, unroll_layers: bool):
 @pytest.mark.parametrize(("name", "recipe"), [("small", "current"), ("medium", "delayed")])
 def test_gpu_preset_step_compiles_with_every_block_gemm_in_fp8(name, recipe):
     _, report = _compile(name, recipe, unroll_layers=False)
+    _assert_every_block_gemm_fp8(report)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize(("name", "recipe"), [("llama-1b", "current"), ("llama-3b", "delayed")])
+def test_llama_preset_step_compiles_with_every_block_gemm_in_fp8(name, recipe):
+    # The preset's layer shapes (GQA, head_dim 64 and 128, ffn 8192) with two
+    # layers and one short sequence: the same GEMMs per layer, a cheap compile.
+    config, report = _compile(
+        name, recipe, unroll_layers=False, layers=2, batch_size=1, seq_len=512
+    )
+    assert config.model.kv_heads == 8 and config.model.ffn == 8192
+    _assert_every_block_gemm_fp8(report)
+
+
+def _assert_every_block_gemm_fp8(report):
     # XLA may peel or split a loop body's GEMMs (medium's forward ones appear
     # two or three times), so the check is by source, not by count: every GEMM
     # of a transformer block outside the attention core is FP8.

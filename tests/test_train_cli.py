@@ -53,7 +53,7 @@ def copy_of_run(run_dir, tmp_path):
     ("argv", "message"),
     [
         (["--data", "/no/such/path"], "does not exist"),
-        (["--config", "huge"], "--config must be one of ['medium', 'small', 'tiny']"),
+        (["--config", "huge"], "--config must be one of ['llama-1b', 'llama-3b', 'medium', "),
         (["--precision", "fp16"], "--precision must be one of"),
         (["--precision", "bf16", "--recipe", "delayed"], "--recipe delayed applies to FP8"),
         (["--recipe", "rowwise"], "--recipe must be one of"),
@@ -65,6 +65,13 @@ def copy_of_run(run_dir, tmp_path):
         (["--mesh", "dp=3"], "--batch-size 8 must be divisible by the mesh size 3"),
         (["--verify-target", "a100"], "--verify-target must be one of"),
         (["--attention", "flash"], "--attention must be one of"),
+        (["--remat", "some"], "--remat must be one of ('none', 'dots', 'full'), got 'some'"),
+        (["--accumulation-steps", "0"], "--accumulation-steps must be an int >= 1, got 0"),
+        (
+            ["--accumulation-steps", "3"],
+            "--accumulation-steps must divide --batch-size (8) into equal micro-batches, got 3",
+        ),
+        (["--profile", ""], "--profile must be a directory path, got ''"),
     ],
 )
 def test_bad_options_fail_before_anything_is_written(tmp_path, capsys, argv, message):
@@ -259,3 +266,12 @@ def test_resume_names_the_precision_given_not_the_saved_recipe(copy_of_bf16_run,
     err = capsys.readouterr().err
     assert "precision: checkpoint has 'fp8', this run has 'bf16'" in err
     assert "--recipe current applies to FP8" not in err
+
+
+def test_a_run_saved_before_remat_and_accumulation_existed_resumes(copy_of_run):
+    config_path = copy_of_run / "config.json"
+    config = json.loads(config_path.read_text())
+    assert (config.pop("remat"), config.pop("accumulation_steps")) == ("none", 1)
+    config_path.write_text(json.dumps(config))
+    assert fp8jax_train("--resume", "--steps", "3", "--out", str(copy_of_run)) == 0
+    assert json.loads((copy_of_run / "summary.json").read_text())["step"] == 3

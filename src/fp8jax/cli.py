@@ -148,7 +148,10 @@ def _add_train(sub) -> None:
             "Options left out take the preset's value."
         ),
     )
-    p.add_argument("--config", help="preset: tiny (CPU, the default), small, medium (GPU)")
+    p.add_argument(
+        "--config",
+        help="preset: tiny (CPU, the default), small, medium, llama-1b, llama-3b (GPU)",
+    )
     p.add_argument("--precision", help="fp8 (block GEMMs in FP8, the default) or bf16")
     p.add_argument(
         "--recipe", default=None, help="FP8 scaling: current (default), delayed, row, block"
@@ -181,6 +184,17 @@ def _add_train(sub) -> None:
         default=None,
         help="keep the layer scan a loop: faster compile, less FSDP memory, slower steps",
     )
+    p.add_argument(
+        "--remat",
+        help="activation checkpointing per block: none (the default), dots (keep GEMM outputs "
+        "and FP8 casts, recompute the rest) or full (keep each block's input)",
+    )
+    p.add_argument(
+        "--accumulation-steps",
+        type=int,
+        help="micro-batches per step: gradients averaged, FP8 scale states merged by max",
+    )
+    p.add_argument("--profile", help="write a jax.profiler trace of a few steps to this directory")
     p.add_argument(
         "--compile-cache",
         help="JAX's persistent compilation cache: auto (a cache under ~/.cache/fp8jax on a GPU, "

@@ -28,6 +28,15 @@ from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
 
 PRECISIONS = ("fp8", "bf16")
+# Activation checkpointing of each block (docs/design.md#activation-checkpointing):
+# what the forward keeps for the backward; everything else is recomputed there.
+REMAT_POLICIES = {
+    "none": None,  # no checkpointing: every residual is kept
+    # The projections' GEMM outputs; the FP8 casts of their operands are
+    # recomputed from them (and from the f32 kernels) in the backward.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,  # only each block's input
+}
 VOCAB = "vocab"  # logical axis name of the embedding's and LM head's vocabulary axis
 
 
@@ -120,6 +129,12 @@ class Gpt(nn.Module):
       recipe: the FP8 recipe (CurrentScaling, DelayedScaling); None: CurrentScaling.
       attention_implementation: passed to ``jax.nn.dot_product_attention``
         (None is XLA; ``"cudnn"`` on a GPU).
+      remat: activation checkpointing of each block, a key of
+        :data:`REMAT_POLICIES`: ``"none"`` keeps every residual, ``"dots"``
+        keeps the projections' GEMM outputs and recomputes the rest
+        (their FP8 operands included),
+        ``"full"`` keeps only each block's input
+        (docs/design.md#activation-checkpointing).
       unroll_layers: unroll the scan over layers (the default). A rolled
         scan stacks every layer's saved activations in ``(layers, ...)``
         buffers, and XLA's GPU backend copies each slot in and out: GEMMs
@@ -152,10 +167,15 @@ class Gpt(nn.Module):
     recipe: Recipe | None = None
     attention_implementation: str | None = None
     unroll_layers: bool = True
+    remat: str = "none"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"Gpt.precision must be one of {PRECISIONS}, got {self.precision!r}.")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"Gpt.remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}."
+            )
         if self.precision == "bf16" and self.recipe is not None:
             raise ValueError("Gpt: precision='bf16' runs no FP8 GEMM; pass recipe=None with it.")
         super().__post_init__()
@@ -185,8 +205,13 @@ class Gpt(nn.Module):
         }
         if self.precision == "fp8":
             kwargs |= {"recipe": self.recipe, "dtype": jnp.bfloat16}
+        block = _Block
+        if self.remat != "none":
+            # Inside the scan no common-subexpression pass can undo the
+            # recompute, so no optimization barrier is needed (prevent_cse).
+            block = nn.remat(_Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         stack = nn.scan(
-            _Block,
+            block,
             variable_axes={"params": 0, FP8_COLLECTION: 0},
             split_rngs={"params": True},
             length=c.layers,

@@ -2,7 +2,8 @@
 
 :func:`train` runs a :class:`TrainOptions` and writes its run directory
 (``config.json``, ``metrics.jsonl``, ``checkpoints/``, ``summary.json``);
-:data:`PRESETS` holds the named configurations (``tiny``, ``small``, ``medium``).
+:data:`PRESETS` holds the named configurations (``tiny``, ``small``, ``medium``,
+``llama-1b``, ``llama-3b``).
 """
 
 from fp8jax.training.config import PRESETS, Preset, RunConfig, TrainOptions, resolve

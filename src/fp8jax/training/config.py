@@ -10,10 +10,13 @@ from typing import Any
 import optax
 
 import fp8jax
-from fp8jax.models.gpt import PRECISIONS, GptConfig
+from fp8jax.models.gpt import PRECISIONS, REMAT_POLICIES, GptConfig
 from fp8jax.training.errors import ConfigError
 
+# --recipe names and the recipe each builds (RunConfig.fp8_recipe); a new
+# recipe is one more entry here.
 RECIPES = ("current", "delayed", "row", "block")
+REMAT = tuple(REMAT_POLICIES)
 DELAYED_HISTORY = 16  # amax history of --recipe delayed; short, so the scales follow training
 
 
@@ -32,6 +35,7 @@ class Preset:
       eval_every: steps per validation loss (a multiple of log_every).
       eval_batches: validation batches per evaluation.
       checkpoint_every: steps per checkpoint.
+      remat: activation checkpointing (a key of ``fp8jax.models.gpt.REMAT_POLICIES``).
     """
 
     model: GptConfig
@@ -44,7 +48,12 @@ class Preset:
     eval_every: int
     eval_batches: int
     checkpoint_every: int
+    remat: str = "none"
 
+
+# Sequences per step of the Llama presets (docs/train.md#llama-presets).
+LLAMA_1B_BATCH = 4
+LLAMA_3B_BATCH = 1
 
 PRESETS = {
     # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
@@ -66,6 +75,19 @@ PRESETS = {
         model=GptConfig(hidden=1024, layers=24, heads=16, ffn=2816),
         seq_len=1024, batch_size=32, learning_rate=6e-4, warmup_steps=200, steps=4000,
         log_every=20, eval_every=200, eval_batches=16, checkpoint_every=500,
+    ),
+    # Llama-3.2-shaped (RMSNorm, SwiGLU, RoPE, GQA, no biases) over bytes. The
+    # batch sizes fill one H200 (141 GB) in BF16 without activation
+    # checkpointing; how they were sized is in docs/train.md#llama-presets.
+    "llama-1b": Preset(
+        model=GptConfig(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
+        seq_len=4096, batch_size=LLAMA_1B_BATCH, learning_rate=3e-4, warmup_steps=200,
+        steps=2000, log_every=10, eval_every=200, eval_batches=8, checkpoint_every=500,
+    ),
+    "llama-3b": Preset(
+        model=GptConfig(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192),
+        seq_len=4096, batch_size=LLAMA_3B_BATCH, learning_rate=3e-4, warmup_steps=200,
+        steps=2000, log_every=10, eval_every=200, eval_batches=8, checkpoint_every=500,
     ),
 }  # fmt: skip
 
@@ -93,6 +115,14 @@ class TrainOptions:
         (``Gpt.unroll_layers=False``): faster to compile, and under FSDP it
         holds one layer's gathered kernels at a time, but the step is slower
         (the loop copies each layer's saved activations; docs/design.md#the-gpt-model).
+      remat: activation checkpointing of each block: ``"none"``, ``"dots"``
+        (keep the GEMM outputs and FP8 casts) or ``"full"`` (keep each block's
+        input); None is the preset's (docs/design.md#activation-checkpointing).
+      accumulation_steps: split each step's batch into this many
+        micro-batches, average their gradients and merge their delayed-scaling
+        states by max (``fp8jax.combine_states``); must divide the batch size.
+      profile: write a ``jax.profiler`` trace of a few steps after the first
+        (compile) step into this directory (TensorBoard/Perfetto).
       compile_cache: JAX's persistent compilation cache: ``"auto"`` (the
         default: ``fp8jax.compile_cache.default_dir()`` on a GPU, none
         elsewhere), ``"none"``, or a directory. The first FP8 compile on an
@@ -124,6 +154,9 @@ class TrainOptions:
     keep_checkpoints: int = 3
     attention: str = "auto"
     rolled_layers: bool = False
+    remat: str | None = None
+    accumulation_steps: int | None = None
+    profile: str | None = None
     compile_cache: str = "auto"
     verify_target: str | None = None
     inject_nan_at: int | None = None
@@ -149,10 +182,14 @@ class RunConfig:
     eval_every: int
     eval_batches: int
     checkpoint_every: int
+    remat: str = "none"
+    accumulation_steps: int = 1
 
     # A resumed run must agree on everything else; these may change between sessions.
     # (The warmup is a tenth of the run at most, so it follows --steps.)
+    # Activation checkpointing changes what is recomputed, not the result.
     MAY_CHANGE = (
+        "remat",
         "steps",
         "warmup_steps",
         "log_every",
@@ -193,6 +230,9 @@ class RunConfig:
         )
 
 
+# What runs whose config.json predates these RunConfig fields did: they resume with these.
+OLD_RUN_DEFAULTS = {"remat": "none", "accumulation_steps": 1}
+
 # The RunConfig fields a resumed run takes from config.json when the command line leaves
 # them out (the name is the preset's; the model follows from it).
 _SAVED_OPTIONS = (
@@ -207,6 +247,8 @@ _SAVED_OPTIONS = (
     "eval_every",
     "eval_batches",
     "checkpoint_every",
+    "remat",
+    "accumulation_steps",
 )
 
 
@@ -240,7 +282,7 @@ def resolve(options: TrainOptions) -> RunConfig:
     """The :class:`RunConfig` of ``options``.
 
     Raises:
-      ConfigError: for an unknown preset, precision or recipe, or bad numbers.
+      ConfigError: for an unknown preset, precision, recipe or remat policy, or bad numbers.
     """
     if options.config not in PRESETS:
         raise ConfigError(f"--config must be one of {sorted(PRESETS)}, got {options.config!r}.")
@@ -258,12 +300,23 @@ def resolve(options: TrainOptions) -> RunConfig:
     elif recipe not in RECIPES:
         raise ConfigError(f"--recipe must be one of {RECIPES}, got {recipe!r}.")
     preset = PRESETS[options.config]
+    remat = preset.remat if options.remat is None else options.remat
+    if remat not in REMAT:
+        raise ConfigError(f"--remat must be one of {REMAT}, got {remat!r}.")
 
     def pick(name):
         value = getattr(options, name)
         return _positive(name, getattr(preset, name) if value is None else value)
 
     steps, log_every, eval_every = pick("steps"), pick("log_every"), pick("eval_every")
+    batch_size = pick("batch_size")
+    accumulation = 1 if options.accumulation_steps is None else options.accumulation_steps
+    accumulation = _positive("accumulation_steps", accumulation)
+    if batch_size % accumulation:
+        raise ConfigError(
+            f"--accumulation-steps must divide --batch-size ({batch_size}) into equal "
+            f"micro-batches, got {accumulation}."
+        )
     if eval_every % log_every:
         raise ConfigError(
             f"--eval-every ({eval_every}) must be a multiple of --log-every ({log_every}): "
@@ -284,7 +337,7 @@ def resolve(options: TrainOptions) -> RunConfig:
         precision=options.precision,
         recipe=recipe if options.precision == "fp8" else None,
         seq_len=pick("seq_len"),
-        batch_size=pick("batch_size"),
+        batch_size=batch_size,
         learning_rate=float(learning_rate),
         warmup_steps=min(preset.warmup_steps, max(steps // 10, 1)),
         weight_decay=0.1,
@@ -295,4 +348,6 @@ def resolve(options: TrainOptions) -> RunConfig:
         eval_every=eval_every,
         eval_batches=pick("eval_batches"),
         checkpoint_every=pick("checkpoint_every"),
+        remat=remat,
+        accumulation_steps=accumulation,
     )

@@ -14,21 +14,18 @@ import pathlib
 import time
 from collections.abc import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm import tqdm
 
-from fp8jax import compile_cache, data, xla_options
-from fp8jax.flax import FP8_COLLECTION, TrainState, make_train_step
-from fp8jax.models.gpt import Gpt, next_token_loss
-from fp8jax.recipes import DelayedScaling
-from fp8jax.training import gemm_count, summary
+from fp8jax import compile_cache, data
+from fp8jax.training import gemm_count, mfu, summary
 from fp8jax.training import mesh as mesh_lib
-from fp8jax.training.config import RunConfig, TrainOptions, resolve
+from fp8jax.training.config import OLD_RUN_DEFAULTS, RunConfig, TrainOptions, resolve
 from fp8jax.training.errors import ConfigError, DivergedError, RunDirError
+from fp8jax.training.profile import StepProfiler
+from fp8jax.training.program import TrainProgram
 from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl_c
 from fp8jax.training.run_dir import RunDir
 
@@ -44,87 +41,6 @@ class TrainResult:
     step: int
     out: pathlib.Path
     summary: dict
-
-
-class TrainProgram:
-    """The model, the jitted train and eval steps, and the initial state of a run.
-
-    Public so that benchmarks time exactly the step ``fp8jax train`` runs
-    (``raw_step``, before jit and donation; bench/gpt.py).
-    """
-
-    def __init__(self, config: RunConfig, mesh, attention: str, unroll_layers: bool = True):
-        recipe = config.fp8_recipe()
-        self.config, self.mesh = config, mesh
-        if attention == "auto":
-            attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
-        self.model = Gpt(
-            config=config.model,
-            precision=config.precision,
-            recipe=recipe,
-            attention_implementation=attention,
-            unroll_layers=unroll_layers,
-        )
-        tx = config.optimizer()
-        tokens = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
-        shardings = None
-        if mesh is not None:
-            boxed = jax.eval_shape(self.model.init, jax.random.key(0), tokens)["params"]
-            shardings = mesh_lib.param_shardings(boxed, mesh)
-
-        def create(key):
-            variables = nn.meta.unbox(self.model.init(key, tokens))
-            if shardings is None:
-                return TrainState.create(variables, tx)
-            constrain = jax.lax.with_sharding_constraint
-            params = constrain(variables["params"], shardings)
-            state = TrainState.create(variables | {"params": params}, tx)
-            # AdamW's moments are sharded like the params they follow (FSDP proper).
-            opt_state = optax.tree_map_params(tx, constrain, state.opt_state, shardings)
-            return state._replace(opt_state=opt_state)
-
-        self.initial_state = jax.jit(create)(jax.random.key(config.seed))
-        delayed = recipe if isinstance(recipe, DelayedScaling) else None
-        self.raw_step = make_train_step(self.loss, tx, recipe=delayed)
-        out_shardings, self.batch_sharding = None, None
-        if mesh is not None:
-            state_shardings = jax.tree.map(lambda a: a.sharding, self.initial_state)
-            out_shardings = (state_shardings, mesh_lib.replicated(mesh))
-            self.batch_sharding = mesh_lib.batch_sharding(mesh)
-        # fp8jax owns this jit, so it compiles with its own options: the FP8 GEMMs
-        # go to cuBLASLt without minutes of Triton autotuning
-        # (docs/design.md#first-compile-time).
-        options = xla_options.compiler_options()
-        self.step = jax.jit(
-            self.raw_step, out_shardings=out_shardings, donate_argnums=0, compiler_options=options
-        )
-        self.eval = jax.jit(self._eval_loss, compiler_options=options)
-        self.all_finite = jax.jit(
-            lambda tree: jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
-        )
-
-    @property
-    def layers(self) -> str:
-        """``"unrolled"`` or ``"rolled"``: how the step runs the scan over layers."""
-        return "unrolled" if self.model.unroll_layers else "rolled"
-
-    def loss(self, variables, batch):
-        return next_token_loss(self.model.apply(variables, batch[:, :-1]), batch[:, 1:])
-
-    def _eval_loss(self, state, batch):
-        variables = {"params": state.params}
-        if state.fp8_state:
-            variables[FP8_COLLECTION] = state.fp8_state
-        return self.loss(variables, batch)
-
-    def sharding_context(self):
-        """Trace and run the steps inside this: under a mesh, the activation constraints."""
-        return mesh_lib.sharding_context(self.mesh)
-
-    def put(self, batch: np.ndarray):
-        if self.batch_sharding is None:
-            return jnp.asarray(batch)
-        return jax.device_put(batch, self.batch_sharding)
 
 
 def _check_options(options: TrainOptions) -> None:
@@ -151,6 +67,10 @@ def _check_options(options: TrainOptions) -> None:
         raise ConfigError(
             f"--compile-cache must be 'auto', 'none' or a directory, got {options.compile_cache!r}."
         )
+    if options.profile is not None and (
+        not isinstance(options.profile, str) or not options.profile
+    ):
+        raise ConfigError(f"--profile must be a directory path, got {options.profile!r}.")
     keep = options.keep_checkpoints
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"--keep-checkpoints must be an int >= 1, got {keep!r}.")
@@ -205,7 +125,7 @@ def train(
     record = config.to_dict() | fingerprint
     start = 0
     if options.resume:
-        start = run.check_resume(record, RunConfig.MAY_CHANGE)
+        start = run.check_resume(record, RunConfig.MAY_CHANGE, OLD_RUN_DEFAULTS)
         if start >= config.steps:
             raise RunDirError(
                 f"--resume: the run in {run.path} is already at step {start}; pass --steps "
@@ -260,6 +180,10 @@ class _Loop:
         self.last_train = self.last_val = self.compile_s = None
         self.counts: dict = {}
         self.diverged_at: int | None = None
+        self.flops_per_token = mfu.flops_per_token(c.model, c.seq_len)
+        devices = None if program.mesh is None else list(program.mesh.devices.flat)
+        self.peak, self.device_kind = mfu.peak_flops(devices or jax.devices()[:1])
+        self.devices = 1 if devices is None else len(devices)
 
     def batch(self, step: int):
         """The batch that step ``step`` (1-based) trains on."""
@@ -299,6 +223,8 @@ class _Loop:
     def log(self, state, step: int, bar) -> None:
         c = self.config
         metrics = {"step": step, **self.window.close()}
+        if "tokens_per_s" in metrics and self.peak is not None:
+            metrics["mfu"] = mfu.mfu(metrics["tokens_per_s"], self.flops_per_token, self.peak)
         self.last_train = metrics["loss"]
         if step % c.eval_every == 0 or step == c.steps:
             with self.window.excluding():
@@ -318,6 +244,7 @@ class _Loop:
             total=c.steps, initial=start, desc=f"{c.name} {c.precision}", enabled=progress
         )
         status, step = "completed", start
+        profiler = StepProfiler(self.options.profile, start, c.steps, self.say)
 
         def kept() -> str:  # read by the Ctrl-C thread when it ends the process
             if self.last_saved is None:
@@ -351,8 +278,10 @@ class _Loop:
                             target=self.options.verify_target, mesh=program.mesh,
                         )  # fmt: skip
                         self.say("  " + summary.deviceless_text(self.counts["deviceless"]))
+                    self.say("  " + mfu.describe(self.peak, self.device_kind, self.devices))
                     t0 = time.perf_counter()
                     for step in range(start + 1, c.steps + 1):
+                        profiler.before(step)
                         batch = self.batch(step)
                         if self.options.inject_nan_at == step:  # testing aid, see TrainOptions
                             state = state._replace(params=_poisoned(state.params))
@@ -362,6 +291,7 @@ class _Loop:
                             loss.block_until_ready()
                             self.compile_s = time.perf_counter() - t0
                             self.window.start_timing()
+                        profiler.after(step, loss)
                         bar.update(1)
                         if on_step is not None:
                             on_step(step)
@@ -375,8 +305,10 @@ class _Loop:
                         if stop_requested():
                             raise KeyboardInterrupt
             except KeyboardInterrupt:
+                profiler.stop()
                 status, step = "interrupted", self.interrupted(state)
         except DivergedError as e:
+            profiler.stop()
             bar.close()
             record = {"error": str(e), "diverged_at": self.diverged_at}
             self.run_dir.write_summary(self.summary("diverged", step) | record)
@@ -414,6 +346,10 @@ class _Loop:
             mesh=self.program.mesh,
             attention=self.program.model.attention_implementation,
             layers=self.program.layers,
+            flops_per_token=self.flops_per_token,
+            peak_flops=self.peak,
+            device_kind=self.device_kind,
+            devices=self.devices,
         )
 
 

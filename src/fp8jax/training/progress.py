@@ -83,6 +83,8 @@ def postfix(record: dict) -> dict:
     if "tokens_per_s" in record:
         shown["tok/s"] = f"{record['tokens_per_s']:,.0f}"
         shown["step"] = f"{record['step_time_s'] * 1e3:.0f}ms"
+    if "mfu" in record:
+        shown["MFU"] = f"{record['mfu']:.1%}"
     if "val_loss" in record:
         shown["val"] = f"{record['val_loss']:.4f}"
     return shown

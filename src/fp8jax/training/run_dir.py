@@ -189,8 +189,11 @@ class RunDir:
         self.metrics_path.unlink(missing_ok=True)
         self.summary_path.unlink(missing_ok=True)
 
-    def check_resume(self, config: dict, may_change: tuple[str, ...]) -> int:
+    def check_resume(self, config: dict, may_change: tuple[str, ...],
+                     missing: dict | None = None) -> int:  # fmt: skip
         """Checks that the run can be resumed with ``config``; returns its newest step.
+
+        ``missing``: the value a field had in runs whose config.json predates it.
 
         Raises:
           RunDirError: if there is no run or no checkpoint to resume.
@@ -210,7 +213,8 @@ class RunDir:
             ) from None
         self.saved_config = saved
         fixed = {k: v for k, v in config.items() if k not in may_change}
-        diffs = _differences({k: saved.get(k, "<missing>") for k in fixed}, fixed)
+        missing = missing or {}
+        diffs = _differences({k: saved.get(k, missing.get(k, "<missing>")) for k in fixed}, fixed)
         if diffs:
             raise CheckpointError(
                 f"--resume: the run in {self.path} was made with a different configuration:\n  "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from fp8jax.data import Corpus
+from fp8jax.training import mfu
 from fp8jax.training.config import RunConfig
 
 
@@ -15,12 +16,18 @@ def header(config: RunConfig, corpus: Corpus, mesh, counts: dict, attention: str
     where = "1 device" if mesh is None else ",".join(f"{k}={v}" for k, v in mesh.shape.items())
     return (
         f"fp8jax train: {config.name} GPT, {config.model.num_params() / 1e6:.2f}M params, "
-        f"{config.precision}{recipe}, batch {config.batch_size} x {config.seq_len} bytes, "
+        f"{config.precision}{recipe}, batch {config.batch_size} x {config.seq_len} bytes"
+        f"{_micro(config)}, remat {config.remat}, "
         f"{jax.default_backend()} {where}, {attention} attention, layers {layers}\n"
         f"  data: {corpus.describe()}\n"
         f"  train step: {counts['fp8']} of {counts['total']} dot_generals are FP8 "
         "(jaxpr; the scanned layer body counts once)"
     )
+
+
+def _micro(config: RunConfig) -> str:
+    n = config.accumulation_steps
+    return "" if n == 1 else f" in {n} micro-batches of {config.batch_size // n}"
 
 
 def deviceless_text(d: dict) -> str:
@@ -40,6 +47,8 @@ def metrics_line(record: dict) -> str:
     if "tokens_per_s" in record:
         parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
         parts.append(f"{record['step_time_s'] * 1e3:.0f} ms/step")
+    if "mfu" in record:
+        parts.append(f"MFU {record['mfu']:.1%}")
     return ", ".join(parts)
 
 
@@ -56,8 +65,15 @@ def diverged_message(what: str, step: int, last_saved: int | None, out, first_ck
 
 def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, tokens_per_s,
           compile_s, train_s, counts: dict, checkpoint: int | None, mesh,
-          attention: str, layers: str) -> dict:  # fmt: skip
-    """The ``summary.json`` record."""
+          attention: str, layers: str, flops_per_token: float, peak_flops: float | None,
+          device_kind: str, devices: int) -> dict:  # fmt: skip
+    """The ``summary.json`` record.
+
+    ``mfu`` is the model's training FLOPs per second (``flops_per_token``
+    times tokens/s) over ``peak_flops``, the devices' dense BF16 peak; None
+    where that peak is unknown (a CPU) or nothing was timed.
+    """
+    value = mfu.mfu(tokens_per_s, flops_per_token, peak_flops)
     return {
         "status": status,
         "config": config.name,
@@ -68,6 +84,10 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
         "final_train_loss": train_loss,
         "final_val_loss": val_loss,
         "tokens_per_s": tokens_per_s,
+        "model_flops_per_token": flops_per_token,
+        "mfu": value,
+        "mfu_peak_flops": peak_flops,
+        "mfu_text": mfu.describe(peak_flops, device_kind, devices, value),
         "compile_s": compile_s,
         "train_s": train_s,
         "params": config.model.num_params(),
@@ -75,9 +95,17 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
         "mesh": None if mesh is None else dict(mesh.shape),
         "attention": attention,
         "layers": layers,
+        "remat": config.remat,
+        "accumulation_steps": config.accumulation_steps,
         "fp8_gemms": counts,
         "checkpoint_step": checkpoint,
     }
+
+
+def _mfu_text(summary: dict) -> str:
+    if summary["mfu"] is None and summary["mfu_peak_flops"] is not None:
+        return f"{summary['mfu_text']}: n/a (no step was timed)"
+    return summary["mfu_text"]
 
 
 def text(summary: dict, out) -> str:
@@ -93,6 +121,7 @@ def text(summary: dict, out) -> str:
         f"validation loss {fmt(summary['final_val_loss'], '.4f')}",
         f"  {fmt(summary['tokens_per_s'], ',.0f')} tokens/s, "
         f"compile {fmt(summary['compile_s'], '.1f')} s, train {fmt(summary['train_s'], '.1f')} s",
+        f"  {_mfu_text(summary)}",
         f"  FP8 GEMMs in the train step: {jaxpr['fp8']} of {jaxpr['total']} dot_generals (jaxpr)",
     ]
     if "deviceless" in summary["fp8_gemms"]:

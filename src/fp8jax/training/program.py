@@ -1,0 +1,112 @@
+"""The train step of ``fp8jax train``: the model, the optimizer, the jitted step and its state."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fp8jax import xla_options
+from fp8jax.flax import FP8_COLLECTION, TrainState, make_train_step
+from fp8jax.models.gpt import Gpt, next_token_loss
+from fp8jax.recipes import DelayedScaling
+from fp8jax.training import mesh as mesh_lib
+from fp8jax.training.config import RunConfig
+
+
+class TrainProgram:
+    """The model, the jitted train and eval steps, and the initial state of a run.
+
+    Public so that benchmarks time exactly the step ``fp8jax train`` runs
+    (``step``, jitted as ``fp8jax train`` runs it; ``raw_step`` before jit
+    and donation; bench/gpt.py).
+
+    ``materialize=False`` leaves ``initial_state`` abstract
+    (``jax.ShapeDtypeStruct`` leaves), for compiles and memory estimates of
+    models larger than the machine holds.
+    """
+
+    def __init__(self, config: RunConfig, mesh, attention: str, unroll_layers: bool = True,
+                 *, materialize: bool = True):  # fmt: skip
+        recipe = config.fp8_recipe()
+        self.config, self.mesh = config, mesh
+        if attention == "auto":
+            attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        self.model = Gpt(
+            config=config.model,
+            precision=config.precision,
+            recipe=recipe,
+            attention_implementation=attention,
+            unroll_layers=unroll_layers,
+            remat=config.remat,
+        )
+        tx = config.optimizer()
+        tokens = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
+        shardings = None
+        if mesh is not None:
+            boxed = jax.eval_shape(self.model.init, jax.random.key(0), tokens)["params"]
+            shardings = mesh_lib.param_shardings(boxed, mesh)
+
+        def create(key):
+            variables = nn.meta.unbox(self.model.init(key, tokens))
+            if shardings is None:
+                return TrainState.create(variables, tx)
+            constrain = jax.lax.with_sharding_constraint
+            params = constrain(variables["params"], shardings)
+            state = TrainState.create(variables | {"params": params}, tx)
+            # AdamW's moments are sharded like the params they follow (FSDP proper).
+            opt_state = optax.tree_map_params(tx, constrain, state.opt_state, shardings)
+            return state._replace(opt_state=opt_state)
+
+        key = jax.random.key(config.seed)
+        # The parameters (and so AdamW's moments) are f32, the master weights;
+        # the modules cast them to BF16 or FP8 for each GEMM.
+        if materialize:
+            self.initial_state = jax.jit(create)(key)
+        else:
+            self.initial_state = jax.eval_shape(create, key)
+        delayed = recipe if isinstance(recipe, DelayedScaling) else None
+        self.raw_step = make_train_step(
+            self.loss, tx, accumulation_steps=config.accumulation_steps, recipe=delayed
+        )
+        out_shardings, self.batch_sharding = None, None
+        if mesh is not None and materialize:
+            state_shardings = jax.tree.map(lambda a: a.sharding, self.initial_state)
+            out_shardings = (state_shardings, mesh_lib.replicated(mesh))
+            self.batch_sharding = mesh_lib.batch_sharding(mesh)
+        # fp8jax owns this jit, so it compiles with its own options: the FP8 GEMMs
+        # go to cuBLASLt without minutes of Triton autotuning
+        # (docs/design.md#first-compile-time).
+        options = xla_options.compiler_options()
+        self.step = jax.jit(
+            self.raw_step, out_shardings=out_shardings, donate_argnums=0, compiler_options=options
+        )
+        self.eval = jax.jit(self._eval_loss, compiler_options=options)
+        self.all_finite = jax.jit(
+            lambda tree: jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
+        )
+
+    @property
+    def layers(self) -> str:
+        """``"unrolled"`` or ``"rolled"``: how the step runs the scan over layers."""
+        return "unrolled" if self.model.unroll_layers else "rolled"
+
+    def loss(self, variables, batch):
+        return next_token_loss(self.model.apply(variables, batch[:, :-1]), batch[:, 1:])
+
+    def _eval_loss(self, state, batch):
+        variables = {"params": state.params}
+        if state.fp8_state:
+            variables[FP8_COLLECTION] = state.fp8_state
+        return self.loss(variables, batch)
+
+    def sharding_context(self):
+        """Trace and run the steps inside this: under a mesh, the activation constraints."""
+        return mesh_lib.sharding_context(self.mesh)
+
+    def put(self, batch: np.ndarray):
+        if self.batch_sharding is None:
+            return jnp.asarray(batch)
+        return jax.device_put(batch, self.batch_sharding)

@@ -1,0 +1,32 @@
+"""bench/gpt.py on the CPU with the tiny preset: it times fp8jax train's own jitted step.
+
+What the rows hold, never how fast they are.
+"""
+
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+import gpt as gpt_bench
+
+
+def test_each_variant_times_the_train_step_fp8jax_train_jits(tmp_path):
+    out = tmp_path / "gpt.json"
+    program, step, _, tokens, devices = gpt_bench.step_and_args(
+        "tiny", "fp8jax_delayed", batch_size=2, seq_len=32
+    )
+    # The step is TrainProgram's own jit (compiler options, donation), not a re-jit.
+    assert step is program.step and (tokens, devices) == (64, 1)
+    argv = ["--config", "tiny", "--variants", "bf16", "fp8jax_current", "--iters", "2",
+            "--heat", "0", "--batch-size", "2", "--seq-len", "32", "--out", str(out)]  # fmt: skip
+    rows = gpt_bench.main(argv)
+    assert [r["name"] for r in rows] == ["bf16", "fp8jax_current"]
+    saved = json.loads(out.read_text())
+    assert [r["name"] for r in saved["rows"]] == ["bf16", "fp8jax_current"] and not saved["failed"]
+    for row in saved["rows"]:
+        assert row["tokens_per_s"] > 0 and row["compile_s"] > 0 and row["batch"] == [2, 32]
+        assert row["model_flops_per_token"] > 0
+        # A CPU has no known BF16 peak: no MFU, and the row says why.
+        assert row["mfu"] is None and row["mfu_text"].startswith("MFU n/a")
+        assert "peak_memory_gib" in row
