@@ -17,6 +17,7 @@ from flax.linen import fp8_ops
 from harness import (
     add_compile_cache_argument,
     add_heat_argument,
+    calibrate_flax_state,
     calibrate_state,
     dump,
     measure,
@@ -31,9 +32,17 @@ PEAK_TFLOPS = {"fp8": 1979.0, "bf16": 989.0}
 
 
 def flax_gemm(op_cls, x, w, dims):
-    """Flax's FP8 dot_general module alone, forward, with its scale state."""
+    """Flax's FP8 dot_general module alone, forward, with its scale state calibrated.
+
+    Flax's scales start at 1; a training step's gradient of its FP8
+    collection calibrates them, as for fp8jax's delayed row.
+    """
     op = op_cls()
     variables = op.init(jax.random.key(0), x, w, dims)
+    train = jax.jit(jax.value_and_grad(
+        lambda v, x, w: op.apply(v, x, w, dims).astype(jnp.float32).sum(), argnums=(0, 1, 2)
+    ))  # fmt: skip
+    variables = calibrate_flax_state(train, [variables, x, w])
     return jax.jit(lambda v, x, w: op.apply(v, x, w, dims)), (variables, x, w)
 
 

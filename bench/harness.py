@@ -267,6 +267,7 @@ def measure(
     devices: int = 1,
     carry: bool = False,
     state_arg: int | None = None,
+    flax_fp8_state: bool = False,
 ) -> dict:
     """One benchmark row: compiled once, then timed, counted and (optionally) traced.
 
@@ -279,6 +280,10 @@ def measure(
     and the optimized HLO is written next to the trace (``compiled.hlo.txt``):
     a live compile can differ from a deviceless one (autotuned GEMMs, layouts).
     ``carry`` is :func:`time_ms`'s, for steps that donate their state.
+
+    ``flax_fp8_state``: the first argument is a Flax variables dict whose FP8
+    collection the step's gradient updates (``value_and_grad(loss,
+    argnums=(0, ...))``); it is calibrated likewise (:func:`calibrate_flax_state`).
 
     ``state_arg``: the index of an argument that holds fp8jax's delayed-scaling
     state (or None), for a step ``value_and_grad(loss, argnums=(..., state_arg,
@@ -296,6 +301,8 @@ def measure(
     args = list(args)
     if state_arg is not None and args[state_arg] is not None:
         args[state_arg] = calibrate_state(compiled, args, state_arg)
+    if flax_fp8_state:
+        args[0] = calibrate_flax_state(compiled, args)
     row = {"name": name, "compile_s": compile_s, **_timed(compiled, args, 5, iters, carry), **facts}
     if trace_dir:
         where = os.path.join(trace_dir, name)
@@ -339,6 +346,23 @@ def calibrate_state(step, args: list, state_arg: int, steps: int = CALIBRATION_S
         _, grads = step(*args[:state_arg], state, *args[state_arg + 1 :])
         state = jax.block_until_ready(fp8jax.take_new_state(state, grads[state_arg]))
     return state
+
+
+def calibrate_flax_state(step, args: list, steps: int = CALIBRATION_STEPS) -> dict:
+    """Flax's variables ``args[0]`` with their FP8 collection after ``steps`` training steps.
+
+    Flax's FP8 ops keep their amax histories and scales in the
+    ``_overwrite_with_gradient`` collection, whose "gradient" is its new
+    value; a Flax training loop swaps it in every step. Fresh, its scales
+    are 1, and a benchmark gradient quantizes to zeros, as fp8jax's own
+    delayed state does (:func:`calibrate_state`).
+    """
+    variables = args[0]
+    for _ in range(steps):
+        _, grads = step(variables, *args[1:])
+        new = grads[0][fp8_ops.OVERWRITE_WITH_GRADIENT]
+        variables = jax.block_until_ready({**variables, fp8_ops.OVERWRITE_WITH_GRADIENT: new})
+    return variables
 
 
 def _clock_note(row: dict) -> str:

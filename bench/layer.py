@@ -163,7 +163,15 @@ def main():
         trace = os.path.join(args.trace, name) if args.trace and name != "bf16" else None
         state_arg = 2 if name.startswith("fp8jax") else None  # (params, x, state, r)
         rows.append(
-            measure(name, fn, *fn_args, iters=args.iters, trace_dir=trace, state_arg=state_arg)
+            measure(
+                name,
+                fn,
+                *fn_args,
+                iters=args.iters,
+                trace_dir=trace,
+                state_arg=state_arg,
+                flax_fp8_state=name.startswith("flax_fp8"),
+            )
         )
     print_table(f"TransformerLayer fwd+bwd, preset {args.preset}", rows, "bf16")
     if args.out:

@@ -230,7 +230,15 @@ def run_case(tokens, hidden, ffn, activations, iters, names=None, trace_dir=None
         fn, args = make(x, ffn, activations)
         traced = trace_dir if trace_dir and name != "bf16" else None
         state_arg = 2 if name.startswith("fp8jax") else None  # (params, x, state, r)
-        row = measure(name, fn, *args, iters=iters, trace_dir=traced, state_arg=state_arg)
+        row = measure(
+            name,
+            fn,
+            *args,
+            iters=iters,
+            trace_dir=traced,
+            state_arg=state_arg,
+            flax_fp8_state=name.startswith("flax_fp8"),
+        )
         rows.append(row | {"tflops": gemm_flops / row["median_ms"] / 1e9})
     return rows
 

@@ -139,3 +139,30 @@ def test_a_calibrated_delayed_state_keeps_the_benchmark_gradient_from_quantizing
     # 3 bits on x; 0.15 of the largest entry bounds their product's error over
     # 16384 terms of random sign, whose errors partly cancel.
     assert float(jnp.abs(w_grad - exact).max()) <= 0.15 * float(jnp.abs(exact).max())
+
+
+def test_flax_fp8_state_is_calibrated_before_timing_as_a_flax_training_loop_would():
+    # Flax's Fp8DirectDotGeneralOp starts with scales of 1 and amax histories
+    # of 0: the benchmark gradient (r / size) would quantize to zeros in E5M2.
+    import flax.linen as nn
+    import jax
+    from flax.linen import fp8_ops
+
+    owg = fp8_ops.OVERWRITE_WITH_GRADIENT
+    model = nn.Dense(64, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)
+    x = jax.random.normal(jax.random.key(0), (16384, 32), jnp.float32)
+    r = harness.output_cotangent((16384, 64))
+    variables = model.init(jax.random.key(1), x)
+
+    def loss(variables, x, r):
+        return harness.output_loss(model.apply(variables, x), r)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    assert float(jnp.abs(step(variables, x, r)[1][0]["params"]["kernel"]).max()) == 0.0
+
+    calibrated = harness.calibrate_flax_state(step, [variables, x, r])
+    scales = calibrated[owg]["Fp8DirectDotGeneralOp_0"]
+    gradient_amax = float(jnp.abs(r.astype(jnp.float32)).max()) / r.size
+    # Flax stores the inverse of the scale it multiplies by: amax / 57344.
+    assert float(scales["output_grad_scale"][0]) == pytest.approx(gradient_amax / 57344, rel=1e-2)
+    assert float(jnp.abs(step(calibrated, x, r)[1][0]["params"]["kernel"]).max()) > 0.0
