@@ -24,6 +24,7 @@ import numpy as np
 
 from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
 from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul
+from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import BlockScaling
 
 
@@ -65,4 +66,4 @@ def _block_dot_bwd(config: BlockDotConfig, residuals, g):
     return d_a, d_b
 
 
-block_dot.defvjp(_block_dot_fwd, _block_dot_bwd)
+block_dot.defvjp(*saved_as_bits(_block_dot_fwd, _block_dot_bwd))

@@ -20,6 +20,7 @@ from fp8jax.formats import is_fp8
 from fp8jax.ops import _partitioning, dimensions, fine_grained, gemm
 from fp8jax.ops.operand import Fp8Layout
 from fp8jax.ops.quantizing import quantize_operand
+from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.ops.split import Split, SplitGradient
 from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
@@ -103,7 +104,7 @@ def _fp8_dot_bwd(config: DotConfig, residuals: DotResiduals, g):
     return _partitioning.match_cotangents((d_lhs, d_rhs, d_bias), new_state, config.inputs)
 
 
-_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+_fp8_dot.defvjp(*saved_as_bits(_fp8_dot_fwd, _fp8_dot_bwd))
 
 
 def check_state(state, recipe, group=DotScaleState) -> None:

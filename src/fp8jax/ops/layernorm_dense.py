@@ -25,6 +25,7 @@ from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
 from fp8jax.ops.operand import Fp8Layout
 from fp8jax.ops.quantizing import quantize_operand
+from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.ops.split import SplitGradient, make_split
 from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import Recipe, resolve_recipe
@@ -92,7 +93,7 @@ def _ln_dense_bwd(config: FusedConfig, saved: LnDenseResiduals, cotangent):
                                           config.inputs)  # fmt: skip
 
 
-_ln_dense.defvjp(_ln_dense_fwd, _ln_dense_bwd)
+_ln_dense.defvjp(*saved_as_bits(_ln_dense_fwd, _ln_dense_bwd))
 
 
 def layernorm_dense(

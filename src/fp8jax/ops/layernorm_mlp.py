@@ -34,6 +34,7 @@ from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
 from fp8jax.ops.operand import Fp8Layout, QuantizedOperand, from_kernel, inverse, transposed_copy
 from fp8jax.ops.quantizing import Recomputed, amax_for_update, quantize_operand
+from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import Fp8Array, amax, check_high_precision
 from fp8jax.recipes import Recipe, resolve_recipe
 from fp8jax.scaling import MlpScaleState, scale_from_amax, update_group
@@ -215,7 +216,7 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved: MlpResiduals, dpre: Qu
     return _partitioning.match_cotangents(cotangents, new_state, config.inputs)
 
 
-_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+_mlp.defvjp(*saved_as_bits(_mlp_fwd, _mlp_bwd))
 
 
 def _activation_kernel(pre, config: FusedConfig) -> dispatch.Placement:

@@ -61,6 +61,7 @@ from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.kernels import dispatch
 from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import _partitioning
+from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 from fp8jax.scaling import scale_from_amax
@@ -231,7 +232,7 @@ def _bwd(config: RaggedConfig, residuals, g):
     return d_lhs, d_rhs, d_sizes
 
 
-_fp8_ragged.defvjp(_fwd, _bwd)
+_fp8_ragged.defvjp(*saved_as_bits(_fwd, _bwd))
 
 
 def _check(lhs, rhs, group_sizes) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax.fine_quantize import quantize_rows
+from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import RowwiseScaling
 
 
@@ -94,4 +95,4 @@ def _row_dot_bwd(config: RowDotConfig, residuals, g):
     return d_a, d_b
 
 
-row_dot.defvjp(_row_dot_fwd, _row_dot_bwd)
+row_dot.defvjp(*saved_as_bits(_row_dot_fwd, _row_dot_bwd))

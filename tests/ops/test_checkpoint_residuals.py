@@ -1,0 +1,74 @@
+"""FP8 ops under ``jax.checkpoint`` with a policy that saves their residuals.
+
+JAX rounds every saved floating residual with ``reduce_precision`` at its
+dtype's ``finfo``, IEEE semantics: for float8_e4m3fn that turns values above
+240 into Inf/NaN, and current scaling puts each tensor's amax at 448. The ops
+save their FP8 residuals as uint8 bits (fp8jax.ops.residuals), so a remat
+policy changes nothing: values and gradients are bitwise those without it.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fp8jax
+
+EVERYTHING = jax.checkpoint_policies.everything_saveable
+
+
+def _x_w(k=128, n=64):
+    x = jax.random.normal(jax.random.key(0), (64, k), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (k, n), jnp.float32) * 0.1
+    return x, w
+
+
+def _same_with_and_without_checkpoint(loss, *args):
+    plain = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))(*args)
+    saved = jax.jit(
+        jax.value_and_grad(jax.checkpoint(loss, policy=EVERYTHING), argnums=tuple(range(len(args))))
+    )(*args)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(saved), strict=True):
+        assert bool(jnp.isfinite(b).all())
+        assert bool(jnp.array_equal(a, b)), float(jnp.abs(a - b).max())
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.CurrentScaling(), fp8jax.RowwiseScaling(), fp8jax.BlockScaling()],
+    ids=lambda r: type(r).__name__,
+)  # fmt: skip
+def test_dense_under_an_everything_saveable_checkpoint(recipe):
+    x, w = _x_w()
+    _same_with_and_without_checkpoint(
+        lambda x, w: jnp.sum(fp8jax.dense(x, w, recipe=recipe) ** 2), x, w
+    )
+
+
+def test_the_fused_ops_under_an_everything_saveable_checkpoint():
+    x, w = _x_w()
+    gamma, beta = jnp.ones((128,)), jnp.zeros((128,))
+    k1 = jax.random.normal(jax.random.key(2), (128, 2, 256)) * 0.1
+    k2 = jax.random.normal(jax.random.key(3), (256, 128)) * 0.1
+
+    def loss(x, w, k1, k2):
+        y = fp8jax.layernorm_dense(x, gamma, beta, w)
+        z = fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=("silu", "linear"))
+        return jnp.sum(y**2) + jnp.sum(z**2)
+
+    _same_with_and_without_checkpoint(loss, x, w, k1, k2)
+
+
+def test_ragged_dot_under_an_everything_saveable_checkpoint():
+    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (4, 128, 32), jnp.float32) * 0.1
+    sizes = jnp.array([16, 0, 40, 8], jnp.int32)
+    _same_with_and_without_checkpoint(
+        lambda x, w: jnp.sum(fp8jax.ragged_dot(x, w, sizes) ** 2), x, w
+    )
+
+
+def test_no_fp8_residual_is_rounded_by_the_checkpoint():
+    x, w = _x_w()
+    grad = jax.grad(jax.checkpoint(lambda x, w: jnp.sum(fp8jax.dense(x, w)), policy=EVERYTHING))
+    text = str(jax.make_jaxpr(grad)(x, w))
+    rounded = [line for line in text.splitlines() if "reduce_precision" in line and ":f8" in line]
+    assert rounded == []
