@@ -33,11 +33,11 @@ from fp8jax.ops._fused import ACTIVATIONS, FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
 from fp8jax.ops.operand import Fp8Layout, QuantizedOperand, from_kernel, inverse, transposed_copy
-from fp8jax.ops.quantizing import Recomputed, amax_for_update, quantize_operand
+from fp8jax.ops.quantizing import Recomputed, amax_for_update, current_scale, quantize_operand
 from fp8jax.ops.residuals import saved_as_bits
-from fp8jax.quantize import Fp8Array, amax, check_high_precision
+from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import Recipe, resolve_recipe
-from fp8jax.scaling import MlpScaleState, scale_from_amax, update_group
+from fp8jax.scaling import MlpScaleState, update_group
 
 
 def gated(pre, activations, axis=-2):
@@ -250,10 +250,8 @@ def _activation_scale(pre, b1, config: FusedConfig):
     activation again, so no bf16 copy of it reaches HBM
     (docs/design.md#the-activation-cast-under-current-scaling).
     """
-    recipe, fmt = config.recipe, config.recipe.formats.forward
     h = _activation(pre, b1, config.activations).astype(config.x_dtype)
-    h_amax = _partitioning.reduce_amax(amax(h), recipe)
-    return scale_from_amax(h_amax, fmt.max, recipe.margin, fallback=1.0)
+    return current_scale(h, config.recipe.formats.forward, config.recipe)
 
 
 def _rows(pre, b1):

@@ -129,6 +129,15 @@ def amax_for_update(maxima: jax.Array, recipe: Recipe) -> jax.Array:
     return _partitioning.reduce_amax(maxima, recipe)
 
 
+def current_scale(value: jax.Array, fmt: Fp8Format, recipe: Recipe) -> jax.Array:
+    """Current scaling's scale for ``value``, from its amax over every device holding a part.
+
+    For a kernel that casts ``value`` itself but needs the scale first (the
+    forward activation kernel, docs/design.md#the-activation-cast-under-current-scaling).
+    """
+    return _scale(_partitioning.reduce_amax(amax(value), recipe), fmt, None, recipe)
+
+
 def _scale(x_amax, fmt: Fp8Format, state: ScaleState | None, recipe: Recipe) -> jax.Array:
     if state is None:
         return scale_from_amax(x_amax, fmt.max, recipe.margin, fallback=1.0)
