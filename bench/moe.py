@@ -17,7 +17,11 @@ Part ``tiles``: the grouped GEMM alone under each of :data:`TILINGS`; the
 fastest is then used by that shape's other parts.
 
 Part ``block``: the MoE block forward and backward (router and permutation
-included) with fp8jax's FP8 experts vs the same block in BF16.
+included) with fp8jax's FP8 experts against two BF16 blocks from the same
+parameters: the library's block with ``lax.ragged_dot`` experts, and
+:func:`capacity_moe` (capacity-factor buffers and batched einsums, the way
+a Flax user writes an MoE without grouped GEMMs; it drops slots past
+1.25x a balanced share, so it may do less work than the others).
 
     cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,block] [--shape deepseek,mixtral]
         [--iters N] [--out F]
@@ -33,10 +37,12 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from harness import dump, environment, time_ms
 from jax import lax
 
 import fp8jax
+from fp8jax.flax import _moe
 from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import ragged_dot as rd
 
@@ -84,10 +90,12 @@ def _row(name, fn, args, flops, iters=None):
 
 TILINGS = (
     gg.Tiles(),
-    gg.Tiles(m=128, n=128, k=128, warps=8, stages=3),
-    gg.Tiles(m=128, n=256, k=128, warps=8, stages=3),
     gg.Tiles(m=64, n=128, k=128, warps=4, stages=4),
+    gg.Tiles(m=64, n=256, k=128, warps=4, stages=3),
     gg.Tiles(m=128, n=128, k=64, warps=4, stages=4),
+    gg.Tiles(m=128, n=128, k=128, warps=8, stages=3),
+    gg.Tiles(m=128, n=256, k=64, warps=8, stages=3),
+    gg.Tiles(m=128, n=256, k=128, warps=8, stages=3),
 )
 
 
@@ -168,25 +176,77 @@ def gemm_rows(shape: Shape) -> list[dict]:
     return out
 
 
+CAPACITY_FACTOR = 1.25  # the BF16 capacity baseline's expert buffers: 1.25x a balanced share
+
+
+def capacity_moe(params, x, *, top_k: int, capacity_factor: float = CAPACITY_FACTOR):
+    """A BF16 MoE block as a Flax user writes one without grouped GEMMs: capacity buffers.
+
+    The same parameters and router as ``MoEBlock`` (softmax gating, SwiGLU);
+    each expert takes at most ``capacity`` token slots, in token order, into
+    an ``[experts, capacity, hidden]`` buffer (slots past it are dropped, as
+    in capacity-factor MoE layers), and the experts are two batched einsums.
+    """
+    p = nn.unbox(params)["params"]  # MoEBlock's parameters carry their logical axes
+    t, hidden = x.shape
+    e = p["router"].shape[-1]
+    gates, experts, _ = _moe.route(x, p["router"], top_k, "softmax")
+    capacity = -(-int(t * top_k * capacity_factor) // e)
+    flat = experts.reshape(-1)
+    onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)
+    slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)
+    keep = slot < capacity
+    dest = jnp.where(keep, flat * capacity + slot, e * capacity)
+    rows = jnp.repeat(x, top_k, axis=0)
+    buf = jnp.zeros((e * capacity + 1, hidden), x.dtype).at[dest].set(rows)
+    xe = buf[:-1].reshape(e, capacity, hidden)
+    h = jnp.einsum("ech,ehgf->ecgf", xe, p["wi"].astype(x.dtype))
+    a = (jax.nn.silu(h[:, :, 0].astype(F32)) * h[:, :, 1].astype(F32)).astype(x.dtype)
+    ye = jnp.einsum("ecf,efh->ech", a, p["wo"].astype(x.dtype)).reshape(-1, hidden)
+    ys = jnp.concatenate([ye, jnp.zeros((1, hidden), ye.dtype)])[dest]
+    weights = jnp.where(keep.reshape(t, top_k), gates, 0.0)
+    y = jnp.einsum("tkh,tk->th", ys.reshape(t, top_k, hidden).astype(F32), weights)
+    if "shared_wi" in p:
+        hs = jnp.einsum("th,hgf->tgf", x, p["shared_wi"].astype(x.dtype))
+        a_s = (jax.nn.silu(hs[:, 0].astype(F32)) * hs[:, 1].astype(F32)).astype(x.dtype)
+        y = y + (a_s @ p["shared_wo"].astype(x.dtype)).astype(F32)
+    return y.astype(x.dtype)
+
+
 def block_rows(shape: Shape) -> list[dict]:
+    """fwd+bwd of the block: fp8jax's MoEBlock, the same block in BF16 (``lax.ragged_dot``
+    experts) and :func:`capacity_moe`, all from the same BF16 parameters."""
     from fp8jax.flax.linen import moe as lmoe
 
     print(f"\nMoE block fwd+bwd: {shape}", flush=True)
     x = jax.random.normal(jax.random.key(0), (shape.tokens, shape.hidden), BF16)
     gy = jax.random.normal(jax.random.key(1), x.shape, BF16)
-    useful = 3 * 2 * shape.tokens * shape.top_k * shape.hidden * shape.ffn * 3
-    out = []
-    for name, fp8 in (("fp8jax", True), ("bf16", False)):
+    experts = 2 * shape.tokens * shape.top_k * shape.hidden * shape.ffn * 3
+    shared = 2 * shape.tokens * shape.hidden * shape.ffn * shape.shared * 3
+    useful = 3 * (experts + shared)
+
+    def make(fp8):
         block = lmoe.MoEBlock(num_experts=shape.experts, top_k=shape.top_k, ffn=shape.ffn,
                               shared_experts=shape.shared, fp8=fp8, dtype=BF16)  # fmt: skip
-        variables = block.init(jax.random.key(2), x)
-        params = jax.tree.map(lambda p: p.astype(BF16) if p.ndim > 1 else p, variables)
 
-        def step(params, x, gy, block=block):
-            def f(params, x):
-                y, _ = block.apply(params, x, mutable=["intermediates"])
-                return y
+        def apply(params, x):
+            y, _ = block.apply(params, x, mutable=["intermediates"])
+            return y
 
+        return block, apply
+
+    block, _ = make(True)
+    variables = block.init(jax.random.key(2), x)
+    params = jax.tree.map(lambda p: p.astype(BF16) if p.ndim > 1 else p, variables)
+    variants = (
+        ("fp8jax", make(True)[1]),
+        ("bf16_capacity", functools.partial(capacity_moe, top_k=shape.top_k)),
+        ("bf16_ragged_dot", make(False)[1]),
+    )
+    out = []
+    for name, f in variants:
+
+        def step(params, x, gy, f=f):
             _, vjp = jax.vjp(f, params, x)
             return vjp(gy)
 

@@ -185,6 +185,36 @@ def test_kernels_in_interpret_mode_match_their_xla_twins(tiles):
     assert not np.asarray(got[1]).any()  # the empty group's gradient
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [gg.TILES, gg.Tiles(m=128, n=128, k=128, warps=8, stages=3)],
+                         ids=("default", "large"))  # fmt: skip
+def test_kernels_on_the_gpu_match_their_xla_twins(tiles):
+    """The kernels on Hopper's FP8 tensor cores, accumulating there (triton_fp8_dot.accumulate).
+
+    The tensor core sums FP8 products in a narrower accumulator than f32
+    (DeepSeek-V3 reports about 14 bits kept), so the kernel and XLA's
+    path differ by more than f32 rounding; the bound, 2**-10 of the largest
+    value, is still far below E4M3's own rounding (2**-4) at k = 1024.
+    """
+    m, k, n, sizes = 1000, 1024, 384, [300, 0, 257, 320, 123]
+    x, w, gs, g = _inputs(m, k, n, sizes, seed=7)
+    run = jax.jit(_value_and_grads)
+    with gg.use_tiles(tiles):
+        got = run(x, w, gs, g)
+    with fp8jax.kernels.use_pallas(False):
+        want = jax.jit(_value_and_grads)(x, w, gs, g)
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        scale = float(jnp.max(jnp.abs(b)))
+        assert float(jnp.max(jnp.abs(a - b))) <= 2**-10 * scale, name
+    refs = _products(x, w, gs, g)
+    for name, value in zip(("y", "dx", "dw"), got, strict=True):
+        want, abs_product = refs[name]
+        err = np.abs(_f64(value) - _f64(want))
+        budget = _budget(name, abs_product, x, w, g, n if name == "dx" else k)
+        budget += 2**-10 * float(np.abs(_f64(want)).max())  # the tensor core's accumulator
+        assert (err <= budget).all(), (name, float((err - budget).max()))
+
+
 def test_traced_invalid_sizes_follow_the_documented_clipping():
     # Inside jit sizes cannot be checked: a negative size is an empty group,
     # rows past m are dropped; both paths agree with lax on valid ends.

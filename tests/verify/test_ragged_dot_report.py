@@ -1,5 +1,10 @@
 """The verifier counts fp8jax.ragged_dot's grouped GEMMs (Pallas kernels), deviceless."""
 
+import pathlib
+import re
+import shutil
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,14 +22,27 @@ def _fwd_bwd(x, w, sizes, g):
 
 
 @pytest.fixture(scope="module")
-def hlo():
+def compiled():
+    """The fwd+bwd's optimized HLO, and the PTX of every kernel in it."""
     args = (
         jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
         jax.ShapeDtypeStruct((G, K, N), jnp.bfloat16),
         jax.ShapeDtypeStruct((G,), jnp.int32),
         jax.ShapeDtypeStruct((M, N), jnp.bfloat16),
     )
-    return verify.compile_for(_fwd_bwd, *args, target="h100")
+    dump = tempfile.mkdtemp(prefix="fp8jax_ragged_dot_")
+    flags = f"{fp8jax.xla_options.as_xla_flags()} --xla_dump_to={dump}"
+    try:
+        hlo = verify.compile_for(_fwd_bwd, *args, target="h100", xla_flags=flags)
+        ptx = {p.name: p.read_text() for p in pathlib.Path(dump).glob("*.ptx")}
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+    return hlo, ptx
+
+
+@pytest.fixture(scope="module")
+def hlo(compiled):
+    return compiled[0]
 
 
 def test_grouped_gemms_are_reported_fp8_with_their_operand_dtypes(hlo):
@@ -52,3 +70,28 @@ def test_a_grouped_gemm_on_wider_operands_is_not_fp8(hlo):
     assert len(report.gemms) == 3
     assert sorted(g.backend for g in report.gemms) == ["pallas", "pallas", "pallas-fp8"]
     assert len(report.non_fp8_gemms) == 2
+
+
+def _kernel_ptx(ptx: dict[str, str], entry: str) -> str:
+    [text] = [t for t in ptx.values() if re.search(rf"\.entry {entry}\b", t)]
+    return text
+
+
+@pytest.mark.parametrize(
+    "entry, mma",
+    [
+        ("fp8jax_grouped_gemm", "e4m3.e4m3"),
+        ("fp8jax_grouped_gemm__1", "e5m2.e5m2"),
+        ("fp8jax_grouped_gemm_wgrad", "e5m2.e5m2"),
+    ],
+)
+def test_grouped_kernels_accumulate_on_fp8_tensor_cores(compiled, entry, mma):
+    # Hopper's FP8 wgmma (not f16 mma.sync on operands converted in registers),
+    # accumulating into the loop's accumulator on the tensor core: one MMA may
+    # stay in flight while the next loads (wait_group 1), and no f32 add sums
+    # the products with CUDA cores (fp8jax.kernels.triton_fp8_dot.accumulate).
+    text = _kernel_ptx(compiled[1], entry)
+    assert re.search(rf"wgmma\.mma_async\S*\.f32\.{mma}\b", text), entry
+    assert "mma.sync" not in text and "cvt.rn.f16x2" not in text
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text)
+    assert not re.search(r"\badd\.(rn\.)?f32\b", text)

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8jax.kernels import triton_fp8_dot
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
@@ -201,8 +203,7 @@ def _grouped_kernel(tiles: Tiles, k_steps, tg_ref, scale_ref, a_ref, b_ref, o_re
             k0 = pl.multiple_of(step * tiles.k, tiles.k)
             a = a_ref[:, pl.ds(k0, tiles.k)]
             b = b_ref[group, pl.ds(j * tiles.n, tiles.n), pl.ds(k0, tiles.k)]
-            return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)  # fmt: skip
+            return triton_fp8_dot.accumulate(acc, a, b)
 
         acc = lax.fori_loop(0, k_steps, body, jnp.zeros((tiles.m, tiles.n), jnp.float32))
         o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
@@ -250,8 +251,7 @@ def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_r
         r0 = pl.multiple_of((start + t) * tiles.m, tiles.m)
         a = a_ref[pl.ds(i * tiles.n, tiles.n), pl.ds(r0, tiles.m)]
         b = b_ref[pl.ds(j * tiles.n, tiles.n), pl.ds(r0, tiles.m)]
-        return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)  # fmt: skip
+        return triton_fp8_dot.accumulate(acc, a, b)
 
     acc = lax.fori_loop(0, count_ref[0], body, jnp.zeros((tiles.n, tiles.n), jnp.float32))
     o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)

@@ -1,0 +1,41 @@
+"""bench/moe.py's BF16 capacity baseline computes the MoE block it stands in for."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import moe  # noqa: E402
+
+from fp8jax.flax.linen import MoEBlock  # noqa: E402
+
+
+def _block_and_params(shared):
+    block = MoEBlock(num_experts=4, top_k=2, ffn=32, shared_experts=shared, fp8=False)
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    return block, block.init(jax.random.key(1), x), x
+
+
+def test_with_room_for_every_slot_it_equals_the_library_block():
+    # Capacity for all slots (factor = experts): nothing dropped, the same sums.
+    for shared in (0, 1):
+        block, params, x = _block_and_params(shared)
+        want, _ = block.apply(params, x, mutable=["intermediates"])
+        got = moe.capacity_moe(params, x, top_k=2, capacity_factor=4.0)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_slots_past_the_capacity_are_dropped():
+    block, params, x = _block_and_params(0)
+    want, _ = block.apply(params, x, mutable=["intermediates"])
+    got = moe.capacity_moe(params, x, top_k=2, capacity_factor=0.25)
+    # A quarter of a balanced share: most slots dropped, so most rows differ,
+    # and a token whose two slots are both dropped gives zero.
+    differs = np.abs(np.asarray(got - want)).max(axis=1) > 1e-4
+    assert differs.mean() > 0.5
+    assert (np.abs(np.asarray(got)).max(axis=1) == 0).any()
+    assert jnp.isfinite(got).all()
