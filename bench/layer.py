@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 
 import flax.linen as nn
@@ -131,7 +132,13 @@ def fp8jax_variant(x, shape, attention, recipe):
     return step, (params, x, state, output_cotangent(x.shape))
 
 
-VARIANTS = standard_variants(flax_variant, fp8jax_variant)
+VARIANTS = standard_variants(flax_variant, fp8jax_variant) | {
+    # The fine-grained recipes (not in the default --variants): one scale per row,
+    # and DeepSeek-V3's 1x128 / 128x128 blocks.
+    "fp8jax_row": functools.partial(fp8jax_variant, recipe=fp8jax.RowwiseScaling()),
+    "fp8jax_block": functools.partial(fp8jax_variant, recipe=fp8jax.BlockScaling()),
+}
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("fp8jax_row", "fp8jax_block")]
 
 
 def main():
@@ -140,7 +147,7 @@ def main():
     parser.add_argument("--batch", type=int, default=None, help="override the preset's batch")
     parser.add_argument("--attention", default="cudnn", help="cudnn on the GPU, xla elsewhere")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     parser.add_argument("--trace", default=None, help="profile the FP8 variants here")
     add_loss_argument(parser)
     parser.add_argument("--out", default=None)

@@ -185,34 +185,31 @@ def test_kernels_in_interpret_mode_match_their_xla_twins(tiles):
     assert not np.asarray(got[1]).any()  # the empty group's gradient
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [gg.TILES, gg.Tiles(m=128, n=128, k=128, warps=8, stages=3)],
-                         ids=("default", "large"))  # fmt: skip
-def test_kernels_on_the_gpu_match_their_xla_twins(tiles):
-    """The kernels on Hopper's FP8 tensor cores, accumulating there (triton_fp8_dot.accumulate).
+# Hopper's FP8 MMAs sum 32 products per step in an accumulator that keeps
+# about 14 bits (DeepSeek-V3's measurement, its reason to promote to f32 every
+# 128 of K), and the kernels chain the steps on the tensor core: each of the
+# k / 32 steps may lose 2**-13 of the running sum, bounded by sum |a_j b_j|.
+ACCUMULATOR_STEP = 2.0**-13
 
-    The tensor core sums FP8 products in a narrower accumulator than f32
-    (DeepSeek-V3 reports about 14 bits kept), so the kernel and XLA's
-    path differ by more than f32 rounding; the bound, 2**-10 of the largest
-    value, is still far below E4M3's own rounding (2**-4) at k = 1024.
-    """
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [gg.TILES, gg.Tiles(m=64, n=128, k=64, warps=4)],
+                         ids=("default", "small"))  # fmt: skip
+def test_kernels_on_the_gpu_within_fp8_budgets(tiles):
+    """The kernels on Hopper's FP8 tensor cores (triton_fp8_dot.accumulate), against f32."""
     m, k, n, sizes = 1000, 1024, 384, [300, 0, 257, 320, 123]
     x, w, gs, g = _inputs(m, k, n, sizes, seed=7)
-    run = jax.jit(_value_and_grads)
     with gg.use_tiles(tiles):
-        got = run(x, w, gs, g)
-    with fp8jax.kernels.use_pallas(False):
-        want = jax.jit(_value_and_grads)(x, w, gs, g)
-    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
-        scale = float(jnp.max(jnp.abs(b)))
-        assert float(jnp.max(jnp.abs(a - b))) <= 2**-10 * scale, name
+        got = jax.jit(_value_and_grads)(x, w, gs, g)
     refs = _products(x, w, gs, g)
+    contraction = {"y": k, "dx": n, "dw": max(sizes)}
     for name, value in zip(("y", "dx", "dw"), got, strict=True):
         want, abs_product = refs[name]
         err = np.abs(_f64(value) - _f64(want))
         budget = _budget(name, abs_product, x, w, g, n if name == "dx" else k)
-        budget += 2**-10 * float(np.abs(_f64(want)).max())  # the tensor core's accumulator
+        budget += -(-contraction[name] // 32) * ACCUMULATOR_STEP * _f64(abs_product)
         assert (err <= budget).all(), (name, float((err - budget).max()))
+        assert float(err.max()) > 0
 
 
 def test_traced_invalid_sizes_follow_the_documented_clipping():

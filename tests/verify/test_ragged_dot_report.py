@@ -52,12 +52,13 @@ def test_grouped_gemms_are_reported_fp8_with_their_operand_dtypes(hlo):
     # lax.ragged_dot) and no other GEMM anywhere.
     report = verify.gemm_report(hlo)
     rows = sorted((g.target, g.lhs_dtype, g.rhs_dtype, g.out_shape) for g in report.gemms)
-    tile = grouped_gemm.TILES.m
-    padded = -(-(M + G * (tile - 1)) // tile) * tile  # the kernels' padded rows
+    tiles = grouped_gemm.TILES
+    padded = -(-(M + G * (tiles.m - 1)) // tiles.m) * tiles.m  # the kernels' padded rows
+    k, n = (-(-d // tiles.n) * tiles.n for d in (K, N))  # whole column tiles, sliced after
     assert rows == [
-        ("fp8jax_grouped_gemm", "f8e4m3fn", "f8e4m3fn", (padded, N)),
-        ("fp8jax_grouped_gemm", "f8e5m2", "f8e5m2", (padded, K)),
-        ("fp8jax_grouped_gemm_wgrad", "f8e5m2", "f8e5m2", (G, K, N)),
+        ("fp8jax_grouped_gemm", "f8e4m3fn", "f8e4m3fn", (padded, n)),
+        ("fp8jax_grouped_gemm", "f8e5m2", "f8e5m2", (padded, k)),
+        ("fp8jax_grouped_gemm_wgrad", "f8e5m2", "f8e5m2", (G, k, n)),
     ]
     assert {g.backend for g in report.gemms} == {"pallas-fp8"}
     assert len(report.fp8_gemms) == 3

@@ -30,8 +30,12 @@ from jax import lax
 from fp8jax.kernels import dispatch, triton_fp8_dot
 
 BLOCK = 128  # the K slice each scale covers
-# Output tile rows x columns per program, warps and pipeline stages.
-TILE_M, TILE_N, WARPS, STAGES = 128, 128, 4, 4
+# Output tile rows x columns per program, warps and pipeline stages. Each step
+# waits for its MMA before scaling the product, so the tensor cores idle unless
+# other programs on the SM fill in: 64 x 128 tiles with 4 warps leave room for
+# several per SM and ran 1.9x 128 x 128 with 8 warps at 8192^3 on an H200
+# (docs/design.md#the-block-scaled-gemm-kernel).
+TILE_M, TILE_N, WARPS, STAGES = 64, 128, 4, 3
 KERNEL_NAME = "fp8jax_block_scaled_gemm"
 
 

@@ -49,14 +49,15 @@ class Tiles:
     contracts ``m`` rows at a time.
     """
 
-    m: int = 64
-    n: int = 128
-    k: int = 64
-    warps: int = 4
-    stages: int | None = None
+    m: int = 128
+    n: int = 256
+    k: int = 128
+    warps: int = 8
+    stages: int | None = 3
 
 
-# The tiling every kernel is traced with; bench/moe.py --part tiles compares others.
+# The tiling every kernel is traced with: the fastest of bench/moe.py --part tiles's
+# seven on an H200 for both of its shapes (docs/design.md#grouped-expert-gemms).
 TILES = Tiles()
 
 
