@@ -127,13 +127,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from fp8jax.compare import CompareError, compare
+    from fp8jax.compare import DEFAULT_TOLERANCE, CompareError, compare
 
+    tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
     try:
-        text, png = compare(args.runs, args.out, args.title)
+        text, png, numbers = compare(
+            args.runs, args.out, args.title, tolerance=tolerance, per_run=args.per_run
+        )
     except CompareError as e:
         return _error("compare", str(e), 2)
     print(text)
+    print(f"json: {numbers}")
     print(f"plot: {png}")
     return 0
 
@@ -218,12 +222,31 @@ def _add_compare(sub) -> None:
         help="Loss curves of fp8jax train runs in one PNG, and a table of final losses.",
         description=(
             "Plot the train and validation losses of runs (their --out directories) and print "
-            "their final losses, tokens/s and relative gaps to the first run."
+            "their final losses, tokens/s and relative gaps to the first run. Runs whose "
+            "config.json differs only in the seed form one group: the table then gives each "
+            "group's mean, min and max final validation loss over its seeds and whether its "
+            "mean is within the first group's seed range and within --tolerance of its mean. "
+            "The table is also written as JSON beside the plot."
         ),
     )
-    p.add_argument("runs", nargs="+", help="run directories; the first is the reference")
+    p.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run directories; the first's group is the reference"
+    )
     p.add_argument("--out", help="PNG path (default: compare.png beside the first run)")
     p.add_argument("--title", help="plot title")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        metavar="FRACTION",
+        help="how close a group's mean final validation loss must be to the reference mean, "
+        "as a fraction (default 0.005: 0.5%%)",
+    )
+    p.add_argument(
+        "--per-run",
+        action="store_true",
+        help="compare every run on its own, not grouped by configuration (e.g. one config and "
+        "seed before and after a code change)",
+    )
     p.set_defaults(func=_compare)
 
 
