@@ -16,6 +16,9 @@ the useful FLOPs (``2 * rows * k * n``):
 Part ``tiles``: the grouped GEMM alone under each of :data:`TILINGS`; the
 fastest is then used by that shape's other parts.
 
+Part ``backward``: the forward, dgrad and wgrad grouped GEMMs alone and the op's
+fwd+bwd, under each wgrad tiling of :data:`WGRAD_TILINGS`.
+
 Part ``block``: the MoE block forward and backward (router and permutation
 included) with fp8jax's FP8 experts against two BF16 blocks from the same
 parameters: the library's block with ``lax.ragged_dot`` experts, and
@@ -23,8 +26,8 @@ parameters: the library's block with ``lax.ragged_dot`` experts, and
 a Flax user writes an MoE without grouped GEMMs; it drops slots past
 1.25x a balanced share, so it may do less work than the others).
 
-    cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,block] [--shape deepseek,mixtral]
-        [--iters N] [--out F]
+    cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,backward,block]
+        [--shape deepseek,mixtral] [--iters N] [--out F]
 """
 
 from __future__ import annotations
@@ -176,6 +179,56 @@ def gemm_rows(shape: Shape) -> list[dict]:
     return out
 
 
+WGRAD_TILINGS = (
+    gg.Tiles(wgrad_n=128, wgrad_warps=8),
+    gg.Tiles(wgrad_n=128, wgrad_warps=4),
+    gg.Tiles(wgrad_n=256, wgrad_warps=8),
+)
+
+
+def backward_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
+    """Where ``fp8jax.ragged_dot``'s fwd+bwd goes: the forward, dgrad and wgrad grouped GEMMs
+    alone on FP8 operands (layout, padding and, for wgrad, the transposes included), and the
+    op's fwd+bwd, under each wgrad tiling of :data:`WGRAD_TILINGS` (the other kernels keep
+    :data:`gg.TILES`'s). Also returns the tiling whose fwd+bwd was fastest."""
+    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
+    print(f"\nbackward: rows {rows}, k {k}, n {n}, {g} experts", flush=True)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (rows, k), BF16)
+    w = (jax.random.normal(keys[1], (g, k, n), F32) * k**-0.5).astype(BF16)
+    gy = jax.random.normal(keys[2], (rows, n), BF16)
+    sizes = jnp.full((g,), rows // g, jnp.int32)
+    e4, e5 = fp8jax.E4M3.dtype, fp8jax.E5M2.dtype
+    x8, w8, g8 = x.astype(e5), w.astype(e5), gy.astype(e5)
+    one, scales = jnp.float32(1.0), jnp.ones((g,), F32)
+    flops = 2 * rows * k * n
+    out = [
+        _row("fp8jax_forward_gemm",
+             lambda a, b, s: rd._grouped(a, b, s, one, scales, BF16),
+             (x.astype(e4), jnp.swapaxes(w, 1, 2).astype(e4), sizes), flops),
+        _row("fp8jax_dgrad_gemm",
+             lambda a, b, s: rd._grouped(a, b, s, one, scales, BF16), (g8, w8, sizes), flops),
+    ]  # fmt: skip
+
+    def fwd_bwd(a, b, s, gy):
+        _, vjp = jax.vjp(lambda a, b: fp8jax.ragged_dot(a, b, s), a, b)
+        return vjp(gy)
+
+    base, best = gg.TILES, (float("inf"), gg.TILES)
+    for tiles in WGRAD_TILINGS:
+        tiles = dataclasses.replace(base, wgrad_n=tiles.wgrad_n, wgrad_warps=tiles.wgrad_warps)
+        label = f"wgrad {tiles.wgrad_n}x{tiles.wgrad_n} w{tiles.wgrad_warps}"
+        with gg.use_tiles(tiles):
+            out.append(_row(f"fp8jax_wgrad_gemm {label}",
+                            lambda a, b, s: rd._grouped_wgrad(a, b, s, one, g, BF16),
+                            (x8, g8, sizes), flops))  # fmt: skip
+            row = _row(f"fp8jax_op_fwd_bwd {label}", fwd_bwd, (x, w, sizes, gy), 3 * flops)
+        out.append(row)
+        if "median_ms" in row and row["median_ms"] < best[0]:
+            best = (row["median_ms"], tiles)
+    return out, best[1]
+
+
 CAPACITY_FACTOR = 1.25  # the BF16 capacity baseline's expert buffers: 1.25x a balanced share
 
 
@@ -254,10 +307,13 @@ def block_rows(shape: Shape) -> list[dict]:
     return out
 
 
+PARTS = ("tiles", "gemm", "backward", "block")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--part", default="all", help="all, or a comma-separated list of tiles, gemm, block"
+        "--part", default="all", help=f"all, or a comma-separated list of {', '.join(PARTS)}"
     )
     parser.add_argument("--shape", default="mixtral,deepseek",
                         help=f"comma-separated, in order, of {tuple(SHAPES)}")  # fmt: skip
@@ -267,7 +323,7 @@ def main():
     ITERS["n"] = args.iters
     payload = {"environment": environment(), "fp8_compiler_options": fp8jax.compiler_options(),
                "results": {}}  # fmt: skip
-    parts = {"tiles", "gemm", "block"} if args.part == "all" else set(args.part.split(","))
+    parts = set(PARTS) if args.part == "all" else set(args.part.split(","))
     for name in args.shape.split(","):
         shape = SHAPES[name]
         if "tiles" in parts:
@@ -276,6 +332,10 @@ def main():
             gg.TILES = best  # for this shape's other parts
         if "gemm" in parts:
             payload["results"][f"{name}/gemm"] = gemm_rows(shape)
+        if "backward" in parts:
+            payload["results"][f"{name}/backward"], best = backward_rows(shape)
+            payload["results"][f"{name}/best_backward_tiles"] = dataclasses.asdict(best)
+            gg.TILES = best  # for this shape's block
         if "block" in parts:
             payload["results"][f"{name}/block"] = block_rows(shape)
         if args.out:  # after each shape: a run cut short keeps what it measured

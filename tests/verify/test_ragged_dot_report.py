@@ -54,12 +54,16 @@ def test_grouped_gemms_are_reported_fp8_with_their_operand_dtypes(hlo):
     rows = sorted((g.target, g.lhs_dtype, g.rhs_dtype, g.out_shape) for g in report.gemms)
     tiles = grouped_gemm.TILES
     padded = -(-(M + G * (tiles.m - 1)) // tiles.m) * tiles.m  # the kernels' padded rows
-    k, n = (-(-d // tiles.n) * tiles.n for d in (K, N))  # whole column tiles, sliced after
+
+    def whole(d, tile):  # whole output tiles, sliced after
+        return -(-d // tile) * tile
+
     assert rows == [
-        ("fp8jax_grouped_gemm", "f8e4m3fn", "f8e4m3fn", (padded, n)),
-        ("fp8jax_grouped_gemm", "f8e5m2", "f8e5m2", (padded, k)),
-        ("fp8jax_grouped_gemm_wgrad", "f8e5m2", "f8e5m2", (G, k, n)),
-    ]
+        ("fp8jax_grouped_gemm", "f8e4m3fn", "f8e4m3fn", (padded, whole(N, tiles.n))),
+        ("fp8jax_grouped_gemm", "f8e5m2", "f8e5m2", (padded, whole(K, tiles.n))),
+        ("fp8jax_grouped_gemm_wgrad", "f8e5m2", "f8e5m2",
+         (G, whole(K, tiles.wgrad_n), whole(N, tiles.wgrad_n))),
+    ]  # fmt: skip
     assert {g.backend for g in report.gemms} == {"pallas-fp8"}
     assert len(report.fp8_gemms) == 3
     verify.assert_fp8_gemms(hlo=hlo, expect=3)

@@ -45,8 +45,8 @@ class Tiles:
     """The kernels' tiling: rows per tile (the padding granularity), output
     columns per tile, the contraction step (FP8 MMAs on Hopper contract 32
     elements at a time), warps and software-pipelining stages (None: Triton's
-    default). The wgrad kernel's output tiles are ``n`` x ``n`` and it
-    contracts ``m`` rows at a time.
+    default). The wgrad kernel's output tiles are ``wgrad_n`` x ``wgrad_n``,
+    on ``wgrad_warps`` warps, and it contracts ``m`` rows at a time.
     """
 
     m: int = 128
@@ -54,6 +54,10 @@ class Tiles:
     k: int = 128
     warps: int = 8
     stages: int | None = 3
+    # Its f32 accumulator is wgrad_n**2 values over 32 * wgrad_warps threads:
+    # 256 x 256 on 8 warps would need 256 registers a thread for it alone.
+    wgrad_n: int = 128
+    wgrad_warps: int = 8
 
 
 # The tiling every kernel is traced with: the fastest of bench/moe.py --part tiles's
@@ -72,13 +76,13 @@ def use_tiles(tiles: Tiles):
         TILES = before
 
 
-def _compiler_params(interpret: bool) -> dict:
+def _compiler_params(interpret: bool, warps: int) -> dict:
     from jax.experimental.pallas import triton as pallas_triton
 
     if interpret:
         return {}
     stages = {} if TILES.stages is None else {"num_stages": TILES.stages}
-    return {"compiler_params": pallas_triton.CompilerParams(num_warps=TILES.warps, **stages)}
+    return {"compiler_params": pallas_triton.CompilerParams(num_warps=warps, **stages)}
 
 
 @functools.partial(
@@ -237,7 +241,7 @@ def grouped_pallas(a_pad, b, tile_scale, lay: Layout, out_dtype, interpret: bool
         out_shape=jax.ShapeDtypeStruct((lay.padded_rows, n_pad), out_dtype),
         interpret=interpret,
         name="fp8jax_grouped_gemm",
-        **_compiler_params(interpret),
+        **_compiler_params(interpret, t.warps),
     )(lay.tile_group, tile_scale.astype(jnp.float32), a_pad, b)
     return out[:, :n]
 
@@ -250,11 +254,12 @@ def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_r
 
     def body(t, acc):
         r0 = pl.multiple_of((start + t) * tiles.m, tiles.m)
-        a = a_ref[pl.ds(i * tiles.n, tiles.n), pl.ds(r0, tiles.m)]
-        b = b_ref[pl.ds(j * tiles.n, tiles.n), pl.ds(r0, tiles.m)]
+        a = a_ref[pl.ds(i * tiles.wgrad_n, tiles.wgrad_n), pl.ds(r0, tiles.m)]
+        b = b_ref[pl.ds(j * tiles.wgrad_n, tiles.wgrad_n), pl.ds(r0, tiles.m)]
         return triton_fp8_dot.accumulate(acc, a, b)
 
-    acc = lax.fori_loop(0, count_ref[0], body, jnp.zeros((tiles.n, tiles.n), jnp.float32))
+    tile = (tiles.wgrad_n, tiles.wgrad_n)
+    acc = lax.fori_loop(0, count_ref[0], body, jnp.zeros(tile, jnp.float32))
     o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
 
 
@@ -269,8 +274,9 @@ def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dty
 
     t = TILES
     k, n = a_t.shape[0], b_t.shape[0]
-    a_t, b_t = _pad_axis(a_t, 0, t.n), _pad_axis(b_t, 0, t.n)
-    grid = (groups, a_t.shape[0] // t.n, b_t.shape[0] // t.n)
+    tn = t.wgrad_n
+    a_t, b_t = _pad_axis(a_t, 0, tn), _pad_axis(b_t, 0, tn)
+    grid = (groups, a_t.shape[0] // tn, b_t.shape[0] // tn)
     out = pl.pallas_call(
         functools.partial(_transposed_kernel, t),
         grid=grid,
@@ -281,11 +287,11 @@ def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dty
             pl.no_block_spec,
             pl.no_block_spec,
         ],
-        out_specs=pl.BlockSpec((None, t.n, t.n), lambda g, i, j: (g, i, j)),
+        out_specs=pl.BlockSpec((None, tn, tn), lambda g, i, j: (g, i, j)),
         out_shape=jax.ShapeDtypeStruct((groups, a_t.shape[0], b_t.shape[0]), out_dtype),
         interpret=interpret,
         name="fp8jax_grouped_gemm_wgrad",
-        **_compiler_params(interpret),
+        **_compiler_params(interpret, t.wgrad_warps),
     )(lay.tile_start, lay.tile_count, jnp.reshape(scale, (1,)).astype(jnp.float32), a_t, b_t)
     return out[:, :k, :n]
 
