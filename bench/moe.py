@@ -210,14 +210,17 @@ def backward_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
              lambda a, b, s: rd._grouped(a, b, s, one, scales, BF16), (g8, w8, sizes), flops),
     ]  # fmt: skip
 
-    def fwd_bwd(a, b, s, gy):
-        _, vjp = jax.vjp(lambda a, b: fp8jax.ragged_dot(a, b, s), a, b)
-        return vjp(gy)
-
     base, best = gg.TILES, (float("inf"), gg.TILES)
     for tiles in WGRAD_TILINGS:
         tiles = dataclasses.replace(base, wgrad_n=tiles.wgrad_n, wgrad_warps=tiles.wgrad_warps)
         label = f"wgrad {tiles.wgrad_n}x{tiles.wgrad_n} w{tiles.wgrad_warps}"
+
+        # A new function for each tiling: JAX caches a function's trace, and the
+        # tiling is read when the kernels are traced.
+        def fwd_bwd(a, b, s, gy):
+            _, vjp = jax.vjp(lambda a, b: fp8jax.ragged_dot(a, b, s), a, b)
+            return vjp(gy)
+
         with gg.use_tiles(tiles):
             out.append(_row(f"fp8jax_wgrad_gemm {label}",
                             lambda a, b, s: rd._grouped_wgrad(a, b, s, one, g, BF16),
