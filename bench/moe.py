@@ -179,10 +179,11 @@ def gemm_rows(shape: Shape) -> list[dict]:
     return out
 
 
-WGRAD_TILINGS = (
-    gg.Tiles(wgrad_n=128, wgrad_warps=8),
-    gg.Tiles(wgrad_n=128, wgrad_warps=4),
-    gg.Tiles(wgrad_n=256, wgrad_warps=8),
+WGRAD_TILINGS = (  # (wgrad_k, wgrad_n, wgrad_warps)
+    (128, 128, 8),
+    (128, 256, 8),
+    (256, 128, 8),
+    (64, 256, 4),
 )
 
 
@@ -211,9 +212,9 @@ def backward_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
     ]  # fmt: skip
 
     base, best = gg.TILES, (float("inf"), gg.TILES)
-    for tiles in WGRAD_TILINGS:
-        tiles = dataclasses.replace(base, wgrad_n=tiles.wgrad_n, wgrad_warps=tiles.wgrad_warps)
-        label = f"wgrad {tiles.wgrad_n}x{tiles.wgrad_n} w{tiles.wgrad_warps}"
+    for tk, tn, warps in WGRAD_TILINGS:
+        tiles = dataclasses.replace(base, wgrad_k=tk, wgrad_n=tn, wgrad_warps=warps)
+        label = f"wgrad {tk}x{tn} w{warps}"
 
         # A new function for each tiling: JAX caches a function's trace, and the
         # tiling is read when the kernels are traced.

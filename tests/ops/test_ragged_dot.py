@@ -140,7 +140,11 @@ def test_a_nearly_dead_expert_keeps_its_relative_accuracy(factor):
                                  _budget("dw", refs["dw"][1], x, w, g, 64) + 1e-30)  # fmt: skip
 
 
-@pytest.mark.parametrize("tiles", [gg.TILES, gg.Tiles(m=32, n=64, k=32)], ids=("default", "small"))
+@pytest.mark.parametrize(
+    "tiles",
+    [gg.TILES, gg.Tiles(m=32, n=64, k=32, wgrad_k=32, wgrad_n=64)],
+    ids=("default", "small_rectangular_wgrad"),
+)
 def test_kernels_in_interpret_mode_match_their_xla_twins(tiles):
     # Same FP8 operands: the kernels sum tiles.k (or tiles.m) products at a
     # time in f32, XLA in its own order; f32 sums of k terms differ by at most
@@ -193,8 +197,11 @@ ACCUMULATOR_STEP = 2.0**-13
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [gg.TILES, gg.Tiles(m=64, n=128, k=64, warps=4)],
-                         ids=("default", "small"))  # fmt: skip
+@pytest.mark.parametrize(
+    "tiles",
+    [gg.TILES, gg.Tiles(m=64, n=128, k=64, warps=4, wgrad_k=128, wgrad_n=256)],
+    ids=("default", "small_rectangular_wgrad"),
+)
 def test_kernels_on_the_gpu_within_fp8_budgets(tiles):
     """The kernels on Hopper's FP8 tensor cores (triton_fp8_dot.accumulate), against f32."""
     m, k, n, sizes = 1000, 1024, 384, [300, 0, 257, 320, 123]

@@ -62,7 +62,7 @@ def test_grouped_gemms_are_reported_fp8_with_their_operand_dtypes(hlo):
         ("fp8jax_grouped_gemm", "f8e4m3fn", "f8e4m3fn", (padded, whole(N, tiles.n))),
         ("fp8jax_grouped_gemm", "f8e5m2", "f8e5m2", (padded, whole(K, tiles.n))),
         ("fp8jax_grouped_gemm_wgrad", "f8e5m2", "f8e5m2",
-         (G, whole(K, tiles.wgrad_n), whole(N, tiles.wgrad_n))),
+         (G, whole(K, tiles.wgrad_k), whole(N, tiles.wgrad_n))),
     ]  # fmt: skip
     assert {g.backend for g in report.gemms} == {"pallas-fp8"}
     assert len(report.fp8_gemms) == 3

@@ -45,8 +45,9 @@ class Tiles:
     """The kernels' tiling: rows per tile (the padding granularity), output
     columns per tile, the contraction step (FP8 MMAs on Hopper contract 32
     elements at a time), warps and software-pipelining stages (None: Triton's
-    default). The wgrad kernel's output tiles are ``wgrad_n`` x ``wgrad_n``,
-    on ``wgrad_warps`` warps, and it contracts ``m`` rows at a time.
+    default). The wgrad kernel's output tiles are ``wgrad_k`` x ``wgrad_n``
+    (rows of its ``[k, n]`` result by columns), on ``wgrad_warps`` warps, and
+    it contracts ``m`` rows at a time.
     """
 
     m: int = 128
@@ -54,8 +55,9 @@ class Tiles:
     k: int = 128
     warps: int = 8
     stages: int | None = 3
-    # Its f32 accumulator is wgrad_n**2 values over 32 * wgrad_warps threads:
-    # 256 x 256 on 8 warps would need 256 registers a thread for it alone.
+    # Its f32 accumulator is wgrad_k * wgrad_n values over 32 * wgrad_warps
+    # threads: 256 x 256 on 8 warps would need 256 registers a thread for it alone.
+    wgrad_k: int = 128
     wgrad_n: int = 128
     wgrad_warps: int = 8
 
@@ -254,11 +256,11 @@ def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_r
 
     def body(t, acc):
         r0 = pl.multiple_of((start + t) * tiles.m, tiles.m)
-        a = a_ref[pl.ds(i * tiles.wgrad_n, tiles.wgrad_n), pl.ds(r0, tiles.m)]
+        a = a_ref[pl.ds(i * tiles.wgrad_k, tiles.wgrad_k), pl.ds(r0, tiles.m)]
         b = b_ref[pl.ds(j * tiles.wgrad_n, tiles.wgrad_n), pl.ds(r0, tiles.m)]
         return triton_fp8_dot.accumulate(acc, a, b)
 
-    tile = (tiles.wgrad_n, tiles.wgrad_n)
+    tile = (tiles.wgrad_k, tiles.wgrad_n)
     acc = lax.fori_loop(0, count_ref[0], body, jnp.zeros(tile, jnp.float32))
     o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
 
@@ -274,9 +276,9 @@ def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dty
 
     t = TILES
     k, n = a_t.shape[0], b_t.shape[0]
-    tn = t.wgrad_n
-    a_t, b_t = _pad_axis(a_t, 0, tn), _pad_axis(b_t, 0, tn)
-    grid = (groups, a_t.shape[0] // tn, b_t.shape[0] // tn)
+    tk, tn = t.wgrad_k, t.wgrad_n
+    a_t, b_t = _pad_axis(a_t, 0, tk), _pad_axis(b_t, 0, tn)
+    grid = (groups, a_t.shape[0] // tk, b_t.shape[0] // tn)
     out = pl.pallas_call(
         functools.partial(_transposed_kernel, t),
         grid=grid,
@@ -287,7 +289,7 @@ def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dty
             pl.no_block_spec,
             pl.no_block_spec,
         ],
-        out_specs=pl.BlockSpec((None, tn, tn), lambda g, i, j: (g, i, j)),
+        out_specs=pl.BlockSpec((None, tk, tn), lambda g, i, j: (g, i, j)),
         out_shape=jax.ShapeDtypeStruct((groups, a_t.shape[0], b_t.shape[0]), out_dtype),
         interpret=interpret,
         name="fp8jax_grouped_gemm_wgrad",
