@@ -58,12 +58,13 @@ class Tiles:
     # Its f32 accumulator is wgrad_k * wgrad_n values over 32 * wgrad_warps
     # threads: 256 x 256 on 8 warps would need 256 registers a thread for it alone.
     wgrad_k: int = 128
-    wgrad_n: int = 128
+    wgrad_n: int = 256
     wgrad_warps: int = 8
 
 
 # The tiling every kernel is traced with: the fastest of bench/moe.py --part tiles's
-# seven on an H200 for both of its shapes (docs/design.md#grouped-expert-gemms).
+# seven on an H200 for both of its shapes, and of --part backward's four wgrad tiles
+# (docs/design.md#grouped-expert-gemms).
 TILES = Tiles()
 
 
