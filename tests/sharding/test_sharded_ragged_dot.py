@@ -66,12 +66,16 @@ def test_fsdp_weights_are_gathered_in_fp8_and_every_grouped_gemm_is_fp8():
     with fs.use_mesh(mesh):
         hlo = verify.compile_for(_fwd_bwd, *args, target="h100", devices=8)
     report = verify.gemm_report(hlo)
-    tile = grouped_gemm.TILES.m
-    local = -(-(M // 8 + G * (tile - 1)) // tile) * tile  # a device's rows, tile-padded
+    tiles = grouped_gemm.TILES
+
+    def whole(d, tile):  # padded to whole tiles
+        return -(-d // tile) * tile
+
+    local = whole(M // 8 + G * (tiles.m - 1), tiles.m)  # a device's rows, tile-padded
     assert sorted((g.target, g.lhs_shape) for g in report.gemms) == [
-        ("fp8jax_grouped_gemm", (local, K)),  # forward
-        ("fp8jax_grouped_gemm", (local, N)),  # dgrad
-        ("fp8jax_grouped_gemm_wgrad", (K, local)),
+        ("fp8jax_grouped_gemm", (local, whole(K, tiles.k))),  # forward
+        ("fp8jax_grouped_gemm", (local, whole(N, tiles.k))),  # dgrad
+        ("fp8jax_grouped_gemm_wgrad", (whole(K, tiles.wgrad_k), local)),
     ]
     assert len(report.fp8_gemms) == 3
     gathers = [c for c in report.collectives if c.kind == "all-gather"]
