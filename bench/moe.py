@@ -41,7 +41,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from harness import dump, environment, time_ms
+from harness import compiled_facts, dump, environment, time_ms
 from jax import lax
 
 import fp8jax
@@ -85,9 +85,14 @@ def _row(name, fn, args, flops, iters=None):
         print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
     t.pop("clocks", None)
-    row = {"name": name, "compile_s": compile_s, **t,
+    facts = compiled_facts(compiled, compiled.as_text())
+    facts.pop("report")
+    row = {"name": name, "compile_s": compile_s, **t, **facts,
            "tflops": flops / (t["median_ms"] * 1e-3) / 1e12}  # fmt: skip
-    print(f"  {name}: {t['median_ms']:.3f} ms, {row['tflops']:.0f} TFLOP/s (useful)", flush=True)
+    print(f"  {name}: {t['median_ms']:.3f} ms, {row['tflops']:.0f} TFLOP/s (useful), "
+          f"{facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs {facts['backends']}, "
+          f"peak {facts['peak_memory_gib']:.2f} GiB, first compile {compile_s:.1f} s",
+          flush=True)  # fmt: skip
     return row
 
 

@@ -224,3 +224,17 @@ def test_quantize_fusions_are_not_relayouts():
     assert [r.kind for r in rows].count("kLoop") == 2
     assert all(r.kind == "kInput" for r in rows if not r.untiled_transpose)
     assert {r.dtype for r in rows} == {"f8e4m3fn", "f8e5m2"}
+
+
+def test_a_custom_call_with_one_operand_is_no_gemm_and_no_error():
+    # A CPU program's custom calls (host callbacks, LAPACK, ...) can take one
+    # operand; the report must skip them, not index a second operand.
+    hlo = _module(
+        "",
+        "{\n"
+        "  %p = f32[8]{0} parameter(0)\n"
+        '  ROOT %cc = f32[8]{0} custom-call(%p), custom_call_target="xla_ffi_python_cpu_callback"\n'
+        "}",
+    )
+    report = gemm_report(hlo)
+    assert not report.gemms and not report.attention

@@ -281,7 +281,6 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
     target = inst.custom_call_target or ""
     kernel = pallas_gemms.kernel_name(target, inst.attrs, inst.metadata.get("op_name", ""))
     pallas = None if kernel is None else pallas_gemms.KERNELS[kernel]
-    operands = [inst.operands[i] for i in pallas or (0, 1)]
     if target in _CUBLAS_TARGETS:
         backend, kind = _CUBLAS_TARGETS[target], "gemm"
     elif "cudnn" in target and ("fmha" in target or "attention" in target):
@@ -289,7 +288,8 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
     elif pallas is not None:
         backend, kind = "pallas", "gemm"  # pallas-fp8 once the operands are known
     else:
-        return None
+        return None  # not a GEMM: its operands may be anything (a CPU callback has one)
+    operands = [inst.operands[i] for i in pallas or (0, 1)]
     lhs, rhs = (_upcast.type_of(comp, op) for op in operands)
     if pallas is not None:
         backend, target = pallas_gemms.backend(lhs.is_fp8, rhs.is_fp8), kernel
