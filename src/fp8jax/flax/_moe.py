@@ -19,10 +19,13 @@ import jax.numpy as jnp
 from jax import lax
 
 import fp8jax
+from fp8jax import activations as activations_
 from fp8jax.flax import _common
 
 GATINGS = ("softmax", "sigmoid")
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
+# The gate's activation, by the names LayerNormMLP takes (fp8jax.activations),
+# so that "gelu" is the same function in a dense and an MoE feed-forward.
+ACTIVATIONS = {name: a.xla for name, a in activations_.REGISTRY.items() if name != "linear"}
 EXPERT = "expert"  # the logical axis name of the experts
 
 
