@@ -35,7 +35,7 @@ COVERED_ELSEWHERE = {
         "tests/test_repository.py (usage, train step, verify), "
         "tests/sharding/test_sharding_docs.py (sharding)",
     ),
-    "docs/flax.md": (4, "tests/flax/test_flax_docs.py"),
+    "docs/flax.md": (5, "tests/flax/test_flax_docs.py"),
     "docs/sharding.md": (3, "tests/sharding/test_sharding_docs.py"),
 }
 

@@ -41,6 +41,29 @@ RMS_ROUNDING = math.sqrt(0.541 / 3)  # relative RMS of a rounding, in units of u
 FAKE_QUANT_BUDGET = 2.0**-7
 
 
+# The FP8 MoE block's gradients against the same block in f32 (fp8=False):
+# each FP8 backward grouped GEMM errs elementwise by at most
+# (1 + 2**-3)(1 + 2**-4)(1 + 2**-3) - 1 < 0.35 of its |.|-product
+# (tests/ops/test_ragged_dot.py); norm-wise, over random signs, a small part
+# of that: half of it bounds each gradient's relative norm error.
+MOE_GRADIENT_BUDGET = 0.35 / 2
+
+
+def gradient_errors(got, want) -> dict[str, float]:
+    """Each leaf's normwise relative error ``|got - want| / |want|``, by its path in ``want``."""
+    errors = {}
+    for path, b in jax.tree_util.tree_leaves_with_path(want):
+        a = _at(got, path)
+        errors[jax.tree_util.keystr(path)] = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    return errors
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key.key] if hasattr(key, "key") else tree[key.idx]
+    return tree
+
+
 def fp8_budget(quantized_operands: int) -> float:
     """Allowed normwise relative error after ``quantized_operands`` E4M3 roundings."""
     return 1.5 * math.sqrt(quantized_operands) * RMS_ROUNDING * U_E4M3

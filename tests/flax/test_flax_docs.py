@@ -34,7 +34,7 @@ MODULES = [
 
 def test_docs_examples_run_and_learn():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     namespace: dict = {}
     # Users run with JAX's standard promotion: optax.adam mixes its int32 count
     # with f32, and JAX's bf16 attention backward lowers through mixed dtypes.
@@ -44,6 +44,10 @@ def test_docs_examples_run_and_learn():
     assert namespace["losses"][-1] < 0.5 * namespace["losses"][0]
     assert namespace["nnx_losses"][-1] < 0.5 * namespace["nnx_losses"][0]
     assert float(namespace["qkv_scales"].x.scale) != 1.0
+    # The MoE layers' example: one aux loss per scanned layer, near 1 (balanced) at init.
+    aux = np.asarray(namespace["moe_aux"])
+    assert aux.shape == (2,) and np.all((aux > 0.5) & (aux < 2))
+    assert namespace["nnx_moe"].moe.aux_loss[...] > 0
     fp8, bf16 = namespace["fp8_out"], namespace["bf16_out"]
     assert np.linalg.norm(fp8 - bf16) / np.linalg.norm(bf16) < 0.08
 

@@ -1,8 +1,9 @@
 """Flax integration: Linen and NNX modules, an FP8 ``dot_general``, train steps, checkpoints.
 
 * :mod:`fp8jax.flax.linen` and :mod:`fp8jax.flax.nnx`: LayerNorm,
-  DenseGeneral, LayerNormDenseGeneral, LayerNormMLP, MultiHeadAttention and
-  TransformerLayer, the same math in both APIs.
+  DenseGeneral, LayerNormDenseGeneral, LayerNormMLP, MultiHeadAttention,
+  MoEBlock and TransformerLayer (dense, or MoE with ``moe=MoEConfig(...)``),
+  the same math in both APIs.
 * :data:`fp8_dot_general` / :class:`Fp8DotGeneral`: pass to
   ``nn.Dense(dot_general=...)``, ``nnx.Linear(dot_general=...)`` and friends
   to make an existing model's GEMMs FP8 (CurrentScaling).

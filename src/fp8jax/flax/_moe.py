@@ -14,15 +14,20 @@ go to expert ``e`` and ``p_e`` its mean gate probability; 1 when balanced.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 import fp8jax
+from fp8jax import activations as activations_
 from fp8jax.flax import _common
 
 GATINGS = ("softmax", "sigmoid")
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
+# The gate's activation, by the names LayerNormMLP takes (fp8jax.activations),
+# so that "gelu" is the same function in a dense and an MoE feed-forward.
+ACTIVATIONS = {name: a.xla for name, a in activations_.REGISTRY.items() if name != "linear"}
 EXPERT = "expert"  # the logical axis name of the experts
 
 
@@ -41,6 +46,52 @@ def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_expert
         )
     if not isinstance(shared_experts, int) or shared_experts < 0:
         raise ValueError(f"{owner}.shared_experts must be an int >= 0, got {shared_experts!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A TransformerLayer's feed-forward as a Mixture of Experts: ``moe=MoEConfig(8, 2)``.
+
+    The layer then runs a norm and an ``MoEBlock`` where it runs LayerNormMLP
+    otherwise: each expert ``intermediate_dim`` wide, gated by the layer's
+    ``activations`` (``(act, "linear")``), in the layer's dtypes and recipe.
+
+    Attributes:
+      num_experts, top_k, gating, shared_experts: as in ``MoEBlock``.
+      fp8: the experts' GEMMs in FP8; False runs them with ``lax.ragged_dot``
+        in the compute dtype (a baseline), the attention staying FP8.
+    """
+
+    num_experts: int
+    top_k: int
+    _: dataclasses.KW_ONLY
+    gating: str = "softmax"
+    shared_experts: int = 0
+    fp8: bool = True
+
+
+def block_settings(owner: str, moe, intermediate_dim: int, activations, recipe) -> dict:
+    """The ``MoEBlock`` arguments a layer's ``moe=`` stands for; raises for what cannot run.
+
+    ``owner`` is the layer; its ``intermediate_dim`` and ``activations`` are checked already.
+    """
+    if not isinstance(moe, MoEConfig):
+        raise ValueError(f"{owner}: moe must be None or an MoEConfig, got {moe!r}.")
+    acts = tuple(activations)
+    if len(acts) != 2 or acts[1] != "linear" or acts[0] not in ACTIVATIONS:
+        gated = tuple((name, "linear") for name in ACTIVATIONS)
+        raise ValueError(
+            f"{owner}: activations must be one of {gated} with moe= (each expert is a gated "
+            f"MLP), got {activations!r}."
+        )
+    check(f"{owner}.moe", moe.num_experts, moe.top_k, intermediate_dim, moe.gating, acts[0],
+          moe.shared_experts)  # fmt: skip
+    if moe.fp8 and _common.is_delayed(recipe):
+        raise ValueError(
+            f"{owner}: moe= runs the experts on fp8jax.ragged_dot, which takes CurrentScaling "
+            f"only, got recipe={recipe!r}; pass another recipe, or MoEConfig(..., fp8=False)."
+        )
+    return {**dataclasses.asdict(moe), "ffn": intermediate_dim, "activation": acts[0]}
 
 
 def expert_init(init):

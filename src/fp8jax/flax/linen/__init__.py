@@ -5,6 +5,7 @@ collection, created by ``init``; see :func:`fp8jax.flax.make_train_step`.
 Under CurrentScaling (the default) modules keep no FP8 state.
 """
 
+from fp8jax.flax._moe import MoEConfig
 from fp8jax.flax.linen.attention import MultiHeadAttention
 from fp8jax.flax.linen.dense import DenseGeneral, LayerNormDenseGeneral
 from fp8jax.flax.linen.mlp import LayerNormMLP
@@ -18,6 +19,7 @@ __all__ = [
     "LayerNormDenseGeneral",
     "LayerNormMLP",
     "MoEBlock",
+    "MoEConfig",
     "MultiHeadAttention",
     "TransformerLayer",
 ]

@@ -35,7 +35,8 @@ class MoEBlock(nn.Module):
       ffn: each expert's inner width (and each shared expert's).
       gating: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3); the
         top-k gates are normalized to sum to 1.
-      activation: the gate's activation, ``"silu"`` (SwiGLU) or ``"gelu"``.
+      activation: the gate's activation, by LayerNormMLP's names: ``"silu"``
+        (SwiGLU), ``"gelu"`` (GeGLU, erf's gelu), ``"gelu_tanh"`` or ``"relu"``.
       shared_experts: how many always-on experts, run as one gated MLP.
       fp8: FP8 GEMMs (fp8jax.ragged_dot, fp8jax.dense); False runs the same
         block with ``lax.ragged_dot`` in the input's dtype (a BF16 baseline).

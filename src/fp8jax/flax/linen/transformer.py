@@ -1,4 +1,4 @@
-"""Linen TransformerLayer: MultiHeadAttention + LayerNormMLP with residuals."""
+"""Linen TransformerLayer: MultiHeadAttention + LayerNormMLP or MoEBlock, with residuals."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp8jax.flax import _common
+from fp8jax.flax import _common, _moe
 from fp8jax.flax._common import RESIDUAL
+from fp8jax.flax._moe import MoEConfig
 from fp8jax.flax.linen.attention import MultiHeadAttention
 from fp8jax.flax.linen.dense import default_kernel_init
 from fp8jax.flax.linen.mlp import LayerNormMLP
+from fp8jax.flax.linen.moe import MoEBlock
 from fp8jax.flax.linen.norm import LayerNorm
 from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
@@ -33,12 +35,24 @@ class TransformerLayer(nn.Module):
     MLP's own fused norm (so its parameters are under ``mlp``), and ``norm_2``
     is the ``output_norm`` submodule.
 
+    ``moe=MoEConfig(num_experts, top_k)`` makes it an MoE layer: the MLP
+    becomes a norm (the ``moe_norm`` submodule, in both norm positions) and an
+    :class:`MoEBlock` (``moe``) on its output, with the same residuals and
+    dropout: the FP8 GEMMs are QKV, out and the experts' two grouped GEMMs
+    (the router stays f32). The block's auxiliary load-balancing loss is sown
+    at ``["intermediates"]["moe"]["aux_loss"]`` (``apply(...,
+    mutable=["intermediates"])``; stacked per layer under ``nn.scan`` with
+    ``variable_axes={"intermediates": 0}``).
+
     Attributes:
       num_heads: query heads.
-      intermediate_dim: the MLP's inner width.
+      intermediate_dim: the MLP's inner width (each expert's, with ``moe``).
       num_kv_heads, head_dim, causal, use_rope, rope_base,
       attention_implementation: as in MultiHeadAttention.
-      activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU.
+      activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU. With
+        ``moe``, a gated pair ``(act, "linear")``: the experts' gate activation.
+      moe: None (a dense MLP) or an :class:`MoEConfig`; see above. The
+        experts have no biases and take CurrentScaling only.
       norm_type: ``"layernorm"`` or ``"rmsnorm"``, for every norm.
       norm_position: ``"pre"`` or ``"post"``.
       residual_from_norm: pre-norm only; see above.
@@ -64,6 +78,7 @@ class TransformerLayer(nn.Module):
     num_kv_heads: int | None = None
     head_dim: int | None = None
     activations: Sequence[str] = ("gelu", "linear")
+    moe: MoEConfig | None = None
     norm_type: str = "layernorm"
     norm_position: str = "pre"
     residual_from_norm: bool = False
@@ -91,6 +106,9 @@ class TransformerLayer(nn.Module):
         _common.norm_position(owner, self.norm_position)
         _common.residual_from_norm(owner, self.residual_from_norm, self.norm_position)
         _common.dropout_rate(owner, self.dropout_rate)
+        if self.moe is not None:
+            _moe.block_settings(owner, self.moe, self.intermediate_dim, self.activations,
+                                self.recipe)  # fmt: skip
         super().__post_init__()
 
     @nn.compact
@@ -134,18 +152,32 @@ class TransformerLayer(nn.Module):
             **dense,
         )(x, mask, positions, deterministic)
         a, residual = a if pre else (a, x)
-        mlp = LayerNormMLP(
-            self.intermediate_dim,
-            activations=self.activations,
-            return_layernorm_output=from_norm or not pre,
-            return_residual=passed_residual,
-            name="mlp",
-            **norm,
-            **dense,
-        )
         h = constrain(residual + a, RESIDUAL)
-        m = mlp(h)
-        m, residual = m
+        if self.moe is None:
+            m, residual = LayerNormMLP(
+                self.intermediate_dim,
+                activations=self.activations,
+                return_layernorm_output=from_norm or not pre,
+                return_residual=passed_residual,
+                name="mlp",
+                **norm,
+                **dense,
+            )(h)
+        else:
+            # The router and the experts read the normalized input, so the
+            # norm is a module of its own, not fused into a GEMM.
+            normed = LayerNorm(name="moe_norm", **norm)(h)
+            block = _moe.block_settings(type(self).__name__, self.moe, self.intermediate_dim,
+                                        self.activations, self.recipe)  # fmt: skip
+            m = MoEBlock(
+                **block,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=self.kernel_init,
+                recipe=self.recipe,
+                name="moe",
+            )(normed)
+            residual = normed if from_norm or not pre else h
         if self.dropout_rate > 0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
             m = nn.Dropout(self.dropout_rate)(m, deterministic=deterministic)

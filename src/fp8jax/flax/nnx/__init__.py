@@ -5,6 +5,7 @@ created in ``__init__``; :func:`train_step` differentiates with respect to it
 and swaps the new state in. Under CurrentScaling modules keep no FP8 state.
 """
 
+from fp8jax.flax._moe import MoEConfig
 from fp8jax.flax.nnx._base import Fp8State
 from fp8jax.flax.nnx.attention import MultiHeadAttention
 from fp8jax.flax.nnx.dense import DenseGeneral, LayerNormDenseGeneral
@@ -21,6 +22,7 @@ __all__ = [
     "LayerNormDenseGeneral",
     "LayerNormMLP",
     "MoEBlock",
+    "MoEConfig",
     "MultiHeadAttention",
     "TransformerLayer",
     "train_step",

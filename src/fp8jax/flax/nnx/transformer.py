@@ -1,4 +1,4 @@
-"""NNX TransformerLayer: MultiHeadAttention + LayerNormMLP with residuals."""
+"""NNX TransformerLayer: MultiHeadAttention + LayerNormMLP or MoEBlock, with residuals."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8jax.flax import _common
+from fp8jax.flax import _common, _moe
 from fp8jax.flax._common import RESIDUAL
+from fp8jax.flax._moe import MoEConfig
 from fp8jax.flax.nnx.attention import MultiHeadAttention
 from fp8jax.flax.nnx.dense import default_kernel_init
 from fp8jax.flax.nnx.mlp import LayerNormMLP
+from fp8jax.flax.nnx.moe import MoEBlock
 from fp8jax.flax.nnx.norm import LayerNorm
 from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
@@ -21,13 +23,20 @@ from fp8jax.sharding import constrain
 class TransformerLayer(nnx.Module):
     """One transformer block; the NNX twin of :class:`fp8jax.flax.linen.TransformerLayer`.
 
+    With ``moe=MoEConfig(...)`` the MLP is a norm (``self.moe_norm``) and an
+    :class:`MoEBlock` (``self.moe``, ``self.mlp`` None), as in the Linen
+    module; the last call's load-balancing loss is ``self.moe.aux_loss`` (one
+    per layer, stacked, for layers made by ``nnx.vmap`` and run by ``nnx.scan``).
+
     Args:
       num_heads: query heads.
       in_features: the hidden size.
-      intermediate_dim: the MLP's inner width.
+      intermediate_dim: the MLP's inner width (each expert's, with ``moe``).
       num_kv_heads, head_dim, causal, use_rope, rope_base,
       attention_implementation: as in MultiHeadAttention.
-      activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU.
+      activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU. With
+        ``moe``, a gated pair ``(act, "linear")``: the experts' gate activation.
+      moe: None (a dense MLP) or an :class:`MoEConfig` (see the Linen module).
       norm_type: ``"layernorm"`` or ``"rmsnorm"``, for every norm.
       norm_position: ``"pre"`` or ``"post"`` (see the Linen module).
       residual_from_norm: pre-norm only; residuals from the norm's output.
@@ -56,6 +65,7 @@ class TransformerLayer(nnx.Module):
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         activations: Sequence[str] = ("gelu", "linear"),
+        moe: MoEConfig | None = None,
         norm_type: str = "layernorm",
         norm_position: str = "pre",
         residual_from_norm: bool = False,
@@ -79,6 +89,11 @@ class TransformerLayer(nnx.Module):
         self.pre = _common.norm_position(owner, norm_position) == "pre"
         _common.residual_from_norm(owner, residual_from_norm, norm_position)
         rate = _common.dropout_rate(owner, dropout_rate)
+        _common.positive_int(owner, "intermediate_dim", intermediate_dim)
+        _common.activations(owner, activations)
+        block = None
+        if moe is not None:
+            block = _moe.block_settings(owner, moe, intermediate_dim, activations, recipe)
         norm = {
             "norm_type": norm_type,
             "zero_centered_gamma": zero_centered_gamma,
@@ -112,15 +127,31 @@ class TransformerLayer(nnx.Module):
             **norm,
             **dense,
         )
-        self.mlp = LayerNormMLP(
-            in_features,
-            intermediate_dim,
-            activations=activations,
-            return_layernorm_output=residual_from_norm or not self.pre,
-            return_residual=self.pre and not residual_from_norm,
-            **norm,
-            **dense,
-        )
+        if block is None:
+            self.moe_norm = self.moe = None
+            self.mlp = LayerNormMLP(
+                in_features,
+                intermediate_dim,
+                activations=activations,
+                return_layernorm_output=residual_from_norm or not self.pre,
+                return_residual=self.pre and not residual_from_norm,
+                **norm,
+                **dense,
+            )
+        else:
+            # As in the Linen module: the router and experts read the normalized input.
+            self.mlp = None
+            self.moe_norm = LayerNorm(in_features, **norm)
+            self.moe = MoEBlock(
+                in_features,
+                **block,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                kernel_init=kernel_init,
+                recipe=recipe,
+                rngs=rngs,
+            )
+            self.moe_residual_from_norm = residual_from_norm or not self.pre
         self.dropout = nnx.Dropout(rate, deterministic=deterministic, rngs=rngs) if rate else None
         self.output_norm = None if self.pre else LayerNorm(in_features, **norm)
         self.dtype = dtype
@@ -133,7 +164,12 @@ class TransformerLayer(nnx.Module):
         a = self.attention(x, mask, positions, deterministic)
         a, residual = a if self.pre else (a, x)
         h = constrain(residual + a, RESIDUAL)
-        m, residual = self.mlp(h)
+        if self.moe is None:
+            m, residual = self.mlp(h)
+        else:
+            normed = self.moe_norm(h)
+            m = self.moe(normed)
+            residual = normed if self.moe_residual_from_norm else h
         if self.dropout is not None:
             m = self.dropout(m, deterministic=deterministic)
         y = constrain(residual + m, RESIDUAL)
