@@ -96,3 +96,25 @@ def compile_cache_reset():
     yield
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def shared_compile_cache(tmp_path_factory):
+    """JAX's persistent compilation cache, on for one test module; its directory.
+
+    Every ``fp8jax.training.train`` call jits its own step, so two runs of one
+    configuration compile the same program twice: most of a short run's time
+    on a CPU. With the cache on, the second run loads the first one's
+    executable instead, as ``fp8jax train --compile-cache`` does on a GPU.
+    The cache is the module's own (a fresh directory; under pytest-xdist, per
+    worker) and is off again after the module.
+    """
+    from jax._src import compilation_cache
+
+    from fp8jax import compile_cache
+
+    directory = compile_cache.enable(str(tmp_path_factory.mktemp("jax-cache")))
+    compilation_cache.reset_cache()  # a cache initialized before reads its old directory
+    yield directory
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()

@@ -80,36 +80,54 @@ def test_documents_with_their_own_tests_have_the_blocks_those_tests_run():
 RUN_HERE = [p for p in DOCUMENTS if name(p) not in COVERED_ELSEWHERE and snippets(p)]
 
 
+@pytest.fixture(scope="module")
+def blocks_run(tmp_path_factory):
+    """``blocks_run(path, kinds)``: ``(cwd, namespace, output)`` of run_blocks, once per module.
+
+    Each run gets a fresh working directory (blocks may write run directories
+    relative to the cwd). Two tests run docs/train.md's block (a 50-step run of
+    the tiny preset) and two docs/verify.md's (a deviceless compile); each pair
+    reads one run instead of making its own.
+    """
+    runs: dict = {}
+
+    def run(path: pathlib.Path, kinds: tuple[str, ...]):
+        if (path, kinds) not in runs:
+            cwd = tmp_path_factory.mktemp("blocks")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.chdir(cwd)
+                runs[path, kinds] = (cwd, *run_blocks(path, kinds))
+        return runs[path, kinds]
+
+    return run
+
+
 @pytest.mark.parametrize("path", RUN_HERE, ids=name)
-def test_the_cpu_blocks_run(path, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # blocks may write run directories relative to the cwd
+def test_the_cpu_blocks_run(path, blocks_run):
     if not any(kind == "run" for kind, _ in snippets(path)):
         pytest.skip(f"{name(path)} has no block that runs on a CPU alone")
-    run_blocks(path, ("run",))
+    blocks_run(path, ("run",))
+
+
+def test_train_md_python_api_trains_the_tiny_preset(blocks_run):
+    cwd, namespace, output = blocks_run(ROOT / "docs" / "train.md", ("run",))
+    result = namespace["result"]
+    assert result.status == "completed" and result.step == 50
+    assert (cwd / "runs" / "api" / "summary.json").is_file()
+    assert output.splitlines()[-1].startswith("completed ")  # the block's own print
 
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize(
     "path", [p for p in RUN_HERE if any(k == "deviceless" for k, _ in snippets(p))], ids=name
 )
-def test_the_deviceless_blocks_run(path, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    run_blocks(path, ("run", "deviceless"))
-
-
-def test_train_md_python_api_trains_the_tiny_preset(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace, output = run_blocks(ROOT / "docs" / "train.md", ("run",))
-    result = namespace["result"]
-    assert result.status == "completed" and result.step == 50
-    assert (tmp_path / "runs" / "api" / "summary.json").is_file()
-    assert output.splitlines()[-1].startswith("completed ")  # the block's own print
+def test_the_deviceless_blocks_run(path, blocks_run):
+    blocks_run(path, ("run", "deviceless"))
 
 
 @pytest.mark.deviceless
-def test_verify_md_first_block_finds_the_fp8_gemms(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    namespace, output = run_blocks(ROOT / "docs" / "verify.md", ("run", "deviceless"))
+def test_verify_md_first_block_finds_the_fp8_gemms(blocks_run):
+    _, namespace, output = blocks_run(ROOT / "docs" / "verify.md", ("run", "deviceless"))
     assert namespace["report"].fp8_gemms and not namespace["report"].non_fp8_gemms
     assert "('float8_e4m3fn', 'float8_e4m3fn')" in output
 

@@ -4,7 +4,9 @@
 preset whose shapes XLA or the FP8 ops reject would first fail there. One
 deviceless compile per preset, of the step ``fp8jax train`` jits, on abstract
 parameters (nothing is allocated), with the layer scan kept a loop
-(``--rolled-layers``): the same layer shapes, one body to compile.
+(``--rolled-layers``): the same layer shapes, one body to compile. The four
+compiles run in one child process (``verify.compile_many``), which starts JAX
+and the CUDA plugin once.
 """
 
 import dataclasses
@@ -20,14 +22,12 @@ from fp8jax.recipes import DelayedScaling
 from fp8jax.training.config import TrainOptions, resolve
 
 
-def _compile(name: str, recipe: str, unroll_layers: bool, **overrides):
-    """(the run's config, the GEMM report of its train step compiled for an H100).
+def _step(name: str, recipe: str, unroll_layers: bool, **overrides):
+    """(the run's config, its train step, abstract (state, batch)) for an H100 compile.
 
     ``overrides`` replace fields of the preset's model (``layers``, to keep a
     compile cheap) and of the run (``batch_size``, ``seq_len``).
     """
-    from fp8jax.verify import compile_for, gemm_report
-
     run = {k: overrides.pop(k) for k in ("batch_size", "seq_len") if k in overrides}
     config = resolve(TrainOptions(out="unused", config=name, recipe=recipe, **run))
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, **overrides))
@@ -55,26 +55,42 @@ def _compile(name: str, recipe: str, unroll_layers: bool, **overrides):
     delayed = fp8_recipe if isinstance(fp8_recipe, DelayedScaling) else None
     step = make_train_step(loss, tx, recipe=delayed)
     batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+    return config, step, (state, batch)
+
+
+GPU_PRESETS = [("small", "current"), ("medium", "delayed")]
+LLAMA_PRESETS = [("llama-1b", "current"), ("llama-3b", "delayed")]
+# The Llama presets' layer shapes (GQA, head_dim 64 and 128, ffn 8192) with two
+# layers and one short sequence: the same GEMMs per layer, a cheap compile.
+LLAMA_OVERRIDES = {"layers": 2, "batch_size": 1, "seq_len": 512}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """``{(preset, recipe): (config, GEMM report)}``, every step compiled for an H100."""
+    from fp8jax.verify import compile_many, gemm_report
+
+    steps = {p: _step(*p, unroll_layers=False) for p in GPU_PRESETS}
+    steps |= {p: _step(*p, unroll_layers=False, **LLAMA_OVERRIDES) for p in LLAMA_PRESETS}
     with jax.numpy_dtype_promotion("standard"):
-        report = gemm_report(compile_for(step, state, batch, target="h100"))
-    return config, report
+        hlos = compile_many([(step, args) for _, step, args in steps.values()], target="h100")
+    return {
+        preset: (config, gemm_report(hlo))
+        for (preset, (config, _, _)), hlo in zip(steps.items(), hlos, strict=True)
+    }
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize(("name", "recipe"), [("small", "current"), ("medium", "delayed")])
-def test_gpu_preset_step_compiles_with_every_block_gemm_in_fp8(name, recipe):
-    _, report = _compile(name, recipe, unroll_layers=False)
+@pytest.mark.parametrize(("name", "recipe"), GPU_PRESETS)
+def test_gpu_preset_step_compiles_with_every_block_gemm_in_fp8(name, recipe, compiled):
+    _, report = compiled[name, recipe]
     _assert_every_block_gemm_fp8(report)
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize(("name", "recipe"), [("llama-1b", "current"), ("llama-3b", "delayed")])
-def test_llama_preset_step_compiles_with_every_block_gemm_in_fp8(name, recipe):
-    # The preset's layer shapes (GQA, head_dim 64 and 128, ffn 8192) with two
-    # layers and one short sequence: the same GEMMs per layer, a cheap compile.
-    config, report = _compile(
-        name, recipe, unroll_layers=False, layers=2, batch_size=1, seq_len=512
-    )
+@pytest.mark.parametrize(("name", "recipe"), LLAMA_PRESETS)
+def test_llama_preset_step_compiles_with_every_block_gemm_in_fp8(name, recipe, compiled):
+    config, report = compiled[name, recipe]
     assert config.model.kv_heads == 8 and config.model.ffn == 8192
     _assert_every_block_gemm_fp8(report)
 

@@ -2,7 +2,9 @@
 
 The runs use the tiny preset with a smaller batch and sequence (8 x 64 bytes)
 to stay fast on two CPU cores; the default corpus (the stdlib's source) is
-read as in a real run.
+read as in a real run. The runs of one configuration share their compiled
+programs through the module's persistent compilation cache
+(``shared_compile_cache``, tests/conftest.py): compiling is most of a run's time.
 """
 
 import json
@@ -15,6 +17,8 @@ import pytest
 
 from fp8jax import training
 from fp8jax.training import TrainOptions, gemm_count, read_metrics, summary, train
+
+pytestmark = pytest.mark.usefixtures("shared_compile_cache")
 
 FAST = {
     "batch_size": 8,
@@ -109,8 +113,10 @@ def test_an_interrupted_then_resumed_run_matches_the_uninterrupted_one_bitwise(
 
 def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(tmp_path):
     out = tmp_path / "run"
+    # delayed_run's configuration, so its compiled programs serve (the NaN is put into the
+    # parameters outside the step); its checkpoint then holds FP8 state, checked finite too.
     with pytest.raises(training.DivergedError) as e:
-        train(options(out, inject_nan_at=13), progress=False, say=print)
+        train(options(out, recipe="delayed", inject_nan_at=13), progress=False, say=print)
     message = str(e.value)
     assert "the loss is nan at step 13" in message
     assert "last good checkpoint, step 10, is kept" in message and "--resume" in message
@@ -167,9 +173,48 @@ def test_a_live_count_on_a_machine_without_a_gpu_is_skipped_with_the_reason():
     assert "jax.default_backend() is 'cpu'" in counts["skipped"]
 
 
+@pytest.fixture(scope="module")
+def fsdp_h100_compiles():
+    """``{precision: (config, GEMM report)}``: the --mesh fsdp=2 train step for two H100s.
+
+    Both precisions compile in one child process (``verify.compile_many``), which
+    starts JAX and the CUDA plugin once for the two compiles.
+    """
+    from fp8jax import verify
+    from fp8jax.training import loop
+    from fp8jax.training import mesh as mesh_lib
+
+    precisions = ("fp8", "bf16")
+    configs = [
+        training.config.resolve(
+            options("unused", mesh="fsdp=2", precision=p, batch_size=4, seq_len=64)
+        )
+        for p in precisions
+    ]
+    hidden = configs[0].model.hidden
+    mesh = mesh_lib.build_mesh({"fsdp": 2}, batch_size=4, hidden=hidden)
+    calls = []
+    with jax.numpy_dtype_promotion("standard"):
+        for config in configs:
+            assert config.model.hidden == hidden  # one mesh serves both
+            program = loop.TrainProgram(config, mesh, "xla")
+            batch = program.put(np.zeros((4, 65), np.int32))
+            abstract = (gemm_count._abstract(program.initial_state), gemm_count._abstract(batch))
+            calls.append((program.raw_step, abstract))
+        no_combining = " ".join(
+            f"--xla_gpu_{k}_combine_threshold_bytes=0" for k in ("all_gather", "all_reduce")
+        )
+        with program.sharding_context():  # the mesh's; the same for both programs
+            hlos = verify.compile_many(calls, target="h100", devices=2, xla_flags=no_combining)
+    reports = [verify.gemm_report(hlo) for hlo in hlos]
+    return dict(zip(precisions, zip(configs, reports, strict=True), strict=True))
+
+
 @pytest.mark.deviceless
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
-def test_an_fsdp_train_step_gathers_weights_and_never_all_reduces_activations(precision):
+def test_an_fsdp_train_step_gathers_weights_and_never_all_reduces_activations(
+    precision, fsdp_h100_compiles
+):
     """--mesh fsdp=2 compiled for two H100s: the collectives FSDP should have, and no others.
 
     Regression test: before the step was traced under fp8jax.sharding's rules,
@@ -178,26 +223,7 @@ def test_an_fsdp_train_step_gathers_weights_and_never_all_reduces_activations(pr
     """
     import math
 
-    from fp8jax import verify
-    from fp8jax.training import loop
-    from fp8jax.training import mesh as mesh_lib
-
-    config = training.config.resolve(
-        options("unused", mesh="fsdp=2", precision=precision, batch_size=4, seq_len=64)
-    )
-    mesh = mesh_lib.build_mesh({"fsdp": 2}, batch_size=4, hidden=config.model.hidden)
-    with jax.numpy_dtype_promotion("standard"):
-        program = loop.TrainProgram(config, mesh, "xla")
-        batch = program.put(np.zeros((4, 65), np.int32))
-        abstract = (gemm_count._abstract(program.initial_state), gemm_count._abstract(batch))
-        no_combining = " ".join(
-            f"--xla_gpu_{k}_combine_threshold_bytes=0" for k in ("all_gather", "all_reduce")
-        )
-        with program.sharding_context():
-            hlo = verify.compile_for(
-                program.raw_step, *abstract, target="h100", devices=2, xla_flags=no_combining
-            )
-    report = verify.gemm_report(hlo)
+    config, report = fsdp_h100_compiles[precision]
     c = config.model
     # The layers are unrolled when compiled (Gpt.unroll_layers): every layer's GEMMs appear.
     assert len(report.fp8_gemms) == (12 * c.layers if precision == "fp8" else 0)

@@ -1,4 +1,10 @@
-"""``fp8jax train`` from the command line: clear errors that change nothing, and Ctrl-C."""
+"""``fp8jax train`` from the command line: clear errors that change nothing, and Ctrl-C.
+
+The runs of one configuration share their compiled programs through the module's
+persistent compilation cache (``shared_compile_cache``, tests/conftest.py): the
+resumed runs and the refused resumes build the programs ``run_dir`` and
+``bf16_run`` compiled, and compiling is most of a short run's time on a CPU.
+"""
 
 import hashlib
 import json
@@ -14,6 +20,8 @@ import pytest
 
 from fp8jax import cli
 from fp8jax.training import read_metrics
+
+pytestmark = pytest.mark.usefixtures("shared_compile_cache")
 
 FAST = ["--batch-size", "8", "--seq-len", "32", "--eval-batches", "1", "--no-progress"]
 
@@ -170,11 +178,12 @@ def test_resume_of_a_finished_run_asks_for_more_steps(copy_of_run, capsys):
     assert "already at step 2" in capsys.readouterr().err
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, shared_compile_cache):
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "fp8jax.cli", "train", *FAST, "--steps", "100000"]
     argv += ["--log-every", "1", "--eval-every", "1000", "--out", str(out)]
     env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    env["JAX_COMPILATION_CACHE_DIR"] = shared_compile_cache  # run_dir's initial state compile
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180

@@ -35,6 +35,28 @@ def ref_norm(x, gamma, beta, norm_type, zero_centered):
 
 RECIPES = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]
 
+# Deviceless H100 compiles, by a key that names the program: several tests read the same
+# program's HLO (the same op, recipe and shapes), which is compiled once. Tests only read it.
+_H100_HLO: dict = {}
+
+
+def _h100_hlos(calls: dict) -> dict:
+    """``{key: optimized HLO text}`` of ``{key: (fn, args)}``, compiled for an H100.
+
+    A key must name its program; the kernel switch (fp8jax.kernels.dispatch.enabled,
+    which the ops read when traced) is added to it. The programs not compiled
+    before compile together, in one child process (``verify.compile_many``).
+    """
+    from fp8jax.verify import compile_many
+
+    kernels = fp8jax.kernels.dispatch.enabled()
+    missing = {key: call for key, call in calls.items() if (key, kernels) not in _H100_HLO}
+    if missing:
+        hlos = compile_many(list(missing.values()), target="h100")
+        for key, hlo in zip(missing, hlos, strict=True):
+            _H100_HLO[key, kernels] = hlo
+    return {key: _H100_HLO[key, kernels] for key in calls}
+
 
 def _params(norm_type, hidden, dtype, seed=0):
     kg, kb, kx = jax.random.split(jax.random.key(seed), 3)
@@ -209,12 +231,12 @@ def test_residual_passed_through_the_op_saves_the_sum(op):
     # compared with the residual added outside the op, the step writes one
     # x-sized bf16 array less (XLA's sum), and the kernel reads it as a third
     # x-sized operand.
-    from fp8jax.verify import compile_for
+    steps = {p: _residual_step(op, p, fp8jax.DelayedScaling()) for p in (True, False)}
+    hlos = _h100_hlos({("residual", op, p): (step, args) for p, (step, args, _) in steps.items()})
 
     def x_sized_bf16_writes(passed):
-        step, args, _ = _residual_step(op, passed, fp8jax.DelayedScaling())
-        x = args[0]
-        results = _written_results(compile_for(step, *args, target="h100"))
+        x = steps[passed][1][0]
+        results = _written_results(hlos["residual", op, passed])
         return sum(1 for _, dtype, shape in results
                    if dtype == "bf16" and math.prod(shape) == x.size)  # fmt: skip
 
@@ -272,14 +294,23 @@ def _results_of_mlp_step(
 
 
 def _mlp_step_hlo(activations, recipe, tokens, hidden, ffn) -> str:
-    """layernorm_mlp's train step (with bias_1), compiled deviceless for an H100.
+    """layernorm_mlp's train step (with bias_1), compiled deviceless for an H100."""
+    return _mlp_step_hlos([(activations, recipe, tokens, hidden, ffn)])[0]
+
+
+def _mlp_step_hlos(specs: list) -> list[str]:
+    """:func:`_mlp_step_hlo` of each ``(activations, recipe, tokens, hidden, ffn)``."""
+    hlos = _h100_hlos({("mlp", *spec): _mlp_step(*spec) for spec in specs})
+    return [hlos["mlp", *spec] for spec in specs]
+
+
+def _mlp_step(activations, recipe, tokens, hidden, ffn):
+    """layernorm_mlp's train step (with bias_1) and its abstract arguments.
 
     The loss depends on y (not a plain mean), so the backward cannot start
     early and fuse with the forward, which would hide what a real model's
     step does.
     """
-    from fp8jax.verify import compile_for
-
     n, bf16 = len(activations), jnp.bfloat16
     args = (
         jax.ShapeDtypeStruct((tokens, hidden), bf16),
@@ -300,7 +331,7 @@ def _mlp_step_hlo(activations, recipe, tokens, hidden, ffn) -> str:
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
     step = jax.grad(loss, argnums=tuple(range(7)))
-    return compile_for(step, *args, state, target="h100")
+    return step, (*args, state)
 
 
 @pytest.mark.deviceless
@@ -346,9 +377,12 @@ def test_forward_activation_reaches_hbm_in_bf16_only_under_current_scaling(activ
     from fp8jax.verify import _hlo, gemm_report
 
     tokens, hidden, ffn = 512, 256, 1024
+    recipes = (fp8jax.CurrentScaling(), fp8jax.DelayedScaling())
+    specs = [(activations, recipe, tokens, hidden, ffn) for recipe in recipes]
+    hlos = dict(zip(recipes, _mlp_step_hlos(specs), strict=True))  # both in one child
 
     def bf16_activations(recipe):
-        hlo = _mlp_step_hlo(activations, recipe, tokens, hidden, ffn)
+        hlo = hlos[recipe]
         entry = _hlo.parse_module(hlo).entry.instructions
         gemms = {g.name for g in gemm_report(hlo).gemms}
         return [
@@ -359,8 +393,8 @@ def test_forward_activation_reaches_hbm_in_bf16_only_under_current_scaling(activ
             and "transpose(jvp" not in entry[name].metadata.get("op_name", "")
         ]
 
-    assert len(bf16_activations(fp8jax.CurrentScaling())) == 1
-    assert bf16_activations(fp8jax.DelayedScaling()) == []
+    assert len(bf16_activations(recipes[0])) == 1
+    assert bf16_activations(recipes[1]) == []
 
 
 @pytest.mark.deviceless
@@ -503,8 +537,6 @@ def test_activation_amax_takes_no_pass_of_its_own(activations, recipe):
 
 def _biased_step_outputs(op, recipe) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Each kernel's results in the H100 train step of ``op`` with a (3, 128) bias."""
-    from fp8jax.verify import compile_for
-
     bf16, f32 = jnp.bfloat16, jnp.float32
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
     x = jax.ShapeDtypeStruct((2, 512, 256), bf16)
@@ -520,10 +552,9 @@ def _biased_step_outputs(op, recipe) -> dict[str, list[tuple[str, tuple[int, ...
         return jnp.sum(jnp.square(y.astype(f32)))
 
     step = jax.grad(loss, argnums=tuple(range(6)))
+    hlos = _h100_hlos({("biased", op, recipe): (step, (x, norm, norm, kernel, bias, state))})
     outputs = {}
-    for name, dtype, shape in _written_results(
-        compile_for(step, x, norm, norm, kernel, bias, state, target="h100")
-    ):
+    for name, dtype, shape in _written_results(hlos["biased", op, recipe]):
         outputs.setdefault(name, []).append((dtype, shape))
     return outputs
 
@@ -709,14 +740,19 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
     # again by the FP8 cast (the transformer layer on the H200: 0.27 ms). Split
     # inside the op (ops.split), the cast kernel reads dq, dk and dv
     # themselves; with head_dim 64 in tiles half as wide (kernels.cast_transpose).
-    from fp8jax.verify import compile_for, gemm_report
+    from fp8jax.verify import gemm_report
 
     state = fp8jax.init_state(recipe) if isinstance(recipe, fp8jax.DelayedScaling) else None
     args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _qkv_args(head_dim))
 
+    def step(split):
+        return jax.grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
+
+    # Split and unsplit, in one child.
+    hlos = _h100_hlos({("qkv", recipe, op, head_dim, s): (step(s), args) for s in (True, False)})
+
     def compiled(split):
-        step = jax.grad(_qkv_loss(split, recipe, state, op), argnums=(0, 1, 2, 3, 4))
-        hlo = compile_for(step, *args, target="h100")
+        hlo = hlos["qkv", recipe, op, head_dim, split]
         assert len(gemm_report(hlo).fp8_gemms) == 3
         return hlo
 
