@@ -42,25 +42,30 @@ def runs(tmp_path_factory):
     from jax._src import compilation_cache
 
     root = tmp_path_factory.mktemp("options")
+    cache = str(root / "cache")
     # Seed 0 at --lr 1e-3 and 2e-3. warmup_steps is 1 on runs this short, so
     # step 1 runs at learning rate 0: its checkpoint holds the initial
     # parameters, and step 2 runs at the peak rate on the same gradients.
     try:
         a_err = _train(
             root / "a", "--steps", "2", "--lr", "1e-3", "--checkpoint-every", "1",
-            "--keep-checkpoints", "5", "--compile-cache", str(root / "cache"), "--no-progress",
+            "--keep-checkpoints", "5", "--compile-cache", cache, "--no-progress",
+        )  # fmt: skip
+        a_cached = os.listdir(cache)  # what run a wrote
+        # b and c read a's initial-state and eval programs from the cache instead of
+        # compiling them again (their steps differ: the learning rate schedule).
+        _train(
+            root / "b", "--steps", "2", "--lr", "2e-3", "--checkpoint-every", "1",
+            "--keep-checkpoints", "1", "--compile-cache", cache, "--no-progress",
+        )  # fmt: skip
+        c_err = _train(
+            root / "c", "--steps", "3", "--seed", "1", "--checkpoint-every", "2",
+            "--compile-cache", cache, terminal=True,
         )  # fmt: skip
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
         compilation_cache.reset_cache()
-    _train(
-        root / "b", "--steps", "2", "--lr", "2e-3", "--checkpoint-every", "1",
-        "--keep-checkpoints", "1", "--no-progress",
-    )  # fmt: skip
-    c_err = _train(
-        root / "c", "--steps", "3", "--seed", "1", "--checkpoint-every", "2", terminal=True
-    )
-    return root, a_err, c_err
+    return root, a_err, c_err, a_cached
 
 
 def _checkpoint_steps(run: pathlib.Path) -> list[int]:
@@ -112,8 +117,8 @@ def test_checkpoint_every_and_keep_checkpoints(runs):
 
 
 def test_compile_cache_directory_receives_the_compiled_programs(runs):
-    root, a_err, _ = runs
-    assert os.listdir(root / "cache"), "no compiled program was written to --compile-cache"
+    _, a_err, _, a_cached = runs
+    assert a_cached, "no compiled program was written to --compile-cache"
     assert "step/s" not in a_err and "3/3" not in a_err  # --no-progress: no bar
 
 

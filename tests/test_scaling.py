@@ -183,11 +183,28 @@ def test_update_group_names_a_wrong_number_of_amaxes():
         update_group(fp8jax.init_state(recipe), (1.0, 2.0), recipe)
 
 
+GROUPS = [fp8jax.DotScaleState, fp8jax.MlpScaleState]
+
+
+@pytest.fixture(scope="module")
+def group_update_hlos():
+    """``{group: HLO}`` of each group's update_group for an H100, in one child process."""
+    from fp8jax.verify import compile_many
+
+    recipe = fp8jax.DelayedScaling(amax_history_len=1024)
+    calls = []
+    for group in GROUPS:
+        state = fp8jax.init_state(recipe, group)
+        amaxes = jax.tree.map(
+            lambda _: jax.ShapeDtypeStruct((), jnp.float32), jax.tree.leaves(state)[::2]
+        )
+        calls.append((lambda s, a: update_group(s, a, recipe), (state, amaxes)))
+    return dict(zip(GROUPS, compile_many(calls, target="h100"), strict=True))
+
+
 @pytest.mark.deviceless
-@pytest.mark.parametrize(
-    "group", [fp8jax.DotScaleState, fp8jax.MlpScaleState], ids=lambda g: g.__name__
-)
-def test_a_group_update_compiles_to_three_kernels(group):
+@pytest.mark.parametrize("group", GROUPS, ids=lambda g: g.__name__)
+def test_a_group_update_compiles_to_three_kernels(group, group_update_hlos):
     # Each kernel costs a synchronized step a few microseconds of launch
     # (docs/design.md#the-state-update-in-few-kernels). Written with jnp.roll and .at[0].set,
     # XLA made four a tensor: a concatenate, a dynamic-update-slice, the
@@ -197,14 +214,7 @@ def test_a_group_update_compiles_to_three_kernels(group):
     # histories one, for layernorm_mlp's six tensors as for dense's three.
     import re
 
-    from fp8jax.verify import compile_for
-
-    recipe = fp8jax.DelayedScaling(amax_history_len=1024)
-    state = fp8jax.init_state(recipe, group)
-    amaxes = jax.tree.map(
-        lambda _: jax.ShapeDtypeStruct((), jnp.float32), jax.tree.leaves(state)[::2]
-    )
-    hlo = compile_for(lambda s, a: update_group(s, a, recipe), state, amaxes, target="h100")
+    hlo = group_update_hlos[group]
     entry = hlo[hlo.index("ENTRY") :]
     launches = re.compile(r" (fusion|copy|custom-call)\(")
     kernels = [line for line in entry.splitlines() if launches.search(line)]

@@ -2,10 +2,7 @@
 
 Each test builds the train step ``fp8jax train`` jits (TrainProgram) for a
 one-layer model narrower than ``tiny`` (GQA, as the Llama presets), at 4-8
-sequences of 32 bytes, on the CPU: the compiles are most of the time. Programs
-that two tests build alike (the initial state of one model and optimizer) come
-from the module's persistent compilation cache (``shared_compile_cache``,
-tests/conftest.py) the second time.
+sequences of 32 bytes, on the CPU: the compiles are most of the time.
 """
 
 import dataclasses
@@ -15,14 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from fp8jax.models import GptConfig
 from fp8jax.training import TrainOptions, train
 from fp8jax.training.config import RunConfig, resolve
 from fp8jax.training.program import TrainProgram
-
-pytestmark = pytest.mark.usefixtures("shared_compile_cache")
 
 SEQ = 32
 MODEL = GptConfig(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)

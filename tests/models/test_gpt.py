@@ -82,19 +82,30 @@ def test_fp8_train_step_runs_every_block_gemm_in_fp8(recipe):
     assert sorted(rest) == ["_attention.py"] * 6 + ["gpt.py"] * 2 + ["linear.py"] * 3
 
 
-@pytest.mark.deviceless
-@pytest.mark.parametrize("unroll_layers", [True, False])
-def test_unrolled_layers_compile_to_no_layer_loop_and_all_fp8_gemms(unroll_layers):
-    # Rolled, the scan is a while loop whose stacked saved activations the
-    # GPU backend copies slot by slot (Gpt.unroll_layers); unrolled, no loop.
-    from fp8jax.verify import _hlo, compile_for, gemm_report
+@pytest.fixture(scope="module")
+def h100_steps():
+    """``{unroll_layers: HLO}``: the FP8 train step unrolled and rolled, in one child process."""
+    from fp8jax.verify import compile_many
 
     recipe = fp8jax.DelayedScaling(amax_history_len=4)
     _, variables = _init("fp8", recipe)
-    model = Gpt(config=CONFIG, precision="fp8", recipe=recipe, unroll_layers=unroll_layers)
-    step, state = _train_step(model, variables)
+    calls = []
+    for unroll_layers in (True, False):
+        model = Gpt(config=CONFIG, precision="fp8", recipe=recipe, unroll_layers=unroll_layers)
+        step, state = _train_step(model, variables)
+        calls.append((step, (state, TOKENS)))
     with jax.numpy_dtype_promotion("standard"):
-        hlo = compile_for(step, state, TOKENS, target="h100")
+        return dict(zip((True, False), compile_many(calls, target="h100"), strict=True))
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("unroll_layers", [True, False])
+def test_unrolled_layers_compile_to_no_layer_loop_and_all_fp8_gemms(unroll_layers, h100_steps):
+    # Rolled, the scan is a while loop whose stacked saved activations the
+    # GPU backend copies slot by slot (Gpt.unroll_layers); unrolled, no loop.
+    from fp8jax.verify import _hlo, gemm_report
+
+    hlo = h100_steps[unroll_layers]
     loops = [
         i for c in _hlo.parse_module(hlo).computations.values()
         for i in c.instructions.values() if i.opcode == "while"

@@ -132,16 +132,12 @@ def test_fits_takes_the_hidden_sizes_the_backward_takes(hidden):
     assert norm_forward.fits((P, hidden)) is want
 
 
-@pytest.mark.deviceless
-@pytest.mark.parametrize("op", ["layernorm_dense", "layernorm_mlp"])
-@pytest.mark.parametrize(
-    "recipe", [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()], ids=lambda r: type(r).__name__
-)
-def test_fused_ops_run_the_kernel_under_delayed_scaling_only(op, recipe):
-    # Current scaling needs the whole output's amax before the cast, so its
-    # ops keep XLA's passes (module docstring).
-    from fp8jax.verify import compile_for
+FUSED_OPS = ["layernorm_dense", "layernorm_mlp"]
+RECIPES = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]
 
+
+def _fused_op_step(op, recipe):
+    """The gradient of a loss on ``op``'s output, and its abstract arguments."""
     delayed = isinstance(recipe, fp8jax.DelayedScaling)
     group = fp8jax.MlpScaleState if op == "layernorm_mlp" else fp8jax.DotScaleState
     state = fp8jax.init_state(recipe, group) if delayed else None
@@ -158,9 +154,27 @@ def test_fused_ops_run_the_kernel_under_delayed_scaling_only(op, recipe):
             y = fp8jax.layernorm_dense(x, gamma, beta, k1, recipe=recipe, state=state)
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
-    hlo = compile_for(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), x, gamma, gamma, k1, k2, state,
-                      target="h100")  # fmt: skip
-    assert ("fp8jax_norm_forward" in hlo) is delayed
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), (x, gamma, gamma, k1, k2, state)
+
+
+@pytest.fixture(scope="module")
+def fused_op_hlos():
+    """``{(op, recipe): H100 HLO}`` of every op and recipe, compiled in one child process."""
+    from fp8jax.verify import compile_many
+
+    keys = [(op, recipe) for op in FUSED_OPS for recipe in RECIPES]
+    hlos = compile_many([_fused_op_step(*key) for key in keys], target="h100")
+    return dict(zip(keys, hlos, strict=True))
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("op", FUSED_OPS)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_fused_ops_run_the_kernel_under_delayed_scaling_only(op, recipe, fused_op_hlos):
+    # Current scaling needs the whole output's amax before the cast, so its
+    # ops keep XLA's passes (module docstring).
+    delayed = isinstance(recipe, fp8jax.DelayedScaling)
+    assert ("fp8jax_norm_forward" in fused_op_hlos[op, recipe]) is delayed
 
 
 @pytest.mark.gpu

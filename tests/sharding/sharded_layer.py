@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -88,6 +89,16 @@ def shardings(layer, mesh, config):
     return state, data
 
 
+@functools.cache
+def _single_device_programs(layer: fnn.TransformerLayer):
+    """(jitted initial state, jitted train step) of ``layer`` on one device, made once per layer.
+
+    Single-device runs of equal layers (the reference, and the tolerance test's runs of
+    test_sharded_train_step.py on other data) share these and so their compiles.
+    """
+    return jax.jit(lambda: init_state(layer)), jax.jit(make_step(layer))
+
+
 def run(layer, steps: int, mesh=None, config=fs.DEFAULT, data=None):
     """``steps`` train steps from the same init; single-device without a mesh.
 
@@ -100,9 +111,9 @@ def run(layer, steps: int, mesh=None, config=fs.DEFAULT, data=None):
     with jax.numpy_dtype_promotion("standard"):
         if mesh is None:
             device = jax.devices()[0]
-            state = jax.device_put(jax.jit(lambda: init_state(layer))(), device)
+            init, jitted = _single_device_programs(layer)
+            state = jax.device_put(init(), device)
             data = jax.device_put(data, device)
-            jitted = jax.jit(step)
             context = contextlib.nullcontext()
         else:
             state_sh, data_sh = shardings(layer, mesh, config)

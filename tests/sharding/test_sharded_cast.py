@@ -105,12 +105,22 @@ def test_no_data_parallel_axes_without_a_mesh_without_roles_or_under_explicit_ax
         assert fs.data_parallel_axes() is None
 
 
-def _mlp_step_hlo(sizes, activations=("gelu", "linear"), recipe=None, tokens=8 * 128):
-    """layernorm_mlp's train step over 8 H100s (deviceless), tokens split as ``sizes`` say."""
+def _mlp_step_hlos(sizes, steps: list) -> list[str]:
+    """layernorm_mlp's train step over 8 H100s (deviceless), tokens split as ``sizes`` say.
+
+    One HLO text per ``(activations, recipe)`` of ``steps``, compiled in one child process.
+    """
     from fp8jax import verify
 
-    hidden, ffn, n, bf16 = 256, 512, len(activations), jnp.bfloat16
     mesh = fs.make_mesh(**sizes)
+    calls = [_mlp_step(mesh, activations, recipe) for activations, recipe in steps]
+    with fs.use_mesh(mesh):
+        return verify.compile_many(calls, target="h100", devices=8)
+
+
+def _mlp_step(mesh, activations, recipe, tokens=8 * 128):
+    """layernorm_mlp's train step and its abstract arguments, the token rows split on ``mesh``."""
+    hidden, ffn, n, bf16 = 256, 512, len(activations), jnp.bfloat16
     rows = NamedSharding(mesh, fs.logical_spec(("batch", None), mesh=mesh))
     args = (
         jax.ShapeDtypeStruct((tokens, hidden), bf16, sharding=rows),
@@ -129,10 +139,22 @@ def _mlp_step_hlo(sizes, activations=("gelu", "linear"), recipe=None, tokens=8 *
         )
         return jnp.sum(jnp.square(y.astype(jnp.float32)))
 
-    with fs.use_mesh(mesh):
-        return verify.compile_for(
-            jax.grad(loss, argnums=tuple(range(6))), *args, state, target="h100", devices=8
-        )
+    return jax.grad(loss, argnums=tuple(range(6))), (*args, state)
+
+
+# The data-parallel steps the tests below read: (activations, recipe).
+DP_STEPS = [
+    (("gelu", "linear"), fp8jax.CurrentScaling()),
+    (("gelu", "linear"), fp8jax.DelayedScaling()),
+    (("gelu_tanh",), fp8jax.DelayedScaling()),
+    (("silu", "linear"), fp8jax.DelayedScaling()),
+]
+
+
+@pytest.fixture(scope="module")
+def dp_step_hlos():
+    """``{(activations, recipe): HLO}`` of DP_STEPS over dp=2 x fsdp=4, in one child process."""
+    return dict(zip(DP_STEPS, _mlp_step_hlos(DP_FSDP, DP_STEPS), strict=True))
 
 
 def _cast_kernel_outputs(hlo, kernel="fp8jax_cast_transpose", fp8_only=True) -> list[frozenset]:
@@ -156,7 +178,7 @@ def _cast_kernel_outputs(hlo, kernel="fp8jax_cast_transpose", fp8_only=True) -> 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("recipe", [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()],
                          ids=lambda r: type(r).__name__)  # fmt: skip
-def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe):
+def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe, dp_step_hlos):
     # 1024 tokens over dp=2 x fsdp=4: 128 rows a device. The pre-activation
     # gradient (tokens, 2 * ffn) and the output gradient (tokens, hidden) are
     # cast with their transposed copies by the Pallas kernel on each device's
@@ -165,7 +187,7 @@ def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe):
     # fp8jax.activations.Activation.kernel; the test below covers the activation kernels.)
     from fp8jax import verify
 
-    hlo = _mlp_step_hlo(DP_FSDP, recipe=recipe)
+    hlo = dp_step_hlos[("gelu", "linear"), recipe]
     local = 1024 // 8
     want = [
         frozenset({("f8e5m2", (local, 1024)), ("f8e5m2", (1024, local))}),
@@ -199,7 +221,7 @@ def test_tensor_parallel_mlp_step_keeps_xla_cast():
     # the kernel is not used (fs.data_parallel_axes() is None) and XLA casts.
     from fp8jax import verify
 
-    hlo = _mlp_step_hlo({"fsdp": 4, "tp": 2}, recipe=fp8jax.DelayedScaling())
+    (hlo,) = _mlp_step_hlos({"fsdp": 4, "tp": 2}, [(("gelu", "linear"), fp8jax.DelayedScaling())])
     assert _cast_kernel_outputs(hlo) == []
     assert _cast_kernel_outputs(hlo, "fp8jax_norm_backward", fp8_only=False) == []
     assert len(verify.gemm_report(hlo).fp8_gemms) == 6
@@ -246,7 +268,7 @@ def test_activation_kernels_per_device_match_the_whole():
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("activations", [("gelu_tanh",), ("silu", "linear")], ids="-".join)
-def test_data_parallel_step_runs_the_activation_kernels_per_device(activations):
+def test_data_parallel_step_runs_the_activation_kernels_per_device(activations, dp_step_hlos):
     # Under delayed scaling the activation and its gradient are computed in
     # their Pallas kernels (fp8jax.kernels.activation_cast) on each device's 128
     # rows; nothing is gathered in high precision.
@@ -254,7 +276,7 @@ def test_data_parallel_step_runs_the_activation_kernels_per_device(activations):
     from fp8jax.verify import _hlo
 
     n = len(activations)
-    hlo = _mlp_step_hlo(DP_FSDP, activations=activations, recipe=fp8jax.DelayedScaling())
+    hlo = dp_step_hlos[activations, fp8jax.DelayedScaling()]
     local = 1024 // 8
     written = sorted(
         (t.dtype, t.shape)

@@ -42,10 +42,6 @@ from jax.sharding import AxisType
 
 import fp8jax.sharding as fs
 
-# The tolerance test's single-device runs compile the reference's programs again (each run
-# jits its own step); the module's persistent compilation cache serves them.
-pytestmark = pytest.mark.usefixtures("shared_compile_cache")
-
 # FSDP alone, and FSDP with TP and Megatron SP; test_explicit_axes.py covers the ops.
 EXPLICIT = ("fsdp8", "fsdp2_tp4_sp")
 
