@@ -71,11 +71,15 @@ def test_fsdp_weights_are_gathered_in_fp8_and_every_grouped_gemm_is_fp8():
     def whole(d, tile):  # padded to whole tiles
         return -(-d // tile) * tile
 
-    local = whole(M // 8 + G * (tiles.m - 1), tiles.m)  # a device's rows, tile-padded
+    local = M // 8  # a device's rows, which the forward and dgrad kernels read by index
+    # the wgrad kernel reads them gathered into tile-padded places (the groups and the
+    # rows past them), transposed
+    places = whole(local + (G + 1) * (tiles.m - 1), tiles.m)
+    k_rows = whole(K, max(tiles.wgrad_k, grouped_gemm.GATHER_COLS))
     assert sorted((g.target, g.lhs_shape) for g in report.gemms) == [
         ("fp8jax_grouped_gemm", (local, whole(K, tiles.k))),  # forward
         ("fp8jax_grouped_gemm", (local, whole(N, tiles.k))),  # dgrad
-        ("fp8jax_grouped_gemm_wgrad", (whole(K, tiles.wgrad_k), local)),
+        ("fp8jax_grouped_gemm_wgrad", (k_rows, places)),
     ]
     assert len(report.fp8_gemms) == 3
     gathers = [c for c in report.collectives if c.kind == "all-gather"]

@@ -7,18 +7,21 @@ GEMM over all groups (a deviceless H100 compile, jax 0.10.2: lhs expanded to
 kernels run instead and do only the useful ones
 (docs/design.md#grouped-expert-gemms).
 
-Layout (:class:`Layout`): every group's rows are padded to whole row tiles
-(``TILES.m``) in a static buffer of ``m + g * (TILES.m - 1)`` rows (rounded
-up to a tile), so each row tile belongs to one group; the tile-to-group
-table is computed by XLA from the group sizes. Padding rows are zero.
+Layout (:class:`Layout`): the rows of each group, and the rows past the
+last group, are split into whole row tiles (``TILES.m``) of a static grid of
+``m + (g + 1) * (TILES.m - 1)`` places (rounded up to a tile), so each row
+tile belongs to one group; XLA computes the tile-to-group table and each
+place's row from the group sizes. Places past a group's rows are padding.
 
 * :func:`grouped` (forward and dgrad): ``out[rows of group i] = a[rows] .
   b[i]^T`` for ``b`` laid out ``[g, n, k]`` (contracting axis minor, as
   FP8 tensor-core MMAs read both operands). One program per (row tile,
-  column tile) loops over ``k`` and scales in its epilogue.
-* :func:`grouped_transposed` (wgrad): ``out[i] = a_t[:, rows of i] .
-  b_t[:, rows of i]^T`` for ``a_t [k, rows]`` and ``b_t [n, rows]``: one
-  program per (group, output tile) loops over that group's row tiles.
+  column tile) reads its rows of ``a`` by index, loops over ``k``, scales
+  in its epilogue and writes its rows of the output in place.
+* :func:`grouped_transposed` (wgrad): ``out[i] = a[rows of i]^T .
+  b[rows of i]``. A gather kernel first writes both operands into the
+  places transposed (``[k, places]``, ``[n, places]``, zeros in padding),
+  then one program per (group, output tile) loops over the group's row tiles.
 
 Both operands of a kernel are FP8 of one format: JAX's Pallas Triton
 lowering of ``dot_general`` refuses operands of two element types, so the
@@ -90,27 +93,26 @@ def _compiler_params(interpret: bool, warps: int) -> dict:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["row_group", "tile_group", "tile_start", "tile_count", "source", "dest"],
+    data_fields=["tile_group", "tile_start", "tile_count", "source"],
     meta_fields=["rows", "padded_rows"],
 )
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each row of a grouped operand lives in the tile-padded buffer.
+    """Row tiles of a grouped operand: which rows each tile holds and whose they are.
 
-    ``row_group [m]``: each row's group (``g`` for rows past the last group);
-    ``tile_group [tiles]``: each row tile's group (``g`` for unused tiles);
-    ``tile_start``, ``tile_count [g]``: each group's first row tile and count;
-    ``source [padded_rows]``: the row each buffer row is read from (``rows``,
-    a zero row, for padding); ``dest [m]``: each row's place in the buffer
-    (``padded_rows``, a zero row, for rows in no group).
+    The ``g`` groups, then the rows past the last group (a group ``g`` whose
+    outputs are zeros, as ``lax.ragged_dot`` gives), each padded to whole
+    row tiles, fill ``padded_rows`` places. ``tile_group [tiles]``: each row
+    tile's group (``g + 1`` for unused tiles); ``tile_start``,
+    ``tile_count [g + 1]``: each group's first row tile and count;
+    ``source [padded_rows]``: the row of the operand each place holds
+    (``rows`` for padding).
     """
 
-    row_group: jax.Array
     tile_group: jax.Array
     tile_start: jax.Array
     tile_count: jax.Array
     source: jax.Array
-    dest: jax.Array
     rows: int
     padded_rows: int
 
@@ -140,13 +142,13 @@ def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def layout(group_sizes: jax.Array, rows: int, block_m: int | None = None) -> Layout:
-    """The tile-padded :class:`Layout` of ``rows`` rows in groups of ``group_sizes``.
+    """The :class:`Layout` of ``rows`` rows in groups of ``group_sizes``.
 
     ``block_m``: rows per tile, :data:`TILES`'s by default.
     """
     block_m = block_m or TILES.m
-    groups = group_sizes.shape[0]
-    ends = group_ends(group_sizes, rows)
+    groups = group_sizes.shape[0] + 1  # the rows past the last group are one more
+    ends = jnp.concatenate([group_ends(group_sizes, rows), jnp.full((1,), rows, jnp.int32)])
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     sizes = ends - starts
     tile_count = (sizes + block_m - 1) // block_m
@@ -156,37 +158,20 @@ def layout(group_sizes: jax.Array, rows: int, block_m: int | None = None) -> Lay
     tiles = padded_rows // block_m
     tile_group = jnp.searchsorted(tile_end, jnp.arange(tiles, dtype=jnp.int32), side="right")
     tile_group = tile_group.astype(jnp.int32)
-    # Buffer row p lies in tile p // block_m of group tile_group; its offset
-    # in the group's padded rows maps back to the group's row, if any.
+    # Place p lies in tile p // block_m of group tile_group; its offset in the
+    # group's padded rows maps back to the group's row, if any.
     p = jnp.arange(padded_rows, dtype=jnp.int32)
     p_group = tile_group[p // block_m]
     safe = jnp.minimum(p_group, groups - 1)
     offset = p - tile_start[safe] * block_m
     valid = (p_group < groups) & (offset < sizes[safe])
     source = jnp.where(valid, starts[safe] + offset, rows)
-    row_group = row_groups(group_sizes, rows)
-    r = jnp.arange(rows, dtype=jnp.int32)
-    g_safe = jnp.minimum(row_group, groups - 1)
-    dest = jnp.where(row_group < groups, tile_start[g_safe] * block_m + r - starts[g_safe],
-                     padded_rows)  # fmt: skip
-    return Layout(row_group, tile_group, tile_start.astype(jnp.int32),
-                  tile_count.astype(jnp.int32), source, dest, rows, padded_rows)  # fmt: skip
+    return Layout(tile_group, tile_start.astype(jnp.int32), tile_count.astype(jnp.int32),
+                  source, rows, padded_rows)  # fmt: skip
 
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
-
-
-def to_padded(x: jax.Array, lay: Layout) -> jax.Array:
-    """``x [m, ...]`` in the tile-padded buffer (zeros in the padding)."""
-    zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
-    return jnp.concatenate([x, zero])[lay.source]
-
-
-def from_padded(y: jax.Array, lay: Layout) -> jax.Array:
-    """The rows of ``y`` (a padded buffer) back in ``x``'s order; zeros for rows in no group."""
-    zero = jnp.zeros((1, *y.shape[1:]), y.dtype)
-    return jnp.concatenate([y, zero])[lay.dest]
 
 
 def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -198,55 +183,126 @@ def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _grouped_kernel(tiles: Tiles, k_steps, tg_ref, scale_ref, a_ref, b_ref, o_ref):
+def _tile_rows(src_ref, rows: int):
+    """A row tile's places: the rows they hold (``rows`` for padding), those rows made
+    safe to read (row 0 for padding), and which places are real."""
+    src = src_ref[...]
+    real = src < rows
+    return src, jnp.where(real, src, 0), real
+
+
+def _store_rows(o_ref, rows, real, j: int, tile, width: int):
+    """``tile`` into output rows ``rows`` at column tile ``j``, where real and inside ``o_ref``.
+
+    A masked-off place stores nothing on the GPU; in interpret mode its row
+    index must not be one that a real place of the tile writes (the scatter
+    would write both), so padding keeps its out-of-range index, which JAX's
+    scatter drops.
+    """
+    from jax.experimental.pallas import triton as pallas_triton
+
+    cols = j * width + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    mask = real[:, None] & (cols < o_ref.shape[1])
+    pallas_triton.store(o_ref.at[rows[:, None], cols], tile.astype(o_ref.dtype), mask=mask)
+
+
+def _grouped_kernel(tiles: Tiles, k_steps, rows, tg_ref, scale_ref, src_ref, a_ref, b_ref,
+                    o_ref):  # fmt: skip
     from jax.experimental import pallas as pl
 
     group = tg_ref[0]
     j = pl.program_id(1)
     groups = b_ref.shape[0]
+    out_rows, a_rows, real = _tile_rows(src_ref, rows)
 
     @pl.when(group < groups)
     def _():
         def body(step, acc):
             k0 = pl.multiple_of(step * tiles.k, tiles.k)
-            a = a_ref[:, pl.ds(k0, tiles.k)]
+            a = a_ref[a_rows, pl.ds(k0, tiles.k)]
             b = b_ref[group, pl.ds(j * tiles.n, tiles.n), pl.ds(k0, tiles.k)]
             return triton_fp8_dot.accumulate(acc, a, b)
 
         acc = lax.fori_loop(0, k_steps, body, jnp.zeros((tiles.m, tiles.n), jnp.float32))
-        o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
+        _store_rows(o_ref, out_rows, real, j, acc * scale_ref[0], tiles.n)
+
+    @pl.when(group == groups)  # the rows past the last group
+    def _():
+        _store_rows(o_ref, out_rows, real, j, jnp.zeros((tiles.m, tiles.n)), tiles.n)
 
 
-def grouped_pallas(a_pad, b, tile_scale, lay: Layout, out_dtype, interpret: bool = False):
-    """``a_pad [padded_rows, k] . b[group]^T`` per row tile, times its tile's scale.
+def grouped(a, b, group_sizes, per_group, out_dtype, interpret: bool = False):
+    """``out[rows of group i] = a[rows] . b[i]^T * per_group[i]``: ``[m, n]``.
 
-    ``b``: ``[g, n, k]``; ``tile_scale [tiles]``: the epilogue's factor per
-    row tile. Returns ``[padded_rows, n]`` (rows of unused tiles undefined).
+    ``a [m, k]`` (rows sorted by group), ``b [g, n, k]``, ``per_group [g]``
+    (entries past ``g`` unused); rows past the last group are zeros. Each
+    program reads its row tile's rows of ``a`` by index and writes its output
+    rows in place: no padded copy of either (docs/design.md#grouped-expert-gemms).
     """
     from jax.experimental import pallas as pl
 
     t = TILES
-    n = b.shape[1]
-    a_pad = _pad_axis(a_pad, 1, t.k)
+    m, n = a.shape[0], b.shape[1]
+    lay = layout(group_sizes, m)
+    a = _pad_axis(a, 1, t.k)
     b = _pad_axis(_pad_axis(b, 1, t.n), 2, t.k)
-    k, n_pad = a_pad.shape[1], b.shape[1]
-    grid = (lay.padded_rows // t.m, n_pad // t.n)
-    out = pl.pallas_call(
-        functools.partial(_grouped_kernel, t, k // t.k),
-        grid=grid,
+    k = a.shape[1]
+    last = per_group.shape[0] - 1
+    tile_scale = per_group.astype(jnp.float32)[jnp.minimum(lay.tile_group, last)]
+    return pl.pallas_call(
+        functools.partial(_grouped_kernel, t, k // t.k, m),
+        grid=(lay.padded_rows // t.m, b.shape[1] // t.n),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (i,)),
             pl.BlockSpec((1,), lambda i, j: (i,)),
-            pl.BlockSpec((t.m, k), lambda i, j: (i, 0)),
+            pl.BlockSpec((t.m,), lambda i, j: (i,)),
+            pl.no_block_spec,
             pl.no_block_spec,
         ],
-        out_specs=pl.BlockSpec((t.m, t.n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((lay.padded_rows, n_pad), out_dtype),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         interpret=interpret,
         name="fp8jax_grouped_gemm",
         **_compiler_params(interpret, t.warps),
-    )(lay.tile_group, tile_scale.astype(jnp.float32), a_pad, b)
-    return out[:, :n]
+    )(lay.tile_group, tile_scale, lay.source, a, b)
+
+
+# The transposing gather's tile: rows (places) x columns, and its warps.
+GATHER_ROWS, GATHER_COLS, GATHER_WARPS = 128, 128, 4
+
+
+def _gather_transposed_kernel(rows, src_ref, x_ref, o_ref):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    _, x_rows, real = _tile_rows(src_ref, rows)
+    cols = pl.program_id(1) * GATHER_COLS + lax.broadcasted_iota(jnp.int32, (1, GATHER_COLS), 1)
+    mask = real[:, None] & (cols < x_ref.shape[1])
+    tile = pallas_triton.load(x_ref.at[x_rows[:, None], cols], mask=mask,
+                              other=jnp.zeros((), x_ref.dtype))  # fmt: skip
+    o_ref[...] = tile.T
+
+
+def gather_transposed(x, lay: Layout, multiple: int, interpret: bool = False):
+    """``x [m, c]``'s rows in ``lay``'s places, transposed: ``[c, padded_rows]``, zeros in padding.
+
+    ``c`` is padded with zero rows to a multiple of ``multiple``. One pass,
+    where XLA's gather writing the transposed layout took 12 ms for 940 MB
+    (docs/design.md#grouped-expert-gemms).
+    """
+    from jax.experimental import pallas as pl
+
+    c_pad = _round_up(x.shape[1], max(multiple, GATHER_COLS))
+    return pl.pallas_call(
+        functools.partial(_gather_transposed_kernel, x.shape[0]),
+        grid=(lay.padded_rows // GATHER_ROWS, c_pad // GATHER_COLS),
+        in_specs=[pl.BlockSpec((GATHER_ROWS,), lambda i, j: (i,)), pl.no_block_spec],
+        out_specs=pl.BlockSpec((GATHER_COLS, GATHER_ROWS), lambda i, j: (j, i)),
+        out_shape=jax.ShapeDtypeStruct((c_pad, lay.padded_rows), x.dtype),
+        interpret=interpret,
+        name="fp8jax_grouped_gather_transposed",
+        **_compiler_params(interpret, GATHER_WARPS),
+    )(lay.source, x)
 
 
 def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_ref, o_ref):
@@ -266,19 +322,26 @@ def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_r
     o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
 
 
-def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dtype,
-                              interpret: bool = False):  # fmt: skip
-    """``out[i] = a_t[:, rows of i] . b_t[:, rows of i]^T * scale``: ``[g, k, n]``.
+def grouped_transposed(a, b, group_sizes, scale, out_dtype, interpret: bool = False):
+    """``out[i] = a[rows of i]^T . b[rows of i] * scale``: ``[g, k, n]``.
 
-    ``a_t [k, padded_rows]``, ``b_t [n, padded_rows]``: the padded buffers
-    transposed, so that both contract their minor axis. An empty group gives zeros.
+    ``a [m, k]`` and ``b [m, n]`` have their rows sorted by group.
+
+    Both operands are first gathered into the padded places transposed
+    (:func:`gather_transposed`), so that the kernel contracts their minor
+    axis, as FP8 tensor-core MMAs read both operands; one program per
+    (group, output tile) loops over the group's row tiles. An empty group
+    gives zeros.
     """
     from jax.experimental import pallas as pl
 
     t = TILES
-    k, n = a_t.shape[0], b_t.shape[0]
+    groups = group_sizes.shape[0]
+    k, n = a.shape[1], b.shape[1]
     tk, tn = t.wgrad_k, t.wgrad_n
-    a_t, b_t = _pad_axis(a_t, 0, tk), _pad_axis(b_t, 0, tn)
+    lay = layout(group_sizes, a.shape[0])
+    a_t = gather_transposed(a, lay, tk, interpret)
+    b_t = gather_transposed(b, lay, tn, interpret)
     grid = (groups, a_t.shape[0] // tk, b_t.shape[0] // tn)
     out = pl.pallas_call(
         functools.partial(_transposed_kernel, t),
@@ -300,7 +363,7 @@ def grouped_transposed_pallas(a_t, b_t, scale, lay: Layout, groups: int, out_dty
 
 
 def grouped_xla(a, b, group_sizes, row_scale, out_dtype):
-    """:func:`grouped_pallas`'s values from ``lax.ragged_dot`` on unpadded rows.
+    """:func:`grouped`'s values from ``lax.ragged_dot`` on unpadded rows.
 
     ``a [m, k]``, ``b [g, n, k]``; ``row_scale [m]`` (zero for rows in no group).
     """
@@ -309,7 +372,7 @@ def grouped_xla(a, b, group_sizes, row_scale, out_dtype):
 
 
 def grouped_transposed_xla(a, b, group_sizes, scale, out_dtype):
-    """:func:`grouped_transposed_pallas`'s values: ``a [m, k]``, ``b [m, n]`` -> ``[g, k, n]``."""
+    """:func:`grouped_transposed`'s values: ``a [m, k]``, ``b [m, n]`` -> ``[g, k, n]``."""
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
         lhs_ragged_dimensions=[0],

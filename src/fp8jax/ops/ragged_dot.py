@@ -156,10 +156,7 @@ def _grouped(a, b, group_sizes, a_scale_inv, b_scale_inv, out_dtype):
     per_group = jnp.concatenate([a_scale_inv * b_scale_inv, jnp.zeros((1,), jnp.float32)])
 
     def pallas_fn(a, b, group_sizes, per_group, interpret=False):
-        lay = gg.layout(group_sizes, a.shape[0])
-        out = gg.grouped_pallas(gg.to_padded(a, lay), b, per_group[lay.tile_group], lay,
-                                out_dtype, interpret)  # fmt: skip
-        return gg.from_padded(out, lay)
+        return gg.grouped(a, b, group_sizes, per_group, out_dtype, interpret)
 
     def xla_fn(a, b, group_sizes, per_group):
         m = a.shape[0]
@@ -173,10 +170,7 @@ def _grouped_wgrad(a, b, group_sizes, scale_inv, groups, out_dtype):
     """``out[i] = a[rows of i]^T . b[rows of i] * scale_inv``: ``[g, k, n]``."""
 
     def pallas_fn(a, b, group_sizes, scale_inv, interpret=False):
-        lay = gg.layout(group_sizes, a.shape[0])
-        a_t, b_t = gg.to_padded(a, lay).T, gg.to_padded(b, lay).T
-        return gg.grouped_transposed_pallas(a_t, b_t, scale_inv, lay, groups, out_dtype,
-                                            interpret)  # fmt: skip
+        return gg.grouped_transposed(a, b, group_sizes, scale_inv, out_dtype, interpret)
 
     def xla_fn(a, b, group_sizes, scale_inv):
         sizes = gg.effective_sizes(group_sizes, a.shape[0])
