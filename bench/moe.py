@@ -27,7 +27,7 @@ a Flax user writes an MoE without grouped GEMMs; it drops slots past
 1.25x a balanced share, so it may do less work than the others).
 
     cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,backward,block]
-        [--shape deepseek,mixtral] [--iters N] [--out F]
+        [--shape deepseek,mixtral] [--iters N] [--out F] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
+from breakdown import breakdown
 from flax import linen as nn
 from harness import compiled_facts, dump, environment, time_ms
 from jax import lax
@@ -69,9 +71,27 @@ SHAPES = {
 
 
 ITERS = {"n": 20}
+TRACE = {"dir": None}  # --trace: the block part's rows are profiled and broken down here
+
+TOP_KERNELS = 12  # the slowest kernels printed per traced row
 
 
-def _row(name, fn, args, flops, iters=None):
+def _trace(name: str, compiled, args, hlo: str) -> dict:
+    """Three profiled calls of ``compiled``, broken down by kernel class (bench/breakdown.py)."""
+    where, steps = os.path.join(TRACE["dir"], name), 3
+    with jax.profiler.trace(where):
+        for _ in range(steps):
+            jax.block_until_ready(compiled(*args))
+    b = breakdown(where, hlo, steps)
+    shares = ", ".join(f"{k} {v:.1%}" for k, v in b["share"].items())
+    print(f"    kernels {b['kernel_ms']:.3f} ms/call: {shares}", flush=True)
+    for kernel, k in list(b["kernels_ms"].items())[:TOP_KERNELS]:
+        print(f"      {k['ms']:7.3f} ms  {k['class']:<10} {kernel[:48]:<48} {k['what'][:70]}",
+              flush=True)  # fmt: skip
+    return b
+
+
+def _row(name, fn, args, flops, iters=None, trace=False):
     iters = iters or ITERS["n"]
     start = time.perf_counter()
     # fp8jax's variants compile with its XLA options, the baselines with XLA's defaults.
@@ -85,7 +105,8 @@ def _row(name, fn, args, flops, iters=None):
         print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         return {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
     t.pop("clocks", None)
-    facts = compiled_facts(compiled, compiled.as_text())
+    hlo = compiled.as_text()
+    facts = compiled_facts(compiled, hlo)
     facts.pop("report")
     row = {"name": name, "compile_s": compile_s, **t, **facts,
            "tflops": flops / (t["median_ms"] * 1e-3) / 1e12}  # fmt: skip
@@ -93,6 +114,8 @@ def _row(name, fn, args, flops, iters=None):
           f"{facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs {facts['backends']}, "
           f"peak {facts['peak_memory_gib']:.2f} GiB, first compile {compile_s:.1f} s",
           flush=True)  # fmt: skip
+    if trace and TRACE["dir"]:
+        row["breakdown"] = _trace(name, compiled, args, hlo)
     return row
 
 
@@ -312,7 +335,8 @@ def block_rows(shape: Shape) -> list[dict]:
             _, vjp = jax.vjp(f, params, x)
             return vjp(gy)
 
-        out.append(_row(name, step, (params, x, gy), useful, iters=max(1, ITERS["n"] // 2)))
+        out.append(_row(name, step, (params, x, gy), useful, iters=max(1, ITERS["n"] // 2),
+                        trace=True))  # fmt: skip
     return out
 
 
@@ -328,8 +352,11 @@ def main():
                         help=f"comma-separated, in order, of {tuple(SHAPES)}")  # fmt: skip
     parser.add_argument("--out", default=None)
     parser.add_argument("--iters", type=int, default=20, help="timed calls per row")
+    parser.add_argument(
+        "--trace", default=None, help="profile block rows here; print the slowest kernels"
+    )
     args = parser.parse_args()
-    ITERS["n"] = args.iters
+    ITERS["n"], TRACE["dir"] = args.iters, args.trace
     payload = {"environment": environment(), "fp8_compiler_options": fp8jax.compiler_options(),
                "results": {}}  # fmt: skip
     parts = set(PARTS) if args.part == "all" else set(args.part.split(","))
