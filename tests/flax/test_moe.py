@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from fp8jax import verify
+from fp8jax.flax import _moe
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
 from numerics import assert_within, gemm_error_bound
@@ -161,6 +162,35 @@ def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
     assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
     shared = [g for g in report.fp8_gemms if g not in grouped]
     assert len(shared) == 6  # the shared expert's two dense GEMMs, fwd, dgrad, wgrad
+
+
+def test_permutations_backward_are_gathers_equal_to_the_transposed_takes():
+    # To expert order (each token repeated top_k times) and back: the custom
+    # backward passes gather by the inverse permutation where JAX's transpose
+    # of jnp.take scatter-adds; same values (f32 sums of top_k terms, in
+    # another order: a few ulps) and no scatter in the lowered backward.
+    t, k, h, e = 40, 3, 8, 5
+    keys = jax.random.split(jax.random.key(7), 4)
+    flat = jax.random.randint(keys[0], (t * k,), 0, e)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * k, dtype=order.dtype))
+    x2 = jax.random.normal(keys[1], (t, h))
+    ys = jax.random.normal(keys[2], (t * k, h))
+    g = jax.random.normal(keys[3], (t * k, h))
+
+    def take_dispatch(x):
+        return jnp.take(x, order // k, axis=0)
+
+    pairs = [
+        (lambda x: _moe.dispatch(x, order, inverse, k), take_dispatch, x2),
+        (lambda y: _moe.combine(y, order, inverse), lambda y: jnp.take(y, inverse, axis=0), ys),
+    ]
+    for ours, reference, arg in pairs:
+        (got, back), (want, back_ref) = jax.vjp(ours, arg), jax.vjp(reference, arg)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(back(g)[0], back_ref(g)[0], rtol=1e-6, atol=1e-6)
+        lowered = jax.jit(lambda a, g, f=ours: jax.vjp(f, a)[1](g)).lower(arg, g).as_text()
+        assert "scatter" not in lowered and "gather" in lowered
 
 
 @pytest.mark.parametrize(

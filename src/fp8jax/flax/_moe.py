@@ -15,9 +15,11 @@ go to expert ``e`` and ``p_e`` its mean gate probability; 1 when balanced.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import fp8jax
@@ -150,6 +152,61 @@ def shared_ffn(x2, wi, wo, activation: str, fp8: bool, recipe):
     return fp8jax.dense(a, wo, recipe=recipe) if fp8 else a @ wo.astype(a.dtype)
 
 
+# The permutations to expert order and back, with the backward passes written as
+# gathers: JAX transposes a gather into a scatter-add (atomic adds into a zeroed
+# buffer, in the array's dtype), though each row here has a known set of sources.
+
+
+def _no_cotangent(index: jax.Array) -> np.ndarray:
+    return np.zeros(index.shape, jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch(x2, order, inverse, top_k: int):
+    """``x2 [t, hidden]``'s rows for the slots in expert order: ``x2[order // top_k]``.
+
+    ``order`` sorts the ``t * top_k`` (token, slot) pairs by expert and
+    ``inverse`` is its inverse permutation. A token's gradient is the sum of
+    its ``top_k`` slots' gradients (in f32), gathered by ``inverse``.
+    """
+    return jnp.take(x2, order // top_k, axis=0)
+
+
+def _dispatch_fwd(x2, order, inverse, top_k):
+    return dispatch(x2, order, inverse, top_k), (order, inverse)
+
+
+def _dispatch_bwd(top_k, residuals, g):
+    order, inverse = residuals
+    per_slot = jnp.take(g, inverse, axis=0).astype(jnp.float32)
+    dx2 = jnp.sum(per_slot.reshape(-1, top_k, g.shape[-1]), axis=1).astype(g.dtype)
+    return dx2, _no_cotangent(order), _no_cotangent(inverse)
+
+
+dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def combine(ys, order, inverse):
+    """The expert-ordered rows ``ys`` back in (token, slot) order: ``ys[inverse]``.
+
+    A permutation, so its gradient is the gather by ``order``.
+    """
+    return jnp.take(ys, inverse, axis=0)
+
+
+def _combine_fwd(ys, order, inverse):
+    return combine(ys, order, inverse), (order, inverse)
+
+
+def _combine_bwd(residuals, g):
+    order, inverse = residuals
+    return jnp.take(g, order, axis=0), _no_cotangent(order), _no_cotangent(inverse)
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
+
+
 def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, activation: str,
         fp8: bool, recipe):  # fmt: skip
     """The block on ``x [..., hidden]``: ``(y, aux_loss)``, ``y`` shaped and typed like ``x``."""
@@ -162,9 +219,9 @@ def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, act
     order = jnp.argsort(flat, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
-    xs = jnp.take(x2, order // top_k, axis=0)
+    xs = dispatch(x2, order, inverse, top_k)
     ys = experts_ffn(xs, sizes, wi, wo, activation, fp8, recipe)
-    per_slot = jnp.take(ys, inverse, axis=0).reshape(-1, top_k, hidden)
+    per_slot = combine(ys, order, inverse).reshape(-1, top_k, hidden)
     y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x.dtype)
     if shared_wi is not None:
         y = y + shared_ffn(x2, shared_wi, shared_wo, activation, fp8, recipe).astype(x.dtype)
