@@ -46,8 +46,8 @@ def hlo(compiled):
 
 
 def test_grouped_gemms_are_reported_fp8_with_their_operand_dtypes(hlo):
-    # Forward E4M3 x E4M3, dgrad and wgrad E5M2 x E5M2 (the weights and the
-    # input converted to the gradient's format, one element type per dot),
+    # Forward E4M3 x E4M3, dgrad and wgrad E5M2 x E5M2 (the weights cast to
+    # and the input converted to the gradient's format, one element type per dot),
     # each a Pallas kernel: no dense GEMM over all groups (XLA's lowering of
     # lax.ragged_dot) and no other GEMM anywhere.
     report = verify.gemm_report(hlo)

@@ -179,12 +179,24 @@ def _grouped_wgrad(a, b, group_sizes, scale_inv, groups, out_dtype):
     return _run(pallas_fn, xla_fn, (a, b, group_sizes, scale_inv), 2, reduce=True)
 
 
-def quantize_per_expert(rhs: jax.Array, fmt: Fp8Format, recipe) -> tuple[jax.Array, jax.Array]:
-    """``rhs [g, ...]`` in ``fmt``, each expert at its own scale: ``(data, scale_inv [g])``."""
+def quantize_per_expert(
+    rhs: jax.Array, forward: Fp8Format, backward: Fp8Format, recipe
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``rhs [g, k, n]`` cast for both of its GEMMs, each expert at its own scale.
+
+    Returns ``(forward_t, backward, scale_inv [g])``: ``forward_t [g, n, k]``
+    in ``forward`` (the forward GEMM contracts ``k``, the minor axis there)
+    and ``[g, k, n]`` in ``backward`` for the dgrad GEMM (one element type
+    per kernel dot), both rounded once from ``rhs`` at the same scale. XLA
+    writes both from one read of ``rhs``, where converting the forward's
+    FP8 copy took another write and read of it
+    (docs/design.md#grouped-expert-gemms).
+    """
     expert_amax = jnp.max(jnp.abs(rhs.astype(jnp.float32)).reshape(rhs.shape[0], -1), axis=1)
-    scale = scale_from_amax(expert_amax, fmt.max, recipe.margin, fallback=1.0)
-    q = quantize_with_scale(rhs, fmt, scale.reshape(-1, *[1] * (rhs.ndim - 1)))
-    return q.data, 1.0 / scale
+    scale = scale_from_amax(expert_amax, forward.max, recipe.margin, fallback=1.0)
+    scale_b = scale.reshape(-1, *[1] * (rhs.ndim - 1))
+    forward_t = quantize_with_scale(jnp.swapaxes(rhs, 1, 2), forward, scale_b).data
+    return forward_t, quantize_with_scale(rhs, backward, scale_b).data, 1.0 / scale
 
 
 def _quantize_tensor(x: jax.Array, fmt: Fp8Format, recipe) -> tuple[jax.Array, jax.Array]:
@@ -209,19 +221,19 @@ def _fp8_ragged(lhs, rhs, group_sizes, config: RaggedConfig):
 def _fwd(lhs, rhs, group_sizes, config: RaggedConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     lhs_q, lhs_si = _quantize_tensor(lhs, fmt, recipe)
-    rhs_q, rhs_si = quantize_per_expert(rhs, fmt, recipe)
-    y = _grouped(lhs_q, jnp.swapaxes(rhs_q, 1, 2), group_sizes, lhs_si, rhs_si, config.out_dtype)
-    return y, (lhs_q, lhs_si, rhs_q, rhs_si, group_sizes)
+    rhs_t, rhs_b, rhs_si = quantize_per_expert(rhs, fmt, recipe.formats.backward, recipe)
+    y = _grouped(lhs_q, rhs_t, group_sizes, lhs_si, rhs_si, config.out_dtype)
+    return y, (lhs_q, lhs_si, rhs_b, rhs_si, group_sizes)
 
 
 def _bwd(config: RaggedConfig, residuals, g):
-    lhs_q, lhs_si, rhs_q, rhs_si, group_sizes = residuals
+    lhs_q, lhs_si, rhs_b, rhs_si, group_sizes = residuals
     recipe, fmt = config.recipe, config.recipe.formats.backward
     g_q, g_si = _quantize_tensor(g, fmt, recipe)
     # dgrad: g [m, n] . rhs[i]^T, rhs laid out [g, k, n] contracts its minor n.
-    d_lhs = _grouped(g_q, as_format(rhs_q, fmt), group_sizes, g_si, rhs_si, config.lhs_dtype)
+    d_lhs = _grouped(g_q, rhs_b, group_sizes, g_si, rhs_si, config.lhs_dtype)
     d_rhs = _grouped_wgrad(as_format(lhs_q, fmt), g_q, group_sizes, lhs_si * g_si,
-                           rhs_q.shape[0], config.rhs_dtype)  # fmt: skip
+                           rhs_b.shape[0], config.rhs_dtype)  # fmt: skip
     d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
     return d_lhs, d_rhs, d_sizes
 
