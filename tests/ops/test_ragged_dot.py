@@ -203,10 +203,12 @@ ACCUMULATOR_STEP = 2.0**-13
 )
 def test_kernels_on_the_gpu_within_fp8_budgets(tiles):
     """The kernels on Hopper's FP8 tensor cores (triton_fp8_dot.accumulate), against f32."""
-    m, k, n, sizes = 1000, 1024, 384, [300, 0, 257, 320, 123]
+    # 20 rows past the last group: the forward and dgrad kernels write their zeros
+    m, k, n, sizes = 1000, 1024, 384, [300, 0, 257, 300, 123]
     x, w, gs, g = _inputs(m, k, n, sizes, seed=7)
     with gg.use_tiles(tiles):
         got = jax.jit(_value_and_grads)(x, w, gs, g)
+    assert not np.asarray(got[0][980:]).any() and not np.asarray(got[1][980:]).any()
     refs = _products(x, w, gs, g)
     contraction = {"y": k, "dx": n, "dw": max(sizes)}
     for name, value in zip(("y", "dx", "dw"), got, strict=True):
