@@ -220,6 +220,20 @@ def test_kernels_on_the_gpu_within_fp8_budgets(tiles):
         assert float(err.max()) > 0
 
 
+@pytest.mark.parametrize("path", ["xla", "interpret"])
+def test_no_rows_gives_empty_outputs_and_zero_weight_gradients(path):
+    # m = 0 (an expert-parallel shard or a batch with no tokens): no kernel runs.
+    x, w, gs = jnp.zeros((0, 64)), jnp.ones((2, 64, 32)), jnp.zeros((2,), jnp.int32)
+    g = jnp.zeros((0, 32))
+    if path == "interpret":
+        with rd.interpret_kernels():
+            y, dx, dw = jax.jit(_value_and_grads)(x, w, gs, g)
+    else:
+        y, dx, dw = jax.jit(_value_and_grads)(x, w, gs, g)
+    assert (y.shape, dx.shape, dw.shape) == ((0, 32), (0, 64), (2, 64, 32))
+    assert not np.asarray(dw).any()
+
+
 def test_traced_invalid_sizes_follow_the_documented_clipping():
     # Inside jit sizes cannot be checked: a negative size is an empty group,
     # rows past m are dropped; both paths agree with lax on valid ends.

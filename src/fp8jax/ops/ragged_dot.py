@@ -97,6 +97,8 @@ def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
     "interpret" (tests), "kernel" (Pallas on CUDA, XLA elsewhere; with axes:
     on each device's rows inside ``shard_map``) or "xla".
     """
+    if rows == 0:  # nothing to multiply; the kernels' row-index loads need a row
+        return "xla", ()
     if _INTERPRET:
         return "interpret", ()
     axes = dispatch.row_axes(rows_are_tokens=True)
