@@ -212,21 +212,15 @@ def _grouped_kernel(tiles: Tiles, k_steps, rows, tg_ref, scale_ref, src_ref, a_r
 
     group = tg_ref[0]
     j = pl.program_id(1)
-    groups, n = b_ref.shape[0], b_ref.shape[1]
+    groups = b_ref.shape[0]
     out_rows, a_rows, real = _tile_rows(src_ref, rows)
-    if n % tiles.n:
-        # The last column tile reads b's last row again for columns past n,
-        # whose outputs are never stored: no padded copy of the weights.
-        b_cols = jnp.minimum(j * tiles.n + jnp.arange(tiles.n, dtype=jnp.int32), n - 1)
-    else:
-        b_cols = pl.ds(j * tiles.n, tiles.n)
 
     @pl.when(group < groups)
     def _():
         def body(step, acc):
             k0 = pl.multiple_of(step * tiles.k, tiles.k)
             a = a_ref[a_rows, pl.ds(k0, tiles.k)]
-            b = b_ref[group, b_cols, pl.ds(k0, tiles.k)]
+            b = b_ref[group, pl.ds(j * tiles.n, tiles.n), pl.ds(k0, tiles.k)]
             return triton_fp8_dot.accumulate(acc, a, b)
 
         acc = lax.fori_loop(0, k_steps, body, jnp.zeros((tiles.m, tiles.n), jnp.float32))
@@ -251,13 +245,13 @@ def grouped(a, b, group_sizes, per_group, out_dtype, interpret: bool = False):
     m, n = a.shape[0], b.shape[1]
     lay = layout(group_sizes, m)
     a = _pad_axis(a, 1, t.k)
-    b = _pad_axis(b, 2, t.k)
+    b = _pad_axis(_pad_axis(b, 1, t.n), 2, t.k)
     k = a.shape[1]
     last = per_group.shape[0] - 1
     tile_scale = per_group.astype(jnp.float32)[jnp.minimum(lay.tile_group, last)]
     return pl.pallas_call(
         functools.partial(_grouped_kernel, t, k // t.k, m),
-        grid=(lay.padded_rows // t.m, -(-n // t.n)),
+        grid=(lay.padded_rows // t.m, b.shape[1] // t.n),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (i,)),
             pl.BlockSpec((1,), lambda i, j: (i,)),
