@@ -25,9 +25,10 @@ place's row from the group sizes. Places past a group's rows are padding.
 
 Both operands of a kernel are FP8 of one format: JAX's Pallas Triton
 lowering of ``dot_general`` refuses operands of two element types, so the
-caller converts the E4M3 operand of a backward GEMM to the gradient's E5M2
-(:mod:`fp8jax.ops.ragged_dot`). Elsewhere (the CPU tests) and with the
-kernels off XLA computes the same products with ``lax.ragged_dot``.
+backward GEMMs read the gradient's E5M2 only: the caller casts the weights
+to it as well and converts the saved E4M3 input (:mod:`fp8jax.ops.ragged_dot`).
+Elsewhere (the CPU tests) and with the kernels off XLA computes the same
+products with ``lax.ragged_dot``.
 """
 
 from __future__ import annotations
