@@ -230,13 +230,10 @@ def test_nnx_scan_of_two_layers_equals_them_one_after_the_other():
 @pytest.mark.usefixtures("standard_promotion")
 @pytest.mark.deviceless
 def test_h100_compile_runs_every_gemm_but_the_router_and_attention_core_in_fp8():
+    # The deviceless marker gates the toolchain (tests/conftest.py): skipped where
+    # fp8jax[verify] is not installed, failed where it is broken or in CI.
     from fp8jax import verify
-    from fp8jax.verify import toolchain
 
-    try:
-        toolchain.check_deviceless()
-    except ImportError as e:
-        pytest.skip(f"no deviceless GPU compiles here: {e}")
     layer = _layer(dtype=jnp.bfloat16)
     x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16)
     variables = jax.eval_shape(layer.init, jax.random.key(0), x)
