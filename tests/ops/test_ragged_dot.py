@@ -148,7 +148,8 @@ def test_a_nearly_dead_expert_keeps_its_relative_accuracy(factor):
     ids=("default", "small_rectangular_wgrad"),
 )
 @pytest.mark.parametrize("k, n", [(128, 128), (96, 80)], ids=("whole_tiles", "part_tiles"))
-def test_kernels_in_interpret_mode_match_their_xla_twins(tiles, k, n):
+@pytest.mark.parametrize("mapped", ["none", "read_write"])
+def test_kernels_in_interpret_mode_match_their_xla_twins(tiles, k, n, mapped):
     # Same FP8 operands: the kernels sum tiles.k (or tiles.m) products at a
     # time in f32, XLA in its own order; f32 sums of k terms differ by at most
     # 2 * k * 2**-24 * sum |a_j b_j|. With k and n off the tiles, the kernels
@@ -158,11 +159,19 @@ def test_kernels_in_interpret_mode_match_their_xla_twins(tiles, k, n):
     a, b = x.astype(jnp.float8_e4m3fn), jnp.swapaxes(w * 8, 1, 2).astype(jnp.float8_e4m3fn)
     scales = jnp.array([1.0, 2.0, 0.5, 4.0], jnp.float32)
 
+    # The row maps of permuted_ragged_dot: the grouped rows read a's rows
+    # read[r] (here 50 rows, each read three times) and land at write[r].
+    read = jax.random.permutation(jax.random.key(5), m) // 3
+    write = jax.random.permutation(jax.random.key(6), m)
+    maps = {"none": {}, "read_write": {"read": read, "write": write}}[mapped]
+    if mapped != "none":
+        a = a[:50]
+
     def forward(a, b, gs, interpret):
         per_group = jnp.concatenate([scales, jnp.zeros((1,))])
         if interpret:
-            return gg.grouped(a, b, gs, per_group, jnp.float32, interpret=True)
-        return gg.grouped_xla(a, b, gs, per_group[gg.row_groups(gs, m)], jnp.float32)
+            return gg.grouped(a, b, gs, per_group, jnp.float32, interpret=True, **maps)
+        return gg.grouped_xla(a, b, gs, per_group[gg.row_groups(gs, m)], jnp.float32, **maps)
 
     f = jax.jit(forward, static_argnums=3)
     with gg.use_tiles(tiles):
@@ -172,12 +181,13 @@ def test_kernels_in_interpret_mode_match_their_xla_twins(tiles, k, n):
     assert (np.abs(_f64(got) - _f64(want)) <= bound).all()
 
     g8 = jax.random.normal(jax.random.key(4), (m, n)).astype(jnp.float8_e4m3fn)
+    maps = {"none": {}, "read_write": {"read_a": read, "read_b": write}}[mapped]
 
     def wgrad(a, g8, gs, interpret):
         if interpret:
             return gg.grouped_transposed(a, g8, gs, jnp.float32(2.0), jnp.float32,
-                                         interpret=True)  # fmt: skip
-        return gg.grouped_transposed_xla(a, g8, gs, jnp.float32(2.0), jnp.float32)
+                                         interpret=True, **maps)  # fmt: skip
+        return gg.grouped_transposed_xla(a, g8, gs, jnp.float32(2.0), jnp.float32, **maps)
 
     f = jax.jit(wgrad, static_argnums=3)
     with gg.use_tiles(tiles):
@@ -269,3 +279,112 @@ def test_delayed_scaling_and_fp8_inputs_are_refused():
         fp8jax.ragged_dot(x, w, gs, recipe=fp8jax.DelayedScaling())
     with pytest.raises(TypeError, match="lhs must be a float32"):
         fp8jax.ragged_dot(x.astype(jnp.float8_e4m3fn), w, gs)
+
+
+def _routing(t, top_k, sizes_of_experts_seed=5):
+    """Slots of ``t`` tokens x ``top_k`` sent to 4 experts, expert 2 getting none:
+    ``(order, sizes, inverse)``."""
+    expert = jax.random.choice(jax.random.key(sizes_of_experts_seed), jnp.array([0, 1, 3]),
+                               (t * top_k,), p=jnp.array([0.5, 0.1, 0.4]))  # fmt: skip
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(expert, length=4).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+    return order, sizes, inverse
+
+
+def _two_experts_gemms(permuted: bool, order, sizes, inverse, top_k):
+    """Both grouped GEMMs of an MoE block: tokens to expert order, through two
+    ragged dots, back to slot order; by index inside the GEMMs or by XLA's takes."""
+
+    def run(x, w1, w2):
+        if permuted:
+            h = rd.permuted_ragged_dot(x, w1, sizes, lhs_slots=order, repeats=top_k)
+            return rd.permuted_ragged_dot(h, w2, sizes, out_slots=order)
+        xs = jnp.take(x, order // top_k, axis=0)
+        h = fp8jax.ragged_dot(xs, w1, sizes)
+        return jnp.take(fp8jax.ragged_dot(h, w2, sizes), inverse, axis=0)
+
+    return run
+
+
+@pytest.mark.parametrize("on", ["default", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_permuted_ragged_dot_equals_ragged_dot_on_permuted_copies(on):
+    # Gathering the tokens inside the GEMMs quantizes the same values at the
+    # same scales (each token is gathered, so the amax over the tokens is the
+    # amax over their copies; a permuted gradient has the same amax), so the
+    # outputs and the weights' gradients are the copies' exactly (XLA's path,
+    # and the kernels', whose tiles then sum the same products in the same
+    # order; the maps are checked against XLA in interpret mode above). A
+    # token's gradient sums its top_k slots' in f32 in another order: within
+    # 2 top_k 2**-24 of the sum of their magnitudes.
+    t, top_k, k, f, n = 45, 3, 96, 80, 64  # 135 slots: not whole 64-row tiles
+    order, sizes, inverse = _routing(t, top_k)
+    keys = jax.random.split(jax.random.key(11), 4)
+    x = jax.random.normal(keys[0], (t, k))
+    w1 = jax.random.normal(keys[1], (4, k, f)) * k**-0.5
+    w2 = jax.random.normal(keys[2], (4, f, n)) * f**-0.5
+    g = jax.random.normal(keys[3], (t * top_k, n))
+
+    @jax.jit
+    def copies(x, w1, w2):
+        def run(xs, w1, w2):
+            h = fp8jax.ragged_dot(xs, w1, sizes)
+            return jnp.take(fp8jax.ragged_dot(h, w2, sizes), inverse, axis=0)
+
+        y, vjp = jax.vjp(run, jnp.take(x, order // top_k, axis=0), w1, w2)
+        return (y, *vjp(g))
+
+    @jax.jit
+    def permuted(x, w1, w2):
+        y, vjp = jax.vjp(_two_experts_gemms(True, order, sizes, inverse, top_k), x, w1, w2)
+        return (y, *vjp(g))
+
+    y, dx, dw1, dw2 = permuted(x, w1, w2)
+    y_c, dxs, dw1_c, dw2_c = copies(x, w1, w2)
+    for name, a, b in (("y", y, y_c), ("dw1", dw1, dw1_c), ("dw2", dw2, dw2_c)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    rows = np.asarray(order // top_k)
+    dx_ref, magnitude = np.zeros((t, k)), np.zeros((t, k))
+    np.add.at(dx_ref, rows, _f64(dxs))
+    np.add.at(magnitude, rows, np.abs(_f64(dxs)))
+    assert (np.abs(_f64(dx) - dx_ref) <= 2 * top_k * 2.0**-24 * magnitude).all()
+    assert not np.asarray(dw1[2]).any() and not np.asarray(dw2[2]).any()  # the empty expert
+
+
+def test_permuted_kernels_write_no_permuted_copy():
+    # The first GEMM reads the tokens' rows by index and the second writes
+    # the slots' rows by index: the lowered program, forward and backward,
+    # has no gather or scatter of a [slots, width] float array outside the
+    # kernels (the reshape-sum of each token's slots is a reduce).
+    t, top_k, k, f, n = 64, 2, 64, 64, 64
+    order, sizes, inverse = _routing(t, top_k)
+    permuted = _two_experts_gemms(True, order, sizes, inverse, top_k)
+    x, w1, w2 = jnp.ones((t, k)), jnp.ones((4, k, f)), jnp.ones((4, f, n))
+    g = jnp.ones((t * top_k, n))
+
+    def fwd_bwd(x, w1, w2, g):
+        y, vjp = jax.vjp(permuted, x, w1, w2)
+        return (y, *vjp(g))
+
+    with rd.interpret_kernels():
+        jaxpr = str(jax.make_jaxpr(fwd_bwd)(x, w1, w2, g))
+    outside = [line for line in jaxpr.splitlines() if "gather" in line or "scatter" in line]
+    copies = [line for line in outside if f"f32[{t * top_k}," in line.split("=")[0]]
+    assert not copies, copies
+    assert jaxpr.count("pallas_call") == 6 + 4  # 2 x (forward, dgrad, wgrad) + 2 x 2 gathers
+
+
+@pytest.mark.parametrize(
+    "kw,error,match",
+    [
+        ({"lhs_slots": jnp.array([0, 1, 1, 3])}, ValueError, r"lhs_slots must be a permutation"),
+        ({"out_slots": jnp.arange(5)}, ValueError, r"out_slots must have shape \(4,\).*\(5,\)"),
+        ({"lhs_slots": jnp.arange(4.0)}, TypeError, r"lhs_slots must be an integer array"),
+        ({"repeats": 2}, ValueError, r"repeats=2 needs lhs_slots"),
+        ({"repeats": 0}, ValueError, r"repeats must be an int >= 1, got 0"),
+    ],
+)
+def test_permuted_bad_maps_name_the_argument_expected_and_given(kw, error, match):
+    x, w, gs = jnp.ones((4, 8)), jnp.ones((2, 8, 3)), jnp.array([2, 2], jnp.int32)
+    with pytest.raises(error, match=match):
+        rd.permuted_ragged_dot(x, w, gs, **kw)

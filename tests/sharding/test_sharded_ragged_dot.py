@@ -49,6 +49,44 @@ def test_each_devices_rows_give_the_unsharded_values():
     assert not np.asarray(got[0][sum(SIZES) :]).any()
 
 
+def test_permuted_rows_under_data_parallelism_give_the_unsharded_values():
+    # permuted_ragged_dot (an MoE block's tokens to expert order and back,
+    # top-2): under data parallelism the gather and the permutation back run
+    # in XLA around each device's kernels. Same quantization as without a
+    # mesh, so only the devices' f32 sums differ, bounded as above; a token's
+    # gradient sums its two slots'.
+    from fp8jax.ops import ragged_dot as rd
+
+    t, top_k = M // 2, 2
+    keys = jax.random.split(jax.random.key(1), 4)
+    x, g = jax.random.normal(keys[0], (t, K)), jax.random.normal(keys[1], (M, N))
+    w = jax.random.normal(keys[2], (G, K, N)) * K**-0.5
+    expert = jax.random.randint(keys[3], (M,), 0, G)
+    order = jnp.argsort(expert, stable=True).astype(jnp.int32)
+    sizes = jnp.bincount(expert, length=G).astype(jnp.int32)
+
+    def fwd_bwd(x, w, g):
+        def run(x, w):
+            return rd.permuted_ragged_dot(x, w, sizes, lhs_slots=order, repeats=top_k,
+                                          out_slots=order)  # fmt: skip
+
+        y, vjp = jax.vjp(run, x, w)
+        return (y, *vjp(g))
+
+    want = jax.jit(fwd_bwd)(x, w, g)
+    mesh = fs.make_mesh(fsdp=8)
+    with fs.use_mesh(mesh):
+        rows = NamedSharding(mesh, P("fsdp", None))
+        got = jax.jit(fwd_bwd)(jax.device_put(x, rows), w, jax.device_put(g, rows))
+    peak = {n: float(jnp.abs(v).max()) for n, v in (("x", x), ("g", g), ("w", w))}
+    operands = (("x", "w", K, 1), ("g", "w", N, top_k), ("x", "g", M, 1))
+    for name, a, b, (p, q, depth, terms) in zip(("y", "dx", "dw"), got, want, operands,
+                                                strict=True):  # fmt: skip
+        bound = terms * 2 * depth * 2.0**-24 * depth * peak[p] * peak[q] * (1 + 2.0**-3) ** 2
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                   rtol=0, atol=bound, err_msg=name)  # fmt: skip
+
+
 @pytest.mark.deviceless
 def test_fsdp_weights_are_gathered_in_fp8_and_every_grouped_gemm_is_fp8():
     # 8 H100s (deviceless): rows and the weights' hidden axis split over fsdp.

@@ -25,6 +25,7 @@ from jax import lax
 import fp8jax
 from fp8jax import activations as activations_
 from fp8jax.flax import _common
+from fp8jax.ops import ragged_dot as ragged_dot_ops
 
 GATINGS = ("softmax", "sigmoid")
 # The gate's activation, by the names LayerNormMLP takes (fp8jax.activations),
@@ -129,6 +130,13 @@ def _gemm(fp8: bool, recipe):
     return lambda a, b, sizes: lax.ragged_dot(a, b.astype(a.dtype), sizes)
 
 
+def _gated(h: jax.Array, activation: str, dtype) -> jax.Array:
+    """``act(gate) * up`` of ``h [rows, 2 * ffn]`` (gate, then up), computed in f32."""
+    h = h.reshape(h.shape[0], 2, -1)
+    return (ACTIVATIONS[activation](h[:, 0].astype(jnp.float32)) * h[:, 1].astype(jnp.float32)
+            ).astype(dtype)  # fmt: skip
+
+
 def experts_ffn(xs, sizes, wi, wo, activation: str, fp8: bool, recipe):
     """Gated experts on rows sorted by expert: ``act(xs . wi_gate) * (xs . wi_up) . wo``.
 
@@ -136,9 +144,28 @@ def experts_ffn(xs, sizes, wi, wo, activation: str, fp8: bool, recipe):
     """
     gemm = _gemm(fp8, recipe)
     e, hidden, _, ffn = wi.shape
-    h = gemm(xs, wi.reshape(e, hidden, 2 * ffn), sizes).reshape(-1, 2, ffn)
-    a = ACTIVATIONS[activation](h[:, 0].astype(jnp.float32)) * h[:, 1].astype(jnp.float32)
-    return gemm(a.astype(xs.dtype), wo, sizes)
+    h = gemm(xs, wi.reshape(e, hidden, 2 * ffn), sizes)
+    return gemm(_gated(h, activation, xs.dtype), wo, sizes)
+
+
+def routed_experts(x2, order, top_k: int, sizes, wi, wo, activation: str, fp8: bool, recipe):
+    """The gated experts' outputs for every (token, slot) pair, in slot order: ``[t * top_k, h]``.
+
+    ``order`` sorts the slots by expert (``sizes`` per expert). In FP8 the
+    grouped GEMMs read the tokens' rows and write the slots' rows by index
+    (:func:`fp8jax.ops.ragged_dot.permuted_ragged_dot`): the tokens are
+    quantized before they are repeated and no permuted copy is written
+    (docs/design.md#grouped-expert-gemms). Otherwise the rows are gathered
+    into expert order and back (:func:`dispatch`, :func:`combine`).
+    """
+    e, hidden, _, ffn = wi.shape
+    if not fp8:
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+        xs = dispatch(x2, order, inverse, top_k)
+        return combine(experts_ffn(xs, sizes, wi, wo, activation, fp8, recipe), order, inverse)
+    gemm = functools.partial(ragged_dot_ops.permuted_ragged_dot, recipe=recipe)
+    h = gemm(x2, wi.reshape(e, hidden, 2 * ffn), sizes, lhs_slots=order, repeats=top_k)
+    return gemm(_gated(h, activation, x2.dtype), wo, sizes, out_slots=order)
 
 
 def shared_ffn(x2, wi, wo, activation: str, fp8: bool, recipe):
@@ -147,8 +174,7 @@ def shared_ffn(x2, wi, wo, activation: str, fp8: bool, recipe):
         h = fp8jax.dense(x2, wi, contracting_dims=((1,), (0,)), recipe=recipe)
     else:
         h = jnp.einsum("th,hcf->tcf", x2, wi.astype(x2.dtype))
-    a = ACTIVATIONS[activation](h[:, 0].astype(jnp.float32)) * h[:, 1].astype(jnp.float32)
-    a = a.astype(x2.dtype)
+    a = _gated(h, activation, x2.dtype)
     return fp8jax.dense(a, wo, recipe=recipe) if fp8 else a @ wo.astype(a.dtype)
 
 
@@ -215,13 +241,11 @@ def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, act
     gates, experts, aux_loss = route(x2, router, top_k, gating)
     flat = experts.reshape(-1)
     # Sort the (token, slot) pairs by expert; stable, so each expert's tokens
-    # keep their order. inverse puts the expert-ordered rows back.
+    # keep their order.
     order = jnp.argsort(flat, stable=True)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
-    xs = dispatch(x2, order, inverse, top_k)
-    ys = experts_ffn(xs, sizes, wi, wo, activation, fp8, recipe)
-    per_slot = combine(ys, order, inverse).reshape(-1, top_k, hidden)
+    ys = routed_experts(x2, order, top_k, sizes, wi, wo, activation, fp8, recipe)
+    per_slot = ys.reshape(-1, top_k, hidden)
     y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x.dtype)
     if shared_wi is not None:
         y = y + shared_ffn(x2, shared_wi, shared_wo, activation, fp8, recipe).astype(x.dtype)

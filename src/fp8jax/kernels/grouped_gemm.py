@@ -184,12 +184,27 @@ def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _tile_rows(src_ref, rows: int):
-    """A row tile's places: the rows they hold (``rows`` for padding), those rows made
+def place_rows(lay: Layout, index: jax.Array | None, limit: int) -> jax.Array:
+    """Each place's row of an operand: ``index[row]`` of the grouped row it holds
+    (the row itself where ``index`` is None), ``limit`` for padding.
+
+    ``index [lay.rows]`` maps grouped rows to an operand's rows (a gather, or
+    where an output row goes); ``limit``, the operand's row count, is past
+    every row, so a kernel masks padding by ``row < limit``.
+    """
+    real = lay.source < lay.rows
+    if index is None:
+        return jnp.where(real, lay.source, limit)
+    held = index.astype(jnp.int32)[jnp.minimum(lay.source, lay.rows - 1)]
+    return jnp.where(real, held, limit)
+
+
+def _tile_rows(rows_ref, limit: int):
+    """A row tile's rows of an operand (``limit`` for padding), those rows made
     safe to read (row 0 for padding), and which places are real."""
-    src = src_ref[...]
-    real = src < rows
-    return src, jnp.where(real, src, 0), real
+    rows = rows_ref[...]
+    real = rows < limit
+    return rows, jnp.where(real, rows, 0), real
 
 
 def _store_rows(o_ref, rows, real, j: int, tile, width: int):
@@ -207,14 +222,15 @@ def _store_rows(o_ref, rows, real, j: int, tile, width: int):
     pallas_triton.store(o_ref.at[rows[:, None], cols], tile.astype(o_ref.dtype), mask=mask)
 
 
-def _grouped_kernel(tiles: Tiles, k_steps, rows, tg_ref, scale_ref, src_ref, a_ref, b_ref,
-                    o_ref):  # fmt: skip
+def _grouped_kernel(tiles: Tiles, k_steps, tg_ref, scale_ref, read_ref, write_ref, a_ref,
+                    b_ref, o_ref):  # fmt: skip
     from jax.experimental import pallas as pl
 
     group = tg_ref[0]
     j = pl.program_id(1)
     groups = b_ref.shape[0]
-    out_rows, a_rows, real = _tile_rows(src_ref, rows)
+    _, a_rows, _ = _tile_rows(read_ref, a_ref.shape[0])
+    out_rows, _, real = _tile_rows(write_ref, o_ref.shape[0])
 
     @pl.when(group < groups)
     def _():
@@ -232,30 +248,36 @@ def _grouped_kernel(tiles: Tiles, k_steps, rows, tg_ref, scale_ref, src_ref, a_r
         _store_rows(o_ref, out_rows, real, j, jnp.zeros((tiles.m, tiles.n)), tiles.n)
 
 
-def grouped(a, b, group_sizes, per_group, out_dtype, interpret: bool = False):
-    """``out[rows of group i] = a[rows] . b[i]^T * per_group[i]``: ``[m, n]``.
+def grouped(a, b, group_sizes, per_group, out_dtype, interpret: bool = False, *,
+            read=None, write=None):  # fmt: skip
+    """``out[write[r]] = a[read[r]] . b[i]^T * per_group[i]`` for the rows ``r`` of group ``i``.
 
-    ``a [m, k]`` (rows sorted by group), ``b [g, n, k]``, ``per_group [g]``
-    (entries past ``g`` unused); rows past the last group are zeros. Each
-    program reads its row tile's rows of ``a`` by index and writes its output
-    rows in place: no padded copy of either (docs/design.md#grouped-expert-gemms).
+    ``b [g, n, k]``, ``per_group [g]`` (entries past ``g`` unused). The
+    grouped rows are ``read``'s (``[m]``, indices into ``a [t, k]``; None:
+    ``a``'s own ``m`` rows) and land at ``write[r]`` of the ``[m, n]``
+    output (a permutation of ``range(m)``; None: row ``r``). Rows past the
+    last group give zeros. Each program reads its row tile's rows of ``a`` by
+    index and writes its output rows in place: no padded or permuted copy of
+    either (docs/design.md#grouped-expert-gemms).
     """
     from jax.experimental import pallas as pl
 
     t = TILES
-    m, n = a.shape[0], b.shape[1]
+    m, n = (a.shape[0] if read is None else read.shape[0]), b.shape[1]
     lay = layout(group_sizes, m)
+    a_rows, out_rows = place_rows(lay, read, a.shape[0]), place_rows(lay, write, m)
     a = _pad_axis(a, 1, t.k)
     b = _pad_axis(_pad_axis(b, 1, t.n), 2, t.k)
     k = a.shape[1]
     last = per_group.shape[0] - 1
     tile_scale = per_group.astype(jnp.float32)[jnp.minimum(lay.tile_group, last)]
     return pl.pallas_call(
-        functools.partial(_grouped_kernel, t, k // t.k, m),
+        functools.partial(_grouped_kernel, t, k // t.k),
         grid=(lay.padded_rows // t.m, b.shape[1] // t.n),
         in_specs=[
             pl.BlockSpec((1,), lambda i, j: (i,)),
             pl.BlockSpec((1,), lambda i, j: (i,)),
+            pl.BlockSpec((t.m,), lambda i, j: (i,)),
             pl.BlockSpec((t.m,), lambda i, j: (i,)),
             pl.no_block_spec,
             pl.no_block_spec,
@@ -265,18 +287,18 @@ def grouped(a, b, group_sizes, per_group, out_dtype, interpret: bool = False):
         interpret=interpret,
         name="fp8jax_grouped_gemm",
         **_compiler_params(interpret, t.warps),
-    )(lay.tile_group, tile_scale, lay.source, a, b)
+    )(lay.tile_group, tile_scale, a_rows, out_rows, a, b)
 
 
 # The transposing gather's tile: rows (places) x columns, and its warps.
 GATHER_ROWS, GATHER_COLS, GATHER_WARPS = 128, 128, 4
 
 
-def _gather_transposed_kernel(rows, src_ref, x_ref, o_ref):
+def _gather_transposed_kernel(rows_ref, x_ref, o_ref):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
-    _, x_rows, real = _tile_rows(src_ref, rows)
+    _, x_rows, real = _tile_rows(rows_ref, x_ref.shape[0])
     cols = pl.program_id(1) * GATHER_COLS + lax.broadcasted_iota(jnp.int32, (1, GATHER_COLS), 1)
     mask = real[:, None] & (cols < x_ref.shape[1])
     tile = pallas_triton.load(x_ref.at[x_rows[:, None], cols], mask=mask,
@@ -284,18 +306,20 @@ def _gather_transposed_kernel(rows, src_ref, x_ref, o_ref):
     o_ref[...] = tile.T
 
 
-def gather_transposed(x, lay: Layout, multiple: int, interpret: bool = False):
-    """``x [m, c]``'s rows in ``lay``'s places, transposed: ``[c, padded_rows]``, zeros in padding.
+def gather_transposed(x, lay: Layout, multiple: int, interpret: bool = False, read=None):
+    """``x``'s rows in ``lay``'s places, transposed: ``[c, padded_rows]``, zeros in padding.
 
-    ``c`` is padded with zero rows to a multiple of ``multiple``. One pass,
-    where XLA's gather writing the transposed layout took 12 ms for 940 MB
+    ``x [t, c]``; place ``p`` holds ``x[read[r]]`` for the grouped row ``r``
+    it holds (``x[r]`` where ``read`` is None). ``c`` is padded with zero
+    rows to a multiple of ``multiple``. One pass, where XLA's gather writing
+    the transposed layout took 12 ms for 940 MB
     (docs/design.md#grouped-expert-gemms).
     """
     from jax.experimental import pallas as pl
 
     c_pad = _round_up(x.shape[1], max(multiple, GATHER_COLS))
     return pl.pallas_call(
-        functools.partial(_gather_transposed_kernel, x.shape[0]),
+        _gather_transposed_kernel,
         grid=(lay.padded_rows // GATHER_ROWS, c_pad // GATHER_COLS),
         in_specs=[pl.BlockSpec((GATHER_ROWS,), lambda i, j: (i,)), pl.no_block_spec],
         out_specs=pl.BlockSpec((GATHER_COLS, GATHER_ROWS), lambda i, j: (j, i)),
@@ -303,7 +327,7 @@ def gather_transposed(x, lay: Layout, multiple: int, interpret: bool = False):
         interpret=interpret,
         name="fp8jax_grouped_gather_transposed",
         **_compiler_params(interpret, GATHER_WARPS),
-    )(lay.source, x)
+    )(place_rows(lay, read, x.shape[0]), x)
 
 
 def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_ref, o_ref):
@@ -323,10 +347,13 @@ def _transposed_kernel(tiles: Tiles, start_ref, count_ref, scale_ref, a_ref, b_r
     o_ref[...] = (acc * scale_ref[0]).astype(o_ref.dtype)
 
 
-def grouped_transposed(a, b, group_sizes, scale, out_dtype, interpret: bool = False):
-    """``out[i] = a[rows of i]^T . b[rows of i] * scale``: ``[g, k, n]``.
+def grouped_transposed(a, b, group_sizes, scale, out_dtype, interpret: bool = False, *,
+                       read_a=None, read_b=None):  # fmt: skip
+    """``out[i] = a[read_a[rows of i]]^T . b[read_b[rows of i]] * scale``: ``[g, k, n]``.
 
-    ``a [m, k]`` and ``b [m, n]`` have their rows sorted by group.
+    The grouped rows are sorted by group; ``read_a`` and ``read_b`` (``[m]``,
+    None: the operand's own rows) pick each one's row of ``a [., k]`` and
+    ``b [., n]``.
 
     Both operands are first gathered into the padded places transposed
     (:func:`gather_transposed`), so that the kernel contracts their minor
@@ -340,9 +367,10 @@ def grouped_transposed(a, b, group_sizes, scale, out_dtype, interpret: bool = Fa
     groups = group_sizes.shape[0]
     k, n = a.shape[1], b.shape[1]
     tk, tn = t.wgrad_k, t.wgrad_n
-    lay = layout(group_sizes, a.shape[0])
-    a_t = gather_transposed(a, lay, tk, interpret)
-    b_t = gather_transposed(b, lay, tn, interpret)
+    m = a.shape[0] if read_a is None else read_a.shape[0]
+    lay = layout(group_sizes, m)
+    a_t = gather_transposed(a, lay, tk, interpret, read_a)
+    b_t = gather_transposed(b, lay, tn, interpret, read_b)
     grid = (groups, a_t.shape[0] // tk, b_t.shape[0] // tn)
     out = pl.pallas_call(
         functools.partial(_transposed_kernel, t),
@@ -363,17 +391,24 @@ def grouped_transposed(a, b, group_sizes, scale, out_dtype, interpret: bool = Fa
     return out[:, :k, :n]
 
 
-def grouped_xla(a, b, group_sizes, row_scale, out_dtype):
+def grouped_xla(a, b, group_sizes, row_scale, out_dtype, *, read=None, write=None):
     """:func:`grouped`'s values from ``lax.ragged_dot`` on unpadded rows.
 
-    ``a [m, k]``, ``b [g, n, k]``; ``row_scale [m]`` (zero for rows in no group).
+    ``a [t, k]``, ``b [g, n, k]``; ``row_scale [m]`` (zero for rows in no
+    group); ``read`` and ``write`` as in :func:`grouped` (here XLA's gather
+    and scatter).
     """
+    if read is not None:
+        a = jnp.take(a, read, axis=0)
     y = lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), group_sizes, preferred_element_type=jnp.float32)
-    return (y * row_scale[:, None]).astype(out_dtype)
+    y = (y * row_scale[:, None]).astype(out_dtype)
+    return y if write is None else jnp.zeros_like(y).at[write].set(y)
 
 
-def grouped_transposed_xla(a, b, group_sizes, scale, out_dtype):
-    """:func:`grouped_transposed`'s values: ``a [m, k]``, ``b [m, n]`` -> ``[g, k, n]``."""
+def grouped_transposed_xla(a, b, group_sizes, scale, out_dtype, *, read_a=None, read_b=None):
+    """:func:`grouped_transposed`'s values: ``a [., k]``, ``b [., n]`` -> ``[g, k, n]``."""
+    a = a if read_a is None else jnp.take(a, read_a, axis=0)
+    b = b if read_b is None else jnp.take(b, read_b, axis=0)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())),
         lhs_ragged_dimensions=[0],

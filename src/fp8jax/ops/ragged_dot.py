@@ -89,6 +89,7 @@ class RaggedConfig:
     out_dtype: np.dtype
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
+    repeats: int = 1  # slots per row of lhs (permuted_ragged_dot's top_k)
 
 
 def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
@@ -117,27 +118,40 @@ def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
     return "kernel", axes
 
 
-def _run(pallas_fn, xla_fn, operands, n_rows: int, reduce: bool = False):
-    """``pallas_fn`` or ``xla_fn`` on ``operands`` (group sizes third, the first ``n_rows`` split).
+def _run(pallas_fn, xla_fn, operands, n_rows: int, maps: dict, reduce: bool = False):
+    """``pallas_fn`` or ``xla_fn`` on ``operands`` (group sizes third, the first ``n_rows`` split)
+    and the row maps ``maps`` (keyword arguments, None for none).
 
-    Where data parallelism alone splits token rows (:mod:`fp8jax.kernels.dispatch`),
+    Where data parallelism alone splits the grouped rows (:mod:`fp8jax.kernels.dispatch`),
     each device runs the grouped GEMM on its own rows inside ``shard_map``:
     its group sizes are the global groups clipped to its rows, the other
     operands (the FP8 weights, gathered in FP8 where sharded) are whole, and
-    ``reduce`` sums the results over the devices (the weights' gradient).
+    ``reduce`` sums the results over the devices (the weights' gradient). The
+    kernels index local rows only, so there the maps' gathers and
+    permutations run in XLA around the kernels (``maps`` must be applied by
+    the caller: see :func:`_grouped`).
     """
-    mode, axes = _kernel_mode(operands[0].shape[0])
+    rows = operands[0].shape[0]
+    for index in maps.values():
+        if index is not None:
+            rows = index.shape[0]
+    mode, axes = _kernel_mode(rows)
     if mode == "interpret":
-        return pallas_fn(*operands, interpret=True)
+        return pallas_fn(*operands, **maps, interpret=True)
     if mode == "xla":
-        return xla_fn(*operands)
+        return xla_fn(*operands, **maps)
 
-    def call(*ops):
-        return jax.lax.platform_dependent(*ops, cuda=pallas_fn, default=xla_fn)
+    def call(*ops, **maps):
+        return jax.lax.platform_dependent(
+            *ops,
+            cuda=functools.partial(pallas_fn, **maps),
+            default=functools.partial(xla_fn, **maps),
+        )
 
     if not axes:
-        return call(*operands)
-    rows = operands[0].shape[0]
+        return call(*operands, **maps)
+    if any(index is not None for index in maps.values()):
+        raise AssertionError("row maps under data parallelism are applied by the caller")
 
     def local(*ops):
         local_rows = ops[0].shape[0]
@@ -153,32 +167,69 @@ def _run(pallas_fn, xla_fn, operands, n_rows: int, reduce: bool = False):
                          check_vma=False)(*operands)  # fmt: skip
 
 
-def _grouped(a, b, group_sizes, a_scale_inv, b_scale_inv, out_dtype):
-    """``a [m, k] . b[i]^T`` per group (``b [g, n, k]``), times ``a_scale_inv * b_scale_inv[i]``."""
+def _split_rows(rows: int) -> bool:
+    """Whether data parallelism splits ``rows`` grouped rows over devices here (no warning)."""
+    if rows == 0 or _INTERPRET:
+        return False
+    axes = dispatch.row_axes(rows_are_tokens=True)
+    return bool(axes) and rows % dispatch.devices_along(axes) == 0
+
+
+def _inverse(permutation: jax.Array) -> jax.Array:
+    """The inverse of a permutation of ``range(m)``."""
+    m = permutation.shape[0]
+    return jnp.zeros((m,), jnp.int32).at[permutation].set(jnp.arange(m, dtype=jnp.int32))
+
+
+def _grouped(a, b, group_sizes, a_scale_inv, b_scale_inv, out_dtype, read=None, write=None):
+    """``out[write[r]] = a[read[r]] . b[i]^T * a_scale_inv * b_scale_inv[i]`` per group.
+
+    ``b [g, n, k]``; ``read``, ``write`` as in :func:`fp8jax.kernels.grouped_gemm.grouped`
+    (None: the rows themselves).
+    """
+    m = a.shape[0] if read is None else read.shape[0]
+    if (read is not None or write is not None) and _split_rows(m):
+        # Each device's share of the grouped rows: the gather and the
+        # permutation back run in XLA (the kernels index local rows only).
+        a = a if read is None else jnp.take(a, read, axis=0)
+        out = _grouped(a, b, group_sizes, a_scale_inv, b_scale_inv, out_dtype)
+        return out if write is None else jnp.take(out, _inverse(write), axis=0)
     per_group = jnp.concatenate([a_scale_inv * b_scale_inv, jnp.zeros((1,), jnp.float32)])
 
-    def pallas_fn(a, b, group_sizes, per_group, interpret=False):
-        return gg.grouped(a, b, group_sizes, per_group, out_dtype, interpret)
+    def pallas_fn(a, b, group_sizes, per_group, read=None, write=None, interpret=False):
+        return gg.grouped(a, b, group_sizes, per_group, out_dtype, interpret,
+                          read=read, write=write)  # fmt: skip
 
-    def xla_fn(a, b, group_sizes, per_group):
-        m = a.shape[0]
-        row_scale = per_group[gg.row_groups(group_sizes, m)]
-        return gg.grouped_xla(a, b, gg.effective_sizes(group_sizes, m), row_scale, out_dtype)
+    def xla_fn(a, b, group_sizes, per_group, read=None, write=None):
+        rows = a.shape[0] if read is None else read.shape[0]  # each device's, in shard_map
+        row_scale = per_group[gg.row_groups(group_sizes, rows)]
+        sizes = gg.effective_sizes(group_sizes, rows)
+        return gg.grouped_xla(a, b, sizes, row_scale, out_dtype, read=read, write=write)
 
-    return _run(pallas_fn, xla_fn, (a, b, group_sizes, per_group), 1)
+    maps = {"read": read, "write": write}
+    return _run(pallas_fn, xla_fn, (a, b, group_sizes, per_group), 1, maps)
 
 
-def _grouped_wgrad(a, b, group_sizes, scale_inv, groups, out_dtype):
-    """``out[i] = a[rows of i]^T . b[rows of i] * scale_inv``: ``[g, k, n]``."""
+def _grouped_wgrad(a, b, group_sizes, scale_inv, out_dtype, read_a=None, read_b=None):
+    """``out[i] = a[read_a[rows of i]]^T . b[read_b[rows of i]] * scale_inv``: ``[g, k, n]``."""
+    m = a.shape[0] if read_a is None else read_a.shape[0]
+    if (read_a is not None or read_b is not None) and _split_rows(m):
+        a = a if read_a is None else jnp.take(a, read_a, axis=0)
+        b = b if read_b is None else jnp.take(b, read_b, axis=0)
+        return _grouped_wgrad(a, b, group_sizes, scale_inv, out_dtype)
 
-    def pallas_fn(a, b, group_sizes, scale_inv, interpret=False):
-        return gg.grouped_transposed(a, b, group_sizes, scale_inv, out_dtype, interpret)
+    def pallas_fn(a, b, group_sizes, scale_inv, read_a=None, read_b=None, interpret=False):
+        return gg.grouped_transposed(a, b, group_sizes, scale_inv, out_dtype, interpret,
+                                     read_a=read_a, read_b=read_b)  # fmt: skip
 
-    def xla_fn(a, b, group_sizes, scale_inv):
-        sizes = gg.effective_sizes(group_sizes, a.shape[0])
-        return gg.grouped_transposed_xla(a, b, sizes, scale_inv, out_dtype)
+    def xla_fn(a, b, group_sizes, scale_inv, read_a=None, read_b=None):
+        rows = a.shape[0] if read_a is None else read_a.shape[0]  # each device's, in shard_map
+        sizes = gg.effective_sizes(group_sizes, rows)
+        return gg.grouped_transposed_xla(a, b, sizes, scale_inv, out_dtype,
+                                         read_a=read_a, read_b=read_b)  # fmt: skip
 
-    return _run(pallas_fn, xla_fn, (a, b, group_sizes, scale_inv), 2, reduce=True)
+    maps = {"read_a": read_a, "read_b": read_b}
+    return _run(pallas_fn, xla_fn, (a, b, group_sizes, scale_inv), 2, maps, reduce=True)
 
 
 def quantize_per_expert(
@@ -215,35 +266,52 @@ def as_format(data: jax.Array, fmt: Fp8Format) -> jax.Array:
     return data.astype(jnp.float32).astype(fmt.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_ragged(lhs, rhs, group_sizes, config: RaggedConfig):
-    return _fwd(lhs, rhs, group_sizes, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_ragged(lhs, rhs, group_sizes, slots, config: RaggedConfig):
+    return _fwd(lhs, rhs, group_sizes, slots, config)[0]
 
 
-def _fwd(lhs, rhs, group_sizes, config: RaggedConfig):
+def _read_rows(slots, repeats: int):
+    """The grouped rows' rows of ``lhs``: slot ``s`` holds ``lhs[s // repeats]``."""
+    lhs_slots, _ = slots
+    return None if lhs_slots is None else lhs_slots // repeats
+
+
+def _fwd(lhs, rhs, group_sizes, slots, config: RaggedConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     lhs_q, lhs_si = _quantize_tensor(lhs, fmt, recipe)
     rhs_t, rhs_b, rhs_si = quantize_per_expert(rhs, fmt, recipe.formats.backward, recipe)
-    y = _grouped(lhs_q, rhs_t, group_sizes, lhs_si, rhs_si, config.out_dtype)
-    return y, (lhs_q, lhs_si, rhs_b, rhs_si, group_sizes)
+    read = _read_rows(slots, config.repeats)
+    y = _grouped(lhs_q, rhs_t, group_sizes, lhs_si, rhs_si, config.out_dtype, read, slots[1])
+    return y, (lhs_q, lhs_si, rhs_b, rhs_si, group_sizes, slots)
 
 
 def _bwd(config: RaggedConfig, residuals, g):
-    lhs_q, lhs_si, rhs_b, rhs_si, group_sizes = residuals
+    lhs_q, lhs_si, rhs_b, rhs_si, group_sizes, slots = residuals
+    lhs_slots, out_slots = slots
     recipe, fmt = config.recipe, config.recipe.formats.backward
     g_q, g_si = _quantize_tensor(g, fmt, recipe)
-    # dgrad: g [m, n] . rhs[i]^T, rhs laid out [g, k, n] contracts its minor n.
-    d_lhs = _grouped(g_q, rhs_b, group_sizes, g_si, rhs_si, config.lhs_dtype)
+    # dgrad: g [m, n] . rhs[i]^T, rhs laid out [g, k, n] contracts its minor n;
+    # each grouped row's gradient lands at its slot, and a row of lhs sums
+    # its repeats' slots.
+    d_lhs = _grouped(g_q, rhs_b, group_sizes, g_si, rhs_si, config.lhs_dtype, out_slots,
+                     lhs_slots)  # fmt: skip
+    if config.repeats > 1:
+        per_row = d_lhs.astype(jnp.float32).reshape(-1, config.repeats, d_lhs.shape[1])
+        d_lhs = jnp.sum(per_row, axis=1).astype(config.lhs_dtype)
+    read = _read_rows(slots, config.repeats)
     d_rhs = _grouped_wgrad(as_format(lhs_q, fmt), g_q, group_sizes, lhs_si * g_si,
-                           rhs_b.shape[0], config.rhs_dtype)  # fmt: skip
-    d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-    return d_lhs, d_rhs, d_sizes
+                           config.rhs_dtype, read, out_slots)  # fmt: skip
+    d_ints = jax.tree.map(lambda i: np.zeros(i.shape, jax.dtypes.float0), (group_sizes, slots))
+    return d_lhs, d_rhs, *d_ints
 
 
 _fp8_ragged.defvjp(*saved_as_bits(_fwd, _bwd))
 
 
-def _check(lhs, rhs, group_sizes) -> None:
+def _check(lhs, rhs, group_sizes, rows: int, rows_are: str) -> None:
+    """Raises for bad operands; ``rows``: the grouped rows the sizes partition, ``rows_are``
+    what they are in the message."""
     check_high_precision("lhs", lhs)
     check_high_precision("rhs", rhs)
     if lhs.ndim != 2:
@@ -273,9 +341,9 @@ def _check(lhs, rhs, group_sizes) -> None:
     sizes = np.asarray(group_sizes)
     if (sizes < 0).any():
         raise ValueError(f"group_sizes must be >= 0, got {sizes.tolist()}.")
-    if sizes.sum() > lhs.shape[0]:
+    if sizes.sum() > rows:
         raise ValueError(
-            f"group_sizes must sum to at most lhs's {lhs.shape[0]} rows, got sum {sizes.sum()} "
+            f"group_sizes must sum to at most {rows_are}'s {rows} rows, got sum {sizes.sum()} "
             f"({sizes.tolist()})."
         )
 
@@ -322,7 +390,12 @@ def ragged_dot(
       >>> fp8jax.ragged_dot(x, w, jnp.array([2, 0, 4], jnp.int32)).shape
       (6, 32)
     """
-    _check(lhs, rhs, group_sizes)
+    _check(lhs, rhs, group_sizes, lhs.shape[0] if lhs.ndim == 2 else 0, "lhs")
+    config = _config(lhs, rhs, recipe, state, preferred_element_type)
+    return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), (None, None), config)
+
+
+def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1) -> RaggedConfig:
     recipe = resolve_recipe(recipe)
     if isinstance(recipe, DelayedScaling) or state is not None:
         raise ValueError(
@@ -336,6 +409,88 @@ def ragged_dot(
             "preferred_element_type must be a high-precision float dtype (bfloat16, float16 "
             f"or float32), got {out_dtype}."
         )
-    config = RaggedConfig(recipe, jnp.dtype(out_dtype), jnp.dtype(lhs.dtype),
-                          jnp.dtype(rhs.dtype))  # fmt: skip
-    return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), config)
+    return RaggedConfig(recipe, jnp.dtype(out_dtype), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
+                        repeats)  # fmt: skip
+
+
+def _check_slots(name: str, slots, rows: int) -> None:
+    dtype = getattr(slots, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array [{rows}] (a permutation), got {slots!r}.")
+    if jnp.shape(slots) != (rows,):
+        raise ValueError(
+            f"{name} must have shape ({rows},), a permutation of the {rows} grouped rows, got "
+            f"shape {jnp.shape(slots)}."
+        )
+    if isinstance(slots, jax.core.Tracer):
+        return
+    if not np.array_equal(np.sort(np.asarray(slots)), np.arange(rows)):
+        raise ValueError(f"{name} must be a permutation of range({rows}), got {slots!r}.")
+
+
+def permuted_ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    lhs_slots: jax.Array | None = None,
+    repeats: int = 1,
+    out_slots: jax.Array | None = None,
+    recipe: Recipe | None = None,
+    preferred_element_type=None,
+) -> jax.Array:
+    """:func:`ragged_dot` on rows gathered into group order, its result scattered back: no copies.
+
+    A Mixture-of-Experts layer sends each of its ``t`` tokens to ``repeats``
+    (top-k) experts: ``m = t * repeats`` slots, slot ``s`` of token
+    ``s // repeats``. Sorted by expert, the grouped rows are the slots
+    ``lhs_slots [m]`` (a permutation of ``range(m)``): grouped row ``r``
+    multiplies ``lhs[lhs_slots[r] // repeats]`` by its group's matrix, and
+    ``out_slots [m]`` (a permutation) puts it at row ``out_slots[r]`` of the
+    output. With both equal to the order that sorts slots by expert, the
+    result is in slot order, ``[t * repeats, n]``:
+
+    ``permuted_ragged_dot(x, w, sizes, lhs_slots=order, repeats=k, out_slots=order)``
+    equals ``ragged_dot(x[order // k], w, sizes)[inverse(order)]``.
+
+    The kernels read and write those rows by index, so neither the gathered
+    nor the permuted copy is written; ``lhs`` is quantized before the gather
+    (``t`` rows, not ``m``; one scale for both, since every row of ``lhs`` is
+    gathered), and its gradient sums each row's ``repeats`` slots in f32.
+    Under data parallelism the gathers and permutations run in XLA around the
+    kernels. ``None`` for either map: the rows in their own order.
+
+    Args:
+      lhs: ``[t, k]`` high-precision rows; ``[m, k]`` without ``lhs_slots``.
+      rhs, group_sizes, recipe, preferred_element_type: as in :func:`ragged_dot`
+        (the groups partition the ``m`` grouped rows).
+      lhs_slots: ``[m]`` int permutation, or None.
+      repeats: slots per row of ``lhs`` (``m = t * repeats``); 1 without ``lhs_slots``.
+      out_slots: ``[m]`` int permutation, or None.
+
+    Concrete maps are checked to be permutations; inside ``jit`` they cannot
+    be: a repeated index there leaves output rows unwritten (undefined).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fp8jax.ops.ragged_dot as rd
+      >>> x = jax.random.normal(jax.random.key(0), (4, 64))
+      >>> w = jax.random.normal(jax.random.key(1), (3, 64, 32))
+      >>> expert = jnp.array([2, 0, 0, 1, 2, 1, 0, 2])  # 4 tokens x top-2
+      >>> order = jnp.argsort(expert, stable=True)
+      >>> sizes = jnp.bincount(expert, length=3).astype(jnp.int32)
+      >>> rd.permuted_ragged_dot(x, w, sizes, lhs_slots=order, repeats=2,
+      ...                        out_slots=order).shape
+      (8, 32)
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}.")
+    if lhs_slots is None and repeats != 1:
+        raise ValueError(f"repeats={repeats} needs lhs_slots (the slots to gather), got None.")
+    rows = lhs.shape[0] * repeats if lhs.ndim == 2 else 0
+    _check(lhs, rhs, group_sizes, rows, "lhs_slots")
+    for name, slots in (("lhs_slots", lhs_slots), ("out_slots", out_slots)):
+        if slots is not None:
+            _check_slots(name, slots, rows)
+    config = _config(lhs, rhs, recipe, None, preferred_element_type, repeats)
+    as_int = [None if i is None else i.astype(jnp.int32) for i in (lhs_slots, out_slots)]
+    return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), tuple(as_int), config)
