@@ -23,6 +23,12 @@ place's row from the group sizes. Places past a group's rows are padding.
   places transposed (``[k, places]``, ``[n, places]``, zeros in padding),
   then one program per (group, output tile) loops over the group's row tiles.
 
+Since every row is read and written by index, the index may go through a
+map: a grouped row may read any row of ``a`` (``read``, a gather: an MoE
+block's tokens, each read by its ``top_k`` slots) and land at any row of
+the output (``write``, a permutation: the slots back in token order),
+with no gathered or permuted copy (:func:`place_rows`).
+
 Both operands of a kernel are FP8 of one format: JAX's Pallas Triton
 lowering of ``dot_general`` refuses operands of two element types, so the
 backward GEMMs read the gradient's E5M2 only: the caller casts the weights
