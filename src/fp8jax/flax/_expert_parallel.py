@@ -217,7 +217,7 @@ def _emulated(x, out, p: Plan, axis: str, chunk: int):
     Exact for chunks of at most ``chunk`` rows; costs ``peers * chunk`` rows
     sent and received per device whatever the counts.
     """
-    i = jnp.arange(chunk, dtype=jnp.int32)
+    i = jnp.arange(chunk, dtype=jnp.int32)[None, :]
     rows = p.send_offsets[:, None] + i  # [peer, chunk]
     sent = jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
     sent = jnp.where((i < p.send_sizes[:, None])[..., None], sent, jnp.zeros((), x.dtype))
