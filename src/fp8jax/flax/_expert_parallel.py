@@ -56,6 +56,9 @@ axis itself). An axis that splits the expert weights otherwise (``fsdp`` on
 their hidden axis, ``tp`` on their ffn axis) or splits no tokens (``tp``,
 ``sp``) raises: the weights would be gathered in high precision, or the
 tokens replicated, and neither is implemented.
+
+docs/design.md#grouped-expert-gemms has the costs and what is not measured:
+no multi-GPU run exists.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ load, because the grouped GEMMs take any group sizes (no capacity, no
 padding to one). The auxiliary load-balancing loss is Switch Transformer's:
 ``num_experts * sum_e f_e * p_e``, ``f_e`` the fraction of routed slots that
 go to expert ``e`` and ``p_e`` its mean gate probability; 1 when balanced.
+
+Expert parallelism (experts split over a mesh axis, tokens exchanged with
+``ragged_all_to_all``) is :mod:`fp8jax.flax._expert_parallel`; :func:`moe`
+takes it where the mesh in context asks for it.
 """
 
 from __future__ import annotations
