@@ -124,10 +124,12 @@ def layout(owner: str = "MoEBlock") -> Layout | None:
             f"{EXPERT!r} maps to {tuple(expert)} (sizes {[sizes[a] for a in expert]})."
         )
     axis = expert[0]
-    if kinds[axis] == AxisType.Manual:
+    manual = sorted(a for a in split if kinds[a] == AxisType.Manual)
+    if manual:
         raise ValueError(
-            f"{owner}: the expert axis {axis!r} is manual here (inside shard_map over it); "
-            "call the block outside shard_map, where it runs its own."
+            f"{owner}: expert parallelism over {axis!r} runs its own shard_map over the mesh, "
+            f"but mesh axes {manual} are manual here (inside shard_map); call the block "
+            "outside shard_map."
         )
     explicit = sorted(a for a in split if kinds[a] == AxisType.Explicit)
     if explicit:
