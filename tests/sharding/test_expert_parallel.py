@@ -30,6 +30,8 @@ LAYOUTS = {  # mesh sizes, config
     "ep8": ({"ep": 8}, EP),
     "dp2_ep4": ({"dp": 2, "ep": 4}, EP),
     "ep_on_dp8": ({"dp": 8}, fs.ShardingConfig(ep="dp")),
+    # the experts take fsdp before their hidden axis could: whole experts per device
+    "ep_on_fsdp8": ({"fsdp": 8}, fs.ShardingConfig(ep="fsdp")),
 }
 
 
