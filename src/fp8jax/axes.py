@@ -15,6 +15,7 @@ HEADS = "heads"  # attention heads; for the fused QKV kernel, the key/value head
 QKV = "qkv"  # inside a key/value group: its query heads, then the key, then the value
 KV = "kv"  # the per-head width
 LAYERS = "layers"  # the stacking axis nn.scan adds (PARTITION_NAME in the tests and docs)
+EXPERT = "expert"  # the experts of an MoE block's wi and wo (fp8jax.flax._moe.EXPERT)
 # Logical axis names of activations, for sharding constraints inside the layers.
 BATCH = "batch"  # the batch axis
 LENGTH = "length"  # the sequence axis where tokens are independent (norms, MLP, residuals)

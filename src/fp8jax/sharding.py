@@ -8,10 +8,11 @@ described:
 
 * :class:`ShardingConfig` names the mesh axis that plays each role: data
   parallel (``dp``), fully sharded data parallel (``fsdp``), tensor parallel
-  (``tp``) and sequence parallel (``sp``).
+  (``tp``), sequence parallel (``sp``) and expert parallel (``ep``, off by
+  default).
 * :meth:`ShardingConfig.rules` maps the logical axis names of the
   :mod:`fp8jax.flax` modules (``embed``, ``mlp``, ``act``, ``heads``, ``qkv``,
-  ``kv``, and ``batch``, ``length`` for activations) to those axes.
+  ``kv``, ``expert``, and ``batch``, ``length`` for activations) to those axes.
 * :func:`make_mesh`, :func:`variable_shardings`, :func:`logical_spec` build
   the mesh and the ``NamedSharding``s; :func:`use_mesh` activates both for the
   modules' activation constraints (:func:`constrain`).
@@ -45,10 +46,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import kernels
-from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LAYERS, LENGTH, MLP, QKV
+from fp8jax.axes import ACT, BATCH, EMBED, EXPERT, HEADS, KV, LAYERS, LENGTH, MLP, QKV
 from fp8jax.quantize import amax
 
-ROLES = ("dp", "fsdp", "sp", "tp")  # mesh order: outermost (across nodes) to innermost
+ROLES = ("dp", "fsdp", "ep", "sp", "tp")  # mesh order: outermost (across nodes) to innermost
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +71,13 @@ class ShardingConfig:
         reduce-scatter after each row-parallel one); a separate axis name
         splits the sequence over its own mesh axis, and attention gathers
         keys and values.
+      ep: expert parallel: the experts of an MoE block (``wi``, ``wo``) are
+        split over this axis, and the batch too (the rest of the model sees
+        it as one more data-parallel axis); each device sends its tokens'
+        rows to the experts' devices and back
+        (:mod:`fp8jax.flax._expert_parallel`). ``ep=None`` (default) is off;
+        ``ep="dp"`` (or ``"fsdp"``) splits the experts over that batch axis
+        instead of an axis of its own.
 
     Example:
       >>> import fp8jax.sharding as fs
@@ -81,6 +89,7 @@ class ShardingConfig:
     fsdp: str | None = "fsdp"
     tp: str | None = "tp"
     sp: str | None = None
+    ep: str | None = None
 
     def __post_init__(self):
         for role in ROLES:
@@ -102,10 +111,21 @@ class ShardingConfig:
                 f"fsdp={self.fsdp!r}); use its own axis, or sp={self.tp!r} (the tp axis) for "
                 "Megatron-style sequence parallelism."
             )
+        if self.ep is not None and self.ep in (self.tp, self.sp):
+            raise ValueError(
+                f"ShardingConfig.ep={self.ep!r} is also the tp or sp axis (tp={self.tp!r}, "
+                f"sp={self.sp!r}), which splits no tokens; use its own axis, or a batch axis "
+                f"(dp={self.dp!r}, fsdp={self.fsdp!r})."
+            )
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The distinct mesh axes that split the batch: ``dp``, ``fsdp``, ``ep``, in mesh order."""
+        return tuple(dict.fromkeys(a for a in (self.dp, self.fsdp, self.ep) if a is not None))
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The distinct mesh axis names, outermost first (``dp``, ``fsdp``, ``sp``, ``tp``)."""
+        """The distinct mesh axis names, outermost first (in :data:`ROLES`' order)."""
         names = [getattr(self, role) for role in ROLES]
         return tuple(dict.fromkeys(n for n in names if n is not None))
 
@@ -116,11 +136,11 @@ class ShardingConfig:
         come first, so that under ``sp == tp`` a tensor with both ``heads`` and
         ``length`` axes (the queries) is split by heads.
         """
-        batch = tuple(a for a in (self.dp, self.fsdp) if a is not None)
         return (
             (HEADS, self.tp),
             (MLP, self.tp),
-            (BATCH, batch or None),
+            (EXPERT, self.ep),
+            (BATCH, self.batch_axes or None),
             (LENGTH, self.sp),
             (EMBED, self.fsdp),
             (ACT, None),
@@ -139,22 +159,24 @@ def make_mesh(
     fsdp: int = 1,
     tp: int = 1,
     sp: int = 1,
+    ep: int = 1,
     config: ShardingConfig = DEFAULT,
     axis_types: AxisType = AxisType.Auto,
     devices: Sequence[jax.Device] | None = None,
 ) -> jax.sharding.Mesh:
     """A mesh with one axis per role of ``config``, sized as given, outermost ``dp``.
 
-    Axes run ``dp``, ``fsdp``, ``sp``, ``tp`` from outermost to innermost, so
+    Axes run ``dp``, ``fsdp``, ``ep``, ``sp``, ``tp`` from outermost to innermost, so
     ``tp`` spans neighbouring devices (one NVLink domain) and ``dp`` spans
     nodes. Roles of size 1 keep their axis, so one set of rules serves every
     mesh.
 
     Args:
-      dp, fsdp, tp, sp: the size of each role's axis. Their product is the
-        number of devices used.
+      dp, fsdp, tp, sp, ep: the size of each role's axis. Their product is
+        the number of devices used.
       config: the axis names; a role that is None must have size 1, and
-        ``sp`` sharing the ``tp`` axis takes its size from ``tp``.
+        ``sp`` sharing the ``tp`` axis takes its size from ``tp`` (``ep``
+        sharing a batch axis, from that axis).
       axis_types: ``AxisType.Auto`` (default: the partitioner places the
         collectives) or ``AxisType.Explicit`` (shardings in the types; the
         ops give every GEMM its output sharding).
@@ -172,13 +194,16 @@ def make_mesh(
       >>> dict(fs.make_mesh(fsdp=4, tp=2, config=fs.ShardingConfig(sp="tp")).shape)
       {'dp': 1, 'fsdp': 4, 'tp': 2}
     """
-    sizes = {"dp": dp, "fsdp": fsdp, "sp": sp, "tp": tp}
+    sizes = {"dp": dp, "fsdp": fsdp, "ep": ep, "sp": sp, "tp": tp}
     axes: dict[str, int] = {}
     for role in ROLES:
         size, name = sizes[role], getattr(config, role)
         if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 1:
             raise ValueError(f"make_mesh: {role} must be an int >= 1, got {size!r}.")
-        if name is None or (role == "sp" and name == config.tp):
+        shared = (role == "sp" and name == config.tp) or (
+            role == "ep" and name in (config.dp, config.fsdp)
+        )
+        if name is None or shared:
             if size != 1:
                 why = "is None" if name is None else f"shares the {name!r} axis"
                 raise ValueError(
@@ -344,7 +369,7 @@ def use_mesh(mesh, config: ShardingConfig | None = None):
     Inside it, the :mod:`fp8jax.flax` modules constrain their activations
     (:func:`constrain`) and Linen applies parameter constraints; outside it
     they do neither. It also declares ``config``'s batch axes (``dp``,
-    ``fsdp``) to the kernel dispatcher (:func:`fp8jax.kernels.data_parallel`),
+    ``fsdp``, ``ep``) to the kernel dispatcher (:func:`fp8jax.kernels.data_parallel`),
     so that the ops run their kernels on each device's token rows where only
     those axes split. Trace (``jax.jit``) and run the step inside it.
 
@@ -357,12 +382,10 @@ def use_mesh(mesh, config: ShardingConfig | None = None):
     """
     from flax.core import spmd
 
-    roles = config or DEFAULT
-    batch = tuple(a for a in (roles.dp, roles.fsdp) if a is not None)
     with (
         jax.set_mesh(mesh),
         spmd.logical_axis_rules(_rules(config, None)),
-        kernels.data_parallel(batch),
+        kernels.data_parallel((config or DEFAULT).batch_axes),
     ):
         yield mesh
 

@@ -10,6 +10,10 @@ load, because the grouped GEMMs take any group sizes (no capacity, no
 padding to one). The auxiliary load-balancing loss is Switch Transformer's:
 ``num_experts * sum_e f_e * p_e``, ``f_e`` the fraction of routed slots that
 go to expert ``e`` and ``p_e`` its mean gate probability; 1 when balanced.
+
+Expert parallelism (experts split over a mesh axis, tokens exchanged with
+``ragged_all_to_all``) is :mod:`fp8jax.flax._expert_parallel`; :func:`moe`
+takes it where the mesh in context asks for it.
 """
 
 from __future__ import annotations
@@ -107,8 +111,12 @@ def expert_init(init):
     return wrapped
 
 
-def route(x2: jax.Array, router: jax.Array, top_k: int, gating: str):
-    """``(gates [t, k], experts [t, k], aux_loss)`` for tokens ``x2 [t, hidden]``, in f32."""
+def route(x2: jax.Array, router: jax.Array, top_k: int, gating: str, axes: tuple[str, ...] = ()):
+    """``(gates [t, k], experts [t, k], aux_loss)`` for tokens ``x2 [t, hidden]``, in f32.
+
+    ``axes``: inside ``shard_map``, the mesh axes splitting the tokens (each
+    device holding as many); the loss then counts all of them.
+    """
     logits = jnp.dot(x2.astype(jnp.float32), router.astype(jnp.float32))
     num_experts = router.shape[-1]
     if gating == "softmax":
@@ -119,8 +127,11 @@ def route(x2: jax.Array, router: jax.Array, top_k: int, gating: str):
     gates, experts = lax.top_k(probs, top_k)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+    mean_probs = jnp.mean(probs, axis=0)
+    if axes:  # expert parallelism: the statistics of every device's tokens
+        counts, mean_probs = lax.pmean(counts, axes), lax.pmean(mean_probs, axes)
     fraction = counts / experts.size
-    aux_loss = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=0))
+    aux_loss = num_experts * jnp.sum(fraction * mean_probs)
     return gates, experts, aux_loss
 
 
@@ -235,9 +246,23 @@ combine.defvjp(_combine_fwd, _combine_bwd)
 
 def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, activation: str,
         fp8: bool, recipe):  # fmt: skip
-    """The block on ``x [..., hidden]``: ``(y, aux_loss)``, ``y`` shaped and typed like ``x``."""
+    """The block on ``x [..., hidden]``: ``(y, aux_loss)``, ``y`` shaped and typed like ``x``.
+
+    Expert-parallel (:mod:`fp8jax.flax._expert_parallel`) where the mesh and
+    rules in context split the experts over a mesh axis.
+    """
+    from fp8jax.flax import _expert_parallel
+
     shape, hidden = x.shape, x.shape[-1]
     x2 = x.reshape(-1, hidden)
+    if (where := _expert_parallel.layout()) is not None:
+        y, aux_loss = _expert_parallel.routed(
+            x2, router, wi, wo, where, top_k=top_k, gating=gating, activation=activation,
+            fp8=fp8, recipe=recipe,
+        )  # fmt: skip
+        if shared_wi is not None:
+            y = y + shared_ffn(x2, shared_wi, shared_wo, activation, fp8, recipe).astype(x.dtype)
+        return y.reshape(shape), aux_loss
     gates, experts, aux_loss = route(x2, router, top_k, gating)
     flat = experts.reshape(-1)
     # Sort the (token, slot) pairs by expert; stable, so each expert's tokens

@@ -30,6 +30,16 @@ class MoEBlock(nn.Module):
     ``(num_experts, ffn, hidden)``; with shared experts ``shared_wi``
     ``(hidden, 2, shared_experts * ffn)`` and ``shared_wo``.
 
+    Expert parallelism: under :func:`fp8jax.sharding.use_mesh` with
+    ``ShardingConfig(ep=...)`` and a mesh whose ``ep`` axis has size > 1,
+    ``wi`` and ``wo`` are split along their expert axis over it (logical name
+    ``"expert"``) and the block sends each token's rows to its experts'
+    devices and back with ``ragged_all_to_all`` (no token dropped), giving the
+    values of one device (:mod:`fp8jax.flax._expert_parallel`,
+    docs/design.md#grouped-expert-gemms). ``num_experts`` and the tokens must
+    divide over the devices; a mesh that also splits the expert weights
+    otherwise (``fsdp``, ``tp`` of size > 1) raises.
+
     Attributes:
       num_experts, top_k: experts, and experts per token.
       ffn: each expert's inner width (and each shared expert's).

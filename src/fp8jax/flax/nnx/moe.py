@@ -22,7 +22,8 @@ class MoEBlock(nnx.Module):
 
     No token is dropped (no capacity factor). The call returns the output;
     the auxiliary load-balancing loss of the call is in ``self.aux_loss``
-    (an :class:`AuxLoss` variable; 1 when balanced).
+    (an :class:`AuxLoss` variable; 1 when balanced). Expert parallelism
+    (``ShardingConfig(ep=...)``) as in the Linen block.
 
     Args:
       in_features: the hidden size.
