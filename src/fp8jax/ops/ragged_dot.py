@@ -40,9 +40,11 @@ Sharding: where data parallelism alone splits the token rows
 :func:`fp8jax.sharding.use_mesh`), each device runs the kernels on its own
 rows inside ``shard_map``, with its share of each group; the FP8 weights are
 whole there, so FSDP-sharded weights are all-gathered in FP8, and the
-weights' gradient is summed over the devices. Under any other mesh (tensor
-or expert parallelism; expert parallelism with an all-to-all is not
-implemented) the GEMMs take ``lax.ragged_dot``, with a warning.
+weights' gradient is summed over the devices. Expert parallelism
+(``MoEBlock`` under ``ShardingConfig.ep``) calls this op inside its own
+``shard_map`` on each device's received rows, which are whole there. Under
+any other mesh (tensor parallelism) the GEMMs take ``lax.ragged_dot``,
+with a warning.
 """
 
 from __future__ import annotations
