@@ -15,10 +15,11 @@ routed experts inside ``jax.shard_map`` over the mesh, each device:
    there are, where they land on the receiver, and how many rows it receives
    from each peer;
 3. sends the rows with ``lax.ragged_all_to_all`` (no capacity, no token
-   dropped), re-sorts the received rows by local expert, and runs its experts
-   on them with :func:`fp8jax.flax._moe.experts_ffn` (FP8 grouped GEMMs);
-4. un-sorts, sends the outputs back by the reverse exchange, and weights each
-   token's slots by its gates.
+   dropped) and runs its experts on the received rows in local-expert order
+   with :func:`fp8jax.flax._moe.routed_experts` (FP8 grouped GEMMs that read
+   and write the rows by index, so the re-sort writes no copy);
+4. sends the outputs back by the reverse exchange, and weights each token's
+   slots by its gates.
 
 The receive buffer has a static size, the worst case: every token of every
 peer routed to this device's experts, ``ep * tokens_per_device * min(top_k,
@@ -275,8 +276,7 @@ def _local_order(received: jax.Array, rows: int):
     local = received.shape[1]
     key = jnp.where(segment < segments.size, segment % local, local)
     order = jnp.argsort(key, stable=True)  # stable: peer order, then each peer's token order
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(rows, dtype=order.dtype))
-    return order, inverse, jnp.sum(received, axis=0).astype(jnp.int32)
+    return order.astype(jnp.int32), jnp.sum(received, axis=0).astype(jnp.int32)
 
 
 def _check(owner, where: Layout, x2, wi) -> None:
@@ -325,12 +325,11 @@ def routed(x2, router, wi, wo, where: Layout, *, top_k: int, gating: str, activa
         exchange_plan, received = plan(expert_sizes, axis, peers)
         xs = _moe.dispatch(x2, order, inverse, top_k)
         buffer = exchange(xs, exchange_plan, peers * chunk, axis, chunk)
-        local_order, local_inverse, sizes = _local_order(received, peers * chunk)
-        # combine(v, a, b) is v[b] with the gradient gathered by a: a permutation either way.
-        ys = _moe.experts_ffn(_moe.combine(buffer, local_inverse, local_order), sizes, wi, wo,
-                              activation, fp8, recipe)  # fmt: skip
-        back = exchange(_moe.combine(ys, local_order, local_inverse), exchange_plan.reversed(),
-                        t * top_k, axis, chunk)  # fmt: skip
+        local_order, sizes = _local_order(received, peers * chunk)
+        # The received rows to local-expert order and back: in FP8 the grouped
+        # GEMMs read and write them by index (no re-sorted copies).
+        ys = _moe.routed_experts(buffer, local_order, 1, sizes, wi, wo, activation, fp8, recipe)
+        back = exchange(ys, exchange_plan.reversed(), t * top_k, axis, chunk)
         per_slot = _moe.combine(back, order, inverse).reshape(-1, top_k, hidden)
         y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x2.dtype)
         return y, aux_loss
