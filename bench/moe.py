@@ -20,8 +20,9 @@ Part ``backward``: the forward, dgrad and wgrad grouped GEMMs alone and the op's
 fwd+bwd, under each wgrad tiling of :data:`WGRAD_TILINGS`.
 
 Part ``block``: the MoE block forward and backward (router and permutation
-included) with fp8jax's FP8 experts against two BF16 blocks from the same
-parameters: the library's block with ``lax.ragged_dot`` experts, and
+included) with fp8jax's FP8 experts against three BF16 blocks from the same
+parameters: the library's block with ``lax.ragged_dot`` experts, the same
+block on JAX's Mosaic GPU grouped GEMMs (:func:`mgpu_moe`), and
 :func:`capacity_moe` (capacity-factor buffers and batched einsums, the way
 a Flax user writes an MoE without grouped GEMMs; it drops slots past
 1.25x a balanced share, so it may do less work than the others).
@@ -298,6 +299,62 @@ def capacity_moe(params, x, *, top_k: int, capacity_factor: float = CAPACITY_FAC
     return y.astype(x.dtype)
 
 
+# JAX's Mosaic GPU grouped-GEMM kernels' tiling, as in the gemm part's bf16_mgpu row.
+MGPU_TILES = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4,
+              "grid_block_n": 1}  # fmt: skip
+
+
+def mgpu_ragged_dot():
+    """``lax.ragged_dot``'s BF16 forward and backward on JAX's Mosaic GPU kernels.
+
+    Forward and dgrad: ``ragged_dot_mgpu.ragged_dot`` (the dgrad reads the
+    weights transposed); wgrad: ``transposed_ragged_dot_mgpu``. Rows past the
+    groups are not used by the blocks here (the groups cover every slot).
+    """
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    @jax.custom_vjp
+    def gemm(x, w, sizes):
+        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, **MGPU_TILES)
+
+    def fwd(x, w, sizes):
+        return gemm(x, w, sizes), (x, w, sizes)
+
+    def bwd(residuals, g):
+        x, w, sizes = residuals
+        dx = ragged_dot_mgpu.ragged_dot(g, w, group_sizes=sizes, transpose_rhs=True,
+                                        **MGPU_TILES)  # fmt: skip
+        dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=sizes,
+                                                              **MGPU_TILES)  # fmt: skip
+        return dx, dw.astype(w.dtype), None
+
+    gemm.defvjp(fwd, bwd)
+    return gemm
+
+
+def mgpu_moe(params, x, *, top_k: int):
+    """The library's BF16 block (same router, permutations, SwiGLU, shared experts) with its
+    expert GEMMs on JAX's Mosaic GPU kernels (:func:`mgpu_ragged_dot`)."""
+    p = nn.unbox(params)["params"]
+    gemm = mgpu_ragged_dot()
+    gates, experts, _ = _moe.route(x, p["router"], top_k, "softmax")
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    sizes = jnp.zeros((p["router"].shape[-1],), jnp.int32).at[flat].add(1)
+    e, hidden, _, ffn = p["wi"].shape
+    xs = _moe.dispatch(x, order, inverse, top_k)
+    h = gemm(xs, p["wi"].reshape(e, hidden, 2 * ffn).astype(x.dtype), sizes).reshape(-1, 2, ffn)
+    a = (jax.nn.silu(h[:, 0].astype(F32)) * h[:, 1].astype(F32)).astype(x.dtype)
+    ys = _moe.combine(gemm(a, p["wo"].astype(x.dtype), sizes), order, inverse)
+    y = jnp.einsum("tkh,tk->th", ys.reshape(-1, top_k, hidden).astype(F32), gates)
+    if "shared_wi" in p:
+        hs = jnp.einsum("th,hgf->tgf", x, p["shared_wi"].astype(x.dtype))
+        a_s = (jax.nn.silu(hs[:, 0].astype(F32)) * hs[:, 1].astype(F32)).astype(x.dtype)
+        y = y + (a_s @ p["shared_wo"].astype(x.dtype)).astype(F32)
+    return y.astype(x.dtype)
+
+
 def block_rows(shape: Shape) -> list[dict]:
     """fwd+bwd of the block: fp8jax's MoEBlock, the same block in BF16 (``lax.ragged_dot``
     experts) and :func:`capacity_moe`, all from the same BF16 parameters."""
@@ -326,6 +383,7 @@ def block_rows(shape: Shape) -> list[dict]:
     variants = (
         ("fp8jax", make(True)[1]),
         ("bf16_capacity", functools.partial(capacity_moe, top_k=shape.top_k)),
+        ("bf16_mgpu", functools.partial(mgpu_moe, top_k=shape.top_k)),
         ("bf16_ragged_dot", make(False)[1]),
     )
     out = []
@@ -335,8 +393,12 @@ def block_rows(shape: Shape) -> list[dict]:
             _, vjp = jax.vjp(f, params, x)
             return vjp(gy)
 
-        out.append(_row(name, step, (params, x, gy), useful, iters=max(1, ITERS["n"] // 2),
-                        trace=True))  # fmt: skip
+        try:
+            out.append(_row(name, step, (params, x, gy), useful,
+                            iters=max(1, ITERS["n"] // 2), trace=True))  # fmt: skip
+        except Exception as e:  # a baseline that does not run here is reported, not fatal
+            traceback.print_exc()
+            out.append({"name": name, "error": f"{type(e).__name__}: {e}"[:500]})
     return out
 
 
