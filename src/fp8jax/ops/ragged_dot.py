@@ -60,7 +60,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from fp8jax.formats import Fp8Format, is_fp8
-from fp8jax.kernels import dispatch
+from fp8jax.kernels import dispatch, expert_cast
 from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
@@ -242,16 +242,15 @@ def quantize_per_expert(
     Returns ``(forward_t, backward, scale_inv [g])``: ``forward_t [g, n, k]``
     in ``forward`` (the forward GEMM contracts ``k``, the minor axis there)
     and ``[g, k, n]`` in ``backward`` for the dgrad GEMM (one element type
-    per kernel dot), both rounded once from ``rhs`` at the same scale. XLA
-    writes both from one read of ``rhs``, where converting the forward's
-    FP8 copy took another write and read of it
-    (docs/design.md#grouped-expert-gemms).
+    per kernel dot), both rounded once from ``rhs`` at the same scale, from
+    one read of ``rhs`` (:func:`fp8jax.kernels.expert_cast.cast_experts`;
+    docs/design.md#grouped-expert-gemms).
     """
     expert_amax = jnp.max(jnp.abs(rhs.astype(jnp.float32)).reshape(rhs.shape[0], -1), axis=1)
     scale = scale_from_amax(expert_amax, forward.max, recipe.margin, fallback=1.0)
-    scale_b = scale.reshape(-1, *[1] * (rhs.ndim - 1))
-    forward_t = quantize_with_scale(jnp.swapaxes(rhs, 1, 2), forward, scale_b).data
-    return forward_t, quantize_with_scale(rhs, backward, scale_b).data, 1.0 / scale
+    forward_t, backward_copy = expert_cast.cast_experts(rhs, scale, forward, backward,
+                                                        interpret=_INTERPRET)  # fmt: skip
+    return forward_t, backward_copy, 1.0 / scale
 
 
 def _quantize_tensor(x: jax.Array, fmt: Fp8Format, recipe) -> tuple[jax.Array, jax.Array]:
