@@ -48,7 +48,7 @@ from harness import compiled_facts, dump, environment, time_ms
 from jax import lax
 
 import fp8jax
-from fp8jax.flax import _moe
+from fp8jax.flax import _routed_experts
 from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import ragged_dot as rd
 
@@ -276,7 +276,7 @@ def capacity_moe(params, x, *, top_k: int, capacity_factor: float = CAPACITY_FAC
     p = nn.unbox(params)["params"]  # MoEBlock's parameters carry their logical axes
     t, hidden = x.shape
     e = p["router"].shape[-1]
-    gates, experts, _ = _moe.route(x, p["router"], top_k, "softmax")
+    gates, experts, _ = _routed_experts.route(x, p["router"], top_k, "softmax")
     capacity = -(-int(t * top_k * capacity_factor) // e)
     flat = experts.reshape(-1)
     onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)
@@ -337,16 +337,16 @@ def mgpu_moe(params, x, *, top_k: int):
     expert GEMMs on JAX's Mosaic GPU kernels (:func:`mgpu_ragged_dot`)."""
     p = nn.unbox(params)["params"]
     gemm = mgpu_ragged_dot()
-    gates, experts, _ = _moe.route(x, p["router"], top_k, "softmax")
+    gates, experts, _ = _routed_experts.route(x, p["router"], top_k, "softmax")
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
     sizes = jnp.zeros((p["router"].shape[-1],), jnp.int32).at[flat].add(1)
     e, hidden, _, ffn = p["wi"].shape
-    xs = _moe.dispatch(x, order, inverse, top_k)
+    xs = _routed_experts.dispatch(x, order, inverse, top_k)
     h = gemm(xs, p["wi"].reshape(e, hidden, 2 * ffn).astype(x.dtype), sizes).reshape(-1, 2, ffn)
     a = (jax.nn.silu(h[:, 0].astype(F32)) * h[:, 1].astype(F32)).astype(x.dtype)
-    ys = _moe.combine(gemm(a, p["wo"].astype(x.dtype), sizes), order, inverse)
+    ys = _routed_experts.combine(gemm(a, p["wo"].astype(x.dtype), sizes), order, inverse)
     y = jnp.einsum("tkh,tk->th", ys.reshape(-1, top_k, hidden).astype(F32), gates)
     if "shared_wi" in p:
         hs = jnp.einsum("th,hgf->tgf", x, p["shared_wi"].astype(x.dtype))

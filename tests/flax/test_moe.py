@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from fp8jax import verify
-from fp8jax.flax import _moe
+from fp8jax.flax import _routed_experts
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
 from numerics import assert_within, gemm_error_bound
@@ -182,8 +182,12 @@ def test_permutations_backward_are_gathers_equal_to_the_transposed_takes():
         return jnp.take(x, order // k, axis=0)
 
     pairs = [
-        (lambda x: _moe.dispatch(x, order, inverse, k), take_dispatch, x2),
-        (lambda y: _moe.combine(y, order, inverse), lambda y: jnp.take(y, inverse, axis=0), ys),
+        (lambda x: _routed_experts.dispatch(x, order, inverse, k), take_dispatch, x2),
+        (
+            lambda y: _routed_experts.combine(y, order, inverse),
+            lambda y: jnp.take(y, inverse, axis=0),
+            ys,
+        ),
     ]
     for ours, reference, arg in pairs:
         (got, back), (want, back_ref) = jax.vjp(ours, arg), jax.vjp(reference, arg)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax.sharding as fs
 from fp8jax import verify
-from fp8jax.flax import _expert_parallel, _moe
+from fp8jax.flax import _expert_parallel, _routed_experts
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
 
@@ -83,7 +83,7 @@ def skewed():
 
 def test_the_skewed_routing_is_uneven_and_leaves_an_expert_empty(skewed):
     x, params = skewed
-    _, experts, _ = _moe.route(x.reshape(-1, H), params["router"], K, "softmax")
+    _, experts, _ = _routed_experts.route(x.reshape(-1, H), params["router"], K, "softmax")
     counts = np.bincount(np.asarray(experts).reshape(-1), minlength=E)
     assert counts[3] == 0 and counts.max() >= 4 * counts.sum() / E, counts
 

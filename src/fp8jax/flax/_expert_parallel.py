@@ -16,7 +16,7 @@ routed experts inside ``jax.shard_map`` over the mesh, each device:
    from each peer;
 3. sends the rows with ``lax.ragged_all_to_all`` (no capacity, no token
    dropped) and runs its experts on the received rows in local-expert order
-   with :func:`fp8jax.flax._moe.routed_experts` (FP8 grouped GEMMs that read
+   with :func:`fp8jax.flax._routed_experts.routed_experts` (FP8 grouped GEMMs that read
    and write the rows by index, so the re-sort writes no copy);
 4. sends the outputs back by the reverse exchange, and weights each token's
    slots by its gates.
@@ -77,6 +77,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from fp8jax.axes import ACT, BATCH, EMBED, EXPERT, MLP
+from fp8jax.flax import _routed_experts
 from fp8jax.recipes import resolve_recipe
 
 
@@ -303,8 +304,6 @@ def routed(x2, router, wi, wo, where: Layout, *, top_k: int, gating: str, activa
     ``y`` is the gate-weighted sum of each token's experts, in ``x2.dtype``;
     ``aux`` the load-balancing loss over all tokens (as without a mesh).
     """
-    from fp8jax.flax import _moe
-
     _check(owner, where, x2, wi)
     axis, tokens = where
     peers = dict(jax.sharding.get_abstract_mesh().shape)[axis]
@@ -317,20 +316,22 @@ def routed(x2, router, wi, wo, where: Layout, *, top_k: int, gating: str, activa
         t, hidden = x2.shape
         experts_here = wi.shape[0]
         chunk = t * min(top_k, experts_here)  # the most rows one device sends another
-        gates, experts, aux_loss = _moe.route(x2, router, top_k, gating, axes=tokens)
+        gates, experts, aux_loss = _routed_experts.route(x2, router, top_k, gating, axes=tokens)
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
         expert_sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
         exchange_plan, received = plan(expert_sizes, axis, peers)
-        xs = _moe.dispatch(x2, order, inverse, top_k)
+        xs = _routed_experts.dispatch(x2, order, inverse, top_k)
         buffer = exchange(xs, exchange_plan, peers * chunk, axis, chunk)
         local_order, sizes = _local_order(received, peers * chunk)
         # The received rows to local-expert order and back: in FP8 the grouped
         # GEMMs read and write them by index (no re-sorted copies).
-        ys = _moe.routed_experts(buffer, local_order, 1, sizes, wi, wo, activation, fp8, recipe)
+        ys = _routed_experts.routed_experts(
+            buffer, local_order, 1, sizes, wi, wo, activation, fp8, recipe
+        )
         back = exchange(ys, exchange_plan.reversed(), t * top_k, axis, chunk)
-        per_slot = _moe.combine(back, order, inverse).reshape(-1, top_k, hidden)
+        per_slot = _routed_experts.combine(back, order, inverse).reshape(-1, top_k, hidden)
         y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x2.dtype)
         return y, aux_loss
 
