@@ -263,6 +263,54 @@ def test_h100_compile_sends_rows_by_ragged_all_to_all_and_runs_every_expert_gemm
     assert not [c for c in report.collectives if c.kind == "all-gather" and len(c.shape) >= 2]
 
 
+@pytest.mark.deviceless
+def test_h100_compile_under_fsdp_gathers_the_expert_weights_in_fp8():
+    # 8 H100s, fsdp=8 and no expert parallelism: the experts' weights are
+    # split along their hidden axis, the tokens along the batch. Each device
+    # runs the six grouped GEMMs (Pallas, FP8) on its rows, and the weights
+    # reach it by all-gathers of their FP8 copies, never in bf16; so do the
+    # shared experts' (FP8 dense GEMMs).
+    mesh = fs.make_mesh(fsdp=8)
+    block = _block(dtype=jnp.bfloat16, shared_experts=1)
+    x = jax.ShapeDtypeStruct((8, 128, 256), jnp.bfloat16)
+    abstract = jax.eval_shape(block.init, jax.random.key(0), x)
+    shardings = nn.meta.unbox(fs.variable_shardings(abstract, mesh))
+    assert shardings["params"]["wi"].spec[:2] == (None, "fsdp")  # hidden split, experts whole
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          nn.meta.unbox(abstract), shardings)["params"]  # fmt: skip
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fs.named_sharding(mesh, ("batch",)))
+
+    def step(params, x):
+        def loss(params, x):
+            y, _ = block.apply({"params": params}, x, mutable=["intermediates"])
+            return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    # Uncombined collectives, so that each gather reports its own dtype and shape.
+    no_combining = " ".join(f"--xla_gpu_{kind}_combine_threshold_bytes=0"
+                            for kind in ("all_gather", "reduce_scatter", "all_reduce"))  # fmt: skip
+    with fs.use_mesh(mesh):
+        hlo = verify.compile_for(step, params, x, target="h100", devices=8,
+                                 xla_flags=no_combining)  # fmt: skip
+    report = verify.gemm_report(hlo)
+    grouped = [g for g in report.gemms if g.target in verify.pallas_gemms.KERNELS]
+    assert len(grouped) == 6 and all(g.backend == "pallas-fp8" for g in grouped), grouped
+    assert all(g.rhs_shape[0] == E for g in grouped if g.target == "fp8jax_grouped_gemm")
+    shared = [g for g in report.fp8_gemms if g not in grouped]
+    assert len(shared) == 6  # the shared expert's two dense GEMMs: forward, dgrad, wgrad
+    rest = report.non_fp8_gemms
+    assert rest and all(g.lhs_dtype == g.rhs_dtype == "f32" for g in rest), rest  # the router
+    gathers = [c for c in report.collectives if c.kind == "all-gather"]
+    weights = [c for c in gathers if c.shape[:1] == (E,) or c.shape[:1] == (H,)]
+    # The experts' (wi, wo: [E, ...]) and the shared expert's ([H, 2, F]) FP8 copies.
+    assert sum(c.shape[0] == E for c in weights) >= 2, [(c.dtype, c.shape) for c in gathers]
+    assert all(c.dtype.startswith("f8") for c in weights), [(c.dtype, c.shape) for c in weights]
+    # What else moves is token rows (the slots sorted by expert across all devices;
+    # docs/design.md#grouped-expert-gemms), never a weight in high precision.
+    assert not [c for c in gathers if not c.dtype.startswith("f8") and E in c.shape[:1]]
+
+
 # On GPUs both runs feed the FP8 tensor cores the same operands (global scales),
 # but the wgrad kernel sums an expert's rows in an order its row layout sets, in
 # an accumulator of about 14 bits (docs/design.md#grouped-expert-gemms), and a
