@@ -94,7 +94,7 @@ class RaggedConfig:
     repeats: int = 1  # slots per row of lhs (permuted_ragged_dot's top_k)
 
 
-def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
+def _placement(rows: int) -> tuple[str, tuple[str, ...]]:
     """The grouped GEMMs' path and the mesh axes splitting their rows.
 
     "interpret" (tests), "kernel" (Pallas on CUDA, XLA elsewhere; with axes:
@@ -106,18 +106,24 @@ def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
         return "interpret", ()
     axes = dispatch.row_axes(rows_are_tokens=True)
     if axes is None or rows % dispatch.devices_along(axes):
-        if dispatch.enabled():
-            warnings.warn(
-                "fp8jax.ragged_dot: the grouped-GEMM kernel runs on whole arrays or on each "
-                "device's rows under data parallelism (rows divisible by the devices); here "
-                f"({rows} rows, mesh {dict(jax.sharding.get_abstract_mesh().shape)}) the GEMMs "
-                "take lax.ragged_dot, which XLA's GPU backend expands to one dense GEMM over "
-                "all groups.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
         return "xla", ()
     return "kernel", axes
+
+
+def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
+    """:func:`_placement`, warning where a mesh keeps the kernels off."""
+    mode, axes = _placement(rows)
+    if mode == "xla" and rows and dispatch.enabled():
+        warnings.warn(
+            "fp8jax.ragged_dot: the grouped-GEMM kernel runs on whole arrays or on each "
+            "device's rows under data parallelism (rows divisible by the devices); here "
+            f"({rows} rows, mesh {dict(jax.sharding.get_abstract_mesh().shape)}) the GEMMs "
+            "take lax.ragged_dot, which XLA's GPU backend expands to one dense GEMM over "
+            "all groups.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return mode, axes
 
 
 def _run(pallas_fn, xla_fn, operands, n_rows: int, maps: dict, reduce: bool = False):
@@ -170,11 +176,8 @@ def _run(pallas_fn, xla_fn, operands, n_rows: int, maps: dict, reduce: bool = Fa
 
 
 def _split_rows(rows: int) -> bool:
-    """Whether data parallelism splits ``rows`` grouped rows over devices here (no warning)."""
-    if rows == 0 or _INTERPRET:
-        return False
-    axes = dispatch.row_axes(rows_are_tokens=True)
-    return bool(axes) and rows % dispatch.devices_along(axes) == 0
+    """Whether data parallelism splits ``rows`` grouped rows over devices here."""
+    return bool(_placement(rows)[1])
 
 
 def _inverse(permutation: jax.Array) -> jax.Array:
