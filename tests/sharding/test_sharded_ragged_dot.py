@@ -122,3 +122,17 @@ def test_fsdp_weights_are_gathered_in_fp8_and_every_grouped_gemm_is_fp8():
     assert len(report.fp8_gemms) == 3
     gathers = [c for c in report.collectives if c.kind == "all-gather"]
     assert gathers and all(c.dtype.startswith("f8") for c in gathers), gathers
+
+
+def test_under_tensor_parallelism_the_gemms_warn_and_take_lax_ragged_dot():
+    # The kernels run on whole arrays or each device's rows; a tp mesh splits
+    # neither way, so the GEMMs take lax.ragged_dot on the same FP8 operands,
+    # with a RuntimeWarning that says so (never silently).
+    keys = jax.random.split(jax.random.key(2), 2)
+    x = jax.random.normal(keys[0], (M, K))
+    w = jax.random.normal(keys[1], (G, K, N)) * K**-0.5
+    sizes = jnp.array(SIZES, jnp.int32)
+    want = jax.jit(lambda x, w: fp8jax.ragged_dot(x, w, sizes))(x, w)
+    with fs.use_mesh(fs.make_mesh(tp=8)), pytest.warns(RuntimeWarning, match="lax.ragged_dot"):
+        got = jax.jit(lambda x, w: fp8jax.ragged_dot(x, w, sizes))(x, w)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
