@@ -10,7 +10,7 @@ from fp8jax.ops.einsum import einsum
 from fp8jax.ops.layernorm_dense import layernorm_dense
 from fp8jax.ops.layernorm_mlp import layernorm_mlp
 from fp8jax.ops.norm import layernorm
-from fp8jax.ops.ragged_dot import ragged_dot
+from fp8jax.ops.ragged_dot import permuted_ragged_dot, ragged_dot
 from fp8jax.quantize import Fp8Array, dequantize, quantize
 from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
 from fp8jax.scaling import (
@@ -50,6 +50,7 @@ __all__ = [
     "layernorm",
     "layernorm_dense",
     "layernorm_mlp",
+    "permuted_ragged_dot",
     "quantize",
     "ragged_dot",
     "take_new_state",

@@ -476,14 +476,14 @@ def permuted_ragged_dot(
     be: a repeated index there leaves output rows unwritten (undefined).
 
     Example:
-      >>> import jax, jax.numpy as jnp, fp8jax.ops.ragged_dot as rd
+      >>> import jax, jax.numpy as jnp, fp8jax
       >>> x = jax.random.normal(jax.random.key(0), (4, 64))
       >>> w = jax.random.normal(jax.random.key(1), (3, 64, 32))
       >>> expert = jnp.array([2, 0, 0, 1, 2, 1, 0, 2])  # 4 tokens x top-2
       >>> order = jnp.argsort(expert, stable=True)
       >>> sizes = jnp.bincount(expert, length=3).astype(jnp.int32)
-      >>> rd.permuted_ragged_dot(x, w, sizes, lhs_slots=order, repeats=2,
-      ...                        out_slots=order).shape
+      >>> fp8jax.permuted_ragged_dot(x, w, sizes, lhs_slots=order, repeats=2,
+      ...                            out_slots=order).shape
       (8, 32)
     """
     if not isinstance(repeats, int) or repeats < 1:
