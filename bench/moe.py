@@ -346,7 +346,7 @@ def grouped_moe(params, x, *, top_k: int, gemm):
     gates, experts, _ = _routed_experts.route(x, p["router"], top_k, "softmax")
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    inverse = rd.inverse_permutation(order)
     sizes = jnp.zeros((p["router"].shape[-1],), jnp.int32).at[flat].add(1)
     e, hidden, _, ffn = p["wi"].shape
     xs = _routed_experts.dispatch(x, order, inverse, top_k)

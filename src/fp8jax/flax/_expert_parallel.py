@@ -78,6 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from fp8jax.axes import ACT, BATCH, EMBED, EXPERT, MLP
 from fp8jax.flax import _routed_experts
+from fp8jax.ops import ragged_dot as ragged_dot_ops
 from fp8jax.recipes import resolve_recipe
 
 
@@ -319,7 +320,7 @@ def routed(x2, router, wi, wo, where: Layout, *, top_k: int, gating: str, activa
         gates, experts, aux_loss = _routed_experts.route(x2, router, top_k, gating, axes=tokens)
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+        inverse = ragged_dot_ops.inverse_permutation(order)
         expert_sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
         exchange_plan, received = plan(expert_sizes, axis, peers)
         xs = _routed_experts.dispatch(x2, order, inverse, top_k)

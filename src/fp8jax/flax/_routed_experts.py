@@ -83,7 +83,7 @@ def routed_experts(x2, order, top_k: int, sizes, wi, wo, activation: str, fp8: b
     """
     e, hidden, _, ffn = wi.shape
     if not fp8:
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+        inverse = ragged_dot_ops.inverse_permutation(order)
         xs = dispatch(x2, order, inverse, top_k)
         return combine(experts_ffn(xs, sizes, wi, wo, activation, fp8, recipe), order, inverse)
     gemm = functools.partial(ragged_dot_ops.permuted_ragged_dot, recipe=recipe)

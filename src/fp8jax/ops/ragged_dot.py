@@ -180,8 +180,8 @@ def _split_rows(rows: int) -> bool:
     return bool(_placement(rows)[1])
 
 
-def _inverse(permutation: jax.Array) -> jax.Array:
-    """The inverse of a permutation of ``range(m)``."""
+def inverse_permutation(permutation: jax.Array) -> jax.Array:
+    """The inverse of a permutation of ``range(m)`` (int32): ``p[inverse[i]] == i``."""
     m = permutation.shape[0]
     return jnp.zeros((m,), jnp.int32).at[permutation].set(jnp.arange(m, dtype=jnp.int32))
 
@@ -198,7 +198,7 @@ def _grouped(a, b, group_sizes, a_scale_inv, b_scale_inv, out_dtype, read=None, 
         # permutation back run in XLA (the kernels index local rows only).
         a = a if read is None else jnp.take(a, read, axis=0)
         out = _grouped(a, b, group_sizes, a_scale_inv, b_scale_inv, out_dtype)
-        return out if write is None else jnp.take(out, _inverse(write), axis=0)
+        return out if write is None else jnp.take(out, inverse_permutation(write), axis=0)
     per_group = jnp.concatenate([a_scale_inv * b_scale_inv, jnp.zeros((1,), jnp.float32)])
 
     def pallas_fn(a, b, group_sizes, per_group, read=None, write=None, interpret=False):
