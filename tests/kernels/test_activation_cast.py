@@ -1,5 +1,6 @@
 """fp8jax.kernels.activation_cast: its kernels (interpret mode, live) against f64 references."""
 
+import functools
 import math
 
 import jax
@@ -157,6 +158,21 @@ def test_kernels_match_the_activation_and_its_gradient(activations, with_bias):
     _check_against_reference(
         activations, bias if with_bias else None, (q, jnp.max(maxima)), (out, h_t)
     )
+
+
+@pytest.mark.parametrize("path", ["interpret", "xla"])
+def test_forward_without_maxima_writes_the_same_bytes(path):
+    # Current scaling knows the amax before the kernel runs and asks for no
+    # maxima: the FP8 bytes are those of the kernel with them.
+    activations = ("silu", "linear")
+    pre, _, bias = _inputs(len(activations))
+    kwargs = {"activations": activations, "fmt": fp8jax.E4M3}
+    call = (functools.partial(ac._pallas_forward, interpret=True) if path == "interpret"
+            else ac._xla_forward)  # fmt: skip
+    q, _ = call(pre, (bias,), jnp.float32(H_SCALE), **kwargs)
+    only = call(pre, (bias,), jnp.float32(H_SCALE), maxima=False, **kwargs)
+    assert len(only) == 1
+    np.testing.assert_array_equal(only[0], q)
 
 
 def _public_calls(activations, pre, dh, bias):

@@ -71,6 +71,25 @@ def test_kernel_and_xla_path_match_the_f64_forward(norm_type, path):
     np.testing.assert_allclose(float(jnp.max(maxima)), np.abs(want_y).max(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("path", ["interpret", "xla"])
+def test_maxima_pass_gives_the_cast_passes_maxima(norm_type, path):
+    # Current scaling's first pass is the same kernel without the cast: its
+    # maxima, from which the scale comes, are exactly those the cast pass
+    # writes, so the scale is that of the output the cast pass quantizes.
+    x, gamma, beta = _inputs(norm_type, seed=2)
+    kwargs = {"centred": norm_type == "layernorm", "epsilon": 1e-6}
+    beta = None if beta is None else beta[None]
+    if path == "interpret":
+        (maxima,) = norm_forward._pallas(x, gamma[None], beta, None, fmt=None, interpret=True,
+                                         **kwargs)  # fmt: skip
+    else:
+        (maxima,) = norm_forward._xla(x, gamma[None], beta, None, fmt=None, **kwargs)
+    *_, cast_maxima = _run(path, x, gamma, None if beta is None else beta[0], norm_type)
+    assert maxima.shape == (ROWS // norm_forward.ROWS_PER_PROGRAM, 1)
+    np.testing.assert_array_equal(maxima, cast_maxima)
+
+
 @pytest.mark.parametrize("path", ["interpret", "xla"])
 def test_statistics_of_rows_far_from_zero(path):
     # Rows of 4096 + 32 k, k in -2..2 (all exact in bf16): the mean is about
@@ -170,11 +189,14 @@ def fused_op_hlos():
 @pytest.mark.deviceless
 @pytest.mark.parametrize("op", FUSED_OPS)
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_fused_ops_run_the_kernel_under_delayed_scaling_only(op, recipe, fused_op_hlos):
-    # Current scaling needs the whole output's amax before the cast, so its
-    # ops keep XLA's passes (module docstring).
-    delayed = isinstance(recipe, fp8jax.DelayedScaling)
-    assert ("fp8jax_norm_forward" in fused_op_hlos[op, recipe]) is delayed
+def test_fused_ops_run_the_kernel_under_both_recipes(op, recipe, fused_op_hlos):
+    # Current scaling needs the whole output's amax before the cast: the
+    # maxima-only pass runs first, under that recipe only (module docstring).
+    hlo = fused_op_hlos[op, recipe]
+    kernels = {name: hlo.count(f'name = "{name}"') for name in ("fp8jax_norm_forward",
+                                                                 "fp8jax_norm_maxima")}  # fmt: skip
+    current = isinstance(recipe, fp8jax.CurrentScaling)
+    assert kernels == {"fp8jax_norm_forward": 1, "fp8jax_norm_maxima": int(current)}, kernels
 
 
 @pytest.mark.gpu

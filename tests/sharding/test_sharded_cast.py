@@ -198,15 +198,17 @@ def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe, dp
     # x's gradient and one row of gamma's column sums per 64-row program.
     norm = frozenset({("bf16", (local, 256)), ("f32", (local // 64, 256))})
     assert _cast_kernel_outputs(hlo, "fp8jax_norm_backward", fp8_only=False) == [norm]
-    # Under delayed scaling the norm's forward and FP8 cast (fp8jax.ops.norm_forward)
-    # as well: the FP8 output, the row statistics, one maximum per program.
+    # The norm's forward and FP8 cast (fp8jax.ops.norm_forward) as well: the
+    # FP8 output, the row statistics, one maximum per program; under current
+    # scaling after a first pass on each device's rows that writes only the
+    # maxima (whose all-reduced maximum gives the scale).
     forward = _cast_kernel_outputs(hlo, "fp8jax_norm_forward", fp8_only=False)
-    if isinstance(recipe, fp8jax.DelayedScaling):
-        programs = local // norm_forward.ROWS_PER_PROGRAM
-        want_forward = {("f8e4m3fn", (local, 256)), ("f32", (local, 1)), ("f32", (programs, 1))}
-        assert forward == [frozenset(want_forward)]
-    else:
-        assert forward == []
+    programs = local // norm_forward.ROWS_PER_PROGRAM
+    want_forward = {("f8e4m3fn", (local, 256)), ("f32", (local, 1)), ("f32", (programs, 1))}
+    assert forward == [frozenset(want_forward)]
+    maxima_pass = _cast_kernel_outputs(hlo, "fp8jax_norm_maxima", fp8_only=False)
+    current = isinstance(recipe, fp8jax.CurrentScaling)
+    assert maxima_pass == [frozenset({("f32", (programs, 1))})] * current
     report = verify.gemm_report(hlo)
     assert report.num_partitions == 8
     assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6

@@ -171,12 +171,16 @@ def _biased(pre_ref, bias_refs):
     return x + bias_refs[0][...].astype(jnp.float32) if bias_refs else x
 
 
-def _forward_kernel(activations, fmt, dtype, m, pre_ref, *refs):
-    *bias_refs, scale_ref, q_ref, max_ref = refs
+def _forward_kernel(activations, fmt, dtype, m, maxima, pre_ref, *refs):
+    if maxima:
+        *bias_refs, scale_ref, q_ref, max_ref = refs
+    else:
+        *bias_refs, scale_ref, q_ref = refs
     h = _gated(activations, _biased(pre_ref, bias_refs), m)[0].astype(dtype)
     h = h.astype(jnp.float32)
     q_ref[...] = quantize_with_scale(h, fmt, scale_ref[0]).data
-    max_ref[...] = cast_transpose.tile_max(h)
+    if maxima:
+        max_ref[...] = cast_transpose.tile_max(h)
 
 
 def _gradient_kernel(activations, fmt, h_fmt, dtype, m, has_bias, dh_ref, pre_ref, *refs):
@@ -232,9 +236,12 @@ def _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, name, warps):
     )
 
 
-def _pallas_forward(pre, biases, scale, *, activations, fmt, interpret=False, tile=None,
-                    warps=None):  # fmt: skip
-    """The forward kernel: ``(q, one maximum per tile)``; ``biases``: () or (bias,)."""
+def _pallas_forward(pre, biases, scale, *, activations, fmt, maxima=True, interpret=False,
+                    tile=None, warps=None):  # fmt: skip
+    """The forward kernel: ``(q, one maximum per tile)``; ``biases``: () or (bias,).
+
+    ``maxima`` False: ``(q,)``, the maxima neither computed nor written.
+    """
     from jax.experimental import pallas as pl
 
     n = len(activations)
@@ -243,9 +250,9 @@ def _pallas_forward(pre, biases, scale, *, activations, fmt, interpret=False, ti
     grid = (rows // tile[0], cols // tile[1])
     biases = tuple(b.reshape(1, -1) for b in biases)
     m = _XlaMath if interpret else _GpuMath  # no inline assembly on the CPU
-    kernel = functools.partial(_forward_kernel, activations, fmt, pre.dtype, m)
+    kernel = functools.partial(_forward_kernel, activations, fmt, pre.dtype, m, maxima)
     inputs = ["pre", *["bias"] * len(biases), "scalar"]
-    outputs = [("h", (rows, cols), fmt.dtype), ("tile_max", grid, jnp.float32)]
+    outputs = [("h", (rows, cols), fmt.dtype), *[("tile_max", grid, jnp.float32)] * maxima]
     return _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, "fp8jax_cast_activation",
                  warps)(pre, *biases, scale.reshape(1))  # fmt: skip
 
@@ -284,12 +291,14 @@ def _biased_xla(pre, biases):
     return x + biases[0].astype(jnp.float32)[None, :] if biases else x
 
 
-def _xla_forward(pre, biases, scale, *, activations, fmt):
+def _xla_forward(pre, biases, scale, *, activations, fmt, maxima=True):
     """:func:`_pallas_forward`'s values from XLA."""
     h = _gated(activations, _biased_xla(pre, biases), _XlaMath)[0]
     h = h.astype(pre.dtype).astype(jnp.float32)
-    maxima = cast_transpose.tile_maxima(h, FORWARD_TILES[len(activations)][0])
-    return quantize_with_scale(h, fmt, scale).data, maxima
+    q = quantize_with_scale(h, fmt, scale).data
+    if not maxima:
+        return (q,)
+    return q, cast_transpose.tile_maxima(h, FORWARD_TILES[len(activations)][0])
 
 
 def _xla_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt):
@@ -316,8 +325,8 @@ def fits(shape: tuple[int, ...], n: int = 1, row_shards: int = 1) -> bool:
 
 def cast_activation(
     pre: jax.Array, bias: jax.Array | None, activations: tuple[str, ...], scale: jax.Array,
-    fmt: Fp8Format, row_axes: tuple[str, ...] = (),
-) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    fmt: Fp8Format, row_axes: tuple[str, ...] = (), maxima: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
     """``h``, the (gated) activation of ``pre + bias`` in ``pre.dtype``, in FP8, and its amax.
 
     ``activations``: one or two names from :data:`KERNEL_ACTIVATIONS`; two
@@ -329,16 +338,21 @@ def cast_activation(
     (:func:`fp8jax.kernels.cast_transpose.cast_transpose`).
 
     Returns ``(q, maxima)``: ``h``'s (rows, columns) FP8 data at ``scale``
-    and f32 maxima of ``|h|`` per tile, whose maximum is the amax.
+    and f32 maxima of ``|h|`` per tile, whose maximum is the amax; with
+    ``maxima`` False (a caller that knows the amax already: current
+    scaling took it to choose ``scale``) None for them. The tile maximum
+    is most of the kernel's time: at Llama's SwiGLU shapes on the H200 it
+    took 0.59-0.65 ms with the maxima and 0.33-0.39 ms without
+    (docs/design.md#the-activation-cast-under-current-scaling).
     """
     activations = _check(pre, activations, row_axes)
     biases = () if bias is None else (bias,)
-    q, maxima = dispatch.on_each_device(
-        functools.partial(_pallas_forward, activations=activations, fmt=fmt),
-        functools.partial(_xla_forward, activations=activations, fmt=fmt),
-        (pre, biases, scale.astype(jnp.float32)), 1, ("rows", "rows"), tuple(row_axes),
+    kwargs = {"activations": activations, "fmt": fmt, "maxima": maxima}
+    outputs = dispatch.on_each_device(
+        functools.partial(_pallas_forward, **kwargs), functools.partial(_xla_forward, **kwargs),
+        (pre, biases, scale.astype(jnp.float32)), 1, ("rows",) * (1 + maxima), tuple(row_axes),
     )  # fmt: skip
-    return q, maxima
+    return outputs[0], outputs[1] if maxima else None
 
 
 def cast_activation_gradient(

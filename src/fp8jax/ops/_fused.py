@@ -1,12 +1,13 @@
 """What :mod:`fp8jax.ops.layernorm_dense` and :mod:`fp8jax.ops.layernorm_mlp` share.
 
 Their static config, the norm's FP8 output and the statistics its backward
-reads. The normalized input never reaches HBM in high precision: under
-delayed scaling one kernel computes the norm, its FP8 cast and its maxima
-from a single read of x (:mod:`fp8jax.ops.norm_forward`;
-docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel); elsewhere
-it is quantized in the fusions that compute it, the amax pass recomputing
-it from x.
+reads. The normalized input never reaches HBM in high precision: one kernel
+computes the norm, its FP8 cast and its maxima from a single read of x
+(:mod:`fp8jax.ops.norm_forward`;
+docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel), after a
+maxima-only pass of the same kernel under current scaling; where the kernel
+does not run it is quantized in the fusions that compute it, the amax pass
+recomputing it from x.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fp8jax import activations as activations_
 from fp8jax.ops import _partitioning, norm_forward
 from fp8jax.ops.norm import NormConfig, normalize
 from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
-from fp8jax.ops.quantizing import amax_for_update, quantize_operand
+from fp8jax.ops.quantizing import amax_for_update, current_amax_and_scale, quantize_operand
 from fp8jax.ops.split import Split
 from fp8jax.quantize import check_high_precision
 from fp8jax.recipes import Recipe
@@ -68,18 +69,27 @@ def normalize_and_quantize(
 ) -> tuple[QuantizedOperand, NormSaved]:
     """The norm's output in FP8, and what the norm's backward reads.
 
-    Under delayed scaling (``state``, the output's ScaleState) in one kernel
-    where it runs (:mod:`fp8jax.ops.norm_forward`); else XLA's passes, which
-    fuse the norm into both the amax and the quantize pass, so that the
-    value never reaches HBM in high precision.
+    In one kernel where it runs (:mod:`fp8jax.ops.norm_forward`): at
+    delayed scaling's stored scale (``state``, the output's ScaleState), or
+    under current scaling after a first pass of the same kernel that only
+    takes the output's maxima. Elsewhere XLA's passes, which fuse the norm
+    into both the amax and the quantize pass, so that the value never
+    reaches HBM in high precision.
     """
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    row_axes = None if state is None else norm_forward.kernel_row_axes(x)
+    row_axes = norm_forward.kernel_row_axes(x)
     if row_axes is not None:
+        if state is None:
+            maxima = norm_forward.output_maxima(x, gamma, beta, config.norm, row_axes)
+            amax, scale = current_amax_and_scale(maxima, fmt, recipe)
+        else:
+            scale = state.scale
         q, maxima, mean, rstd = norm_forward.normalize_and_cast(
-            x, gamma, beta, config.norm, state.scale, fmt, row_axes
+            x, gamma, beta, config.norm, scale, fmt, row_axes
         )
-        normed = from_kernel(q, inverse(state.scale), fmt, amax_for_update(maxima, recipe))
+        if state is not None:
+            amax = amax_for_update(maxima, recipe)
+        normed = from_kernel(q, inverse(scale), fmt, amax)
         return normed, NormSaved(x, gamma, beta, mean, rstd)
     _, mean, rstd = normalize(x, gamma, beta, config.norm)
     value = normalized(x, gamma, beta, config).astype(jnp.float32)

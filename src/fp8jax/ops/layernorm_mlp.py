@@ -33,7 +33,12 @@ from fp8jax.ops._fused import ACTIVATIONS, FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
 from fp8jax.ops.operand import Fp8Layout, QuantizedOperand, from_kernel, inverse, transposed_copy
-from fp8jax.ops.quantizing import Recomputed, amax_for_update, current_scale, quantize_operand
+from fp8jax.ops.quantizing import (
+    Recomputed,
+    amax_for_update,
+    current_amax_and_scale,
+    quantize_operand,
+)
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import Recipe, resolve_recipe
@@ -96,8 +101,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     activation = functools.partial(_activation, activations=config.activations)
     placement = _activation_kernel(pre, config)
     if placement.kernel:
-        scale = _activation_scale(pre, b1, config) if fc2 is None else fc2.x.scale
-        h = _cast_activation(pre, b1, scale, config, placement.row_axes)
+        h = _cast_activation(pre, b1, fc2 and fc2.x, config, placement.row_axes)
     elif fc2 is not None and b1 is not None:
         h = quantize_operand(Recomputed(activation, pre, (b1,), config.x_dtype), fwd, fc2.x,
                              recipe)  # fmt: skip
@@ -225,7 +229,7 @@ def _activation_kernel(pre, config: FusedConfig) -> dispatch.Placement:
     The kernels (:mod:`fp8jax.kernels.activation_cast`) compute one activation
     or a gated pair and need their scales before their values. The forward
     kernel runs under both recipes, current scaling taking its scale from
-    :func:`_activation_scale`; the backward one under delayed scaling only.
+    :func:`_activation_amax_and_scale`; the backward one under delayed scaling only.
     They run where :func:`fp8jax.kernels.dispatch.decide` puts them on token
     rows, for the activations the registry's kernel serves
     (:attr:`fp8jax.activations.Activation.kernel`).
@@ -243,15 +247,15 @@ def _activation_kernel(pre, config: FusedConfig) -> dispatch.Placement:
     )
 
 
-def _activation_scale(pre, b1, config: FusedConfig):
-    """Current scaling's scale for the forward activation kernel, from a pass of its own.
+def _activation_amax_and_scale(pre, b1, config: FusedConfig):
+    """Current scaling's amax and scale for the forward activation kernel, from a pass of its own.
 
     The pass reads ``pre`` and writes only row maxima; the kernel computes the
     activation again, so no bf16 copy of it reaches HBM
     (docs/design.md#the-activation-cast-under-current-scaling).
     """
     h = _activation(pre, b1, config.activations).astype(config.x_dtype)
-    return current_scale(h, config.recipe.formats.forward, config.recipe)
+    return current_amax_and_scale(jnp.abs(h), config.recipe.formats.forward, config.recipe)
 
 
 def _rows(pre, b1):
@@ -260,12 +264,23 @@ def _rows(pre, b1):
     return pre.reshape(-1, width), None if b1 is None else _interleave(b1).reshape(width)
 
 
-def _cast_activation(pre, b1, scale, config: FusedConfig, row_axes) -> QuantizedOperand:
-    """``h`` in FP8 from the forward activation kernel, with its amax."""
+def _cast_activation(pre, b1, state, config: FusedConfig, row_axes) -> QuantizedOperand:
+    """``h`` in FP8 from the forward activation kernel, with its amax.
+
+    ``state``: h's ScaleState under delayed scaling, whose amax the kernel
+    takes as tile maxima; None under current scaling, whose amax comes from
+    :func:`_activation_amax_and_scale` and which the kernel then skips.
+    """
     fmt = config.recipe.formats.forward
+    if state is None:
+        h_amax, scale = _activation_amax_and_scale(pre, b1, config)
+    else:
+        scale = state.scale
+    delayed = state is not None
     data, h_maxima = activation_cast.cast_activation(*_rows(pre, b1), config.activations, scale,
-                                                     fmt, row_axes)  # fmt: skip
-    h_amax = amax_for_update(h_maxima, config.recipe)
+                                                     fmt, row_axes, maxima=delayed)  # fmt: skip
+    if delayed:
+        h_amax = amax_for_update(h_maxima, config.recipe)
     return from_kernel(data.reshape(pre.shape[:-1]), inverse(scale), fmt, h_amax)
 
 

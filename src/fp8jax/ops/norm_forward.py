@@ -17,7 +17,11 @@ f32 cancellation loses the variance of rows whose mean is large against
 their spread.
 
 Under current scaling the scale depends on the amax of the whole output,
-so the cast cannot share the pass; those ops keep XLA's path. The kernel's
+so the cast cannot share the pass: the same kernel runs twice, first
+without the cast, writing only the maxima from which the scale comes
+(:func:`output_maxima`), then with it; two reads of ``x`` where XLA's
+passes make four (docs/design.md#the-norms-forward-under-current-scaling).
+The kernel's
 shape rules and its placement under a mesh are the backward's
 (:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with the kernels
 off (:mod:`fp8jax.kernels`), XLA runs the same arithmetic, its sums in its own
@@ -55,16 +59,19 @@ def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
     return norm_backward.hidden_fits(hidden) and rows % (row_shards * ROWS_PER_PROGRAM) == 0
 
 
-def _kernel(fmt: Fp8Format, centred: bool, has_beta: bool, epsilon: float, *refs):
+def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float, *refs):
+    """A program's rows: with ``fmt`` their FP8 cast, statistics and maximum; else the maximum."""
     from jax.experimental import pallas as pl
 
     refs = list(refs)
     x_ref, gamma_ref = refs.pop(0), refs.pop(0)
     beta = refs.pop(0)[...] if has_beta else None
-    scale = refs.pop(0)[0]
-    q_ref = refs.pop(0)
-    mean_ref = refs.pop(0) if centred else None
-    rstd_ref, max_ref = refs
+    cast = fmt is not None
+    scale = refs.pop(0)[0] if cast else None
+    q_ref = refs.pop(0) if cast else None
+    mean_ref = refs.pop(0) if cast and centred else None
+    rstd_ref = refs.pop(0) if cast else None
+    (max_ref,) = refs
     gamma = gamma_ref[...]
 
     steps = ROWS_PER_PROGRAM // ROWS_PER_STEP
@@ -79,17 +86,22 @@ def _kernel(fmt: Fp8Format, centred: bool, has_beta: bool, epsilon: float, *refs
         ahead = load(i + 1)
         rows = pl.ds(i * ROWS_PER_STEP, ROWS_PER_STEP)
         y, mean, rstd = norm.normalize_rows(x.astype(jnp.float32), gamma, beta, centred, epsilon)
-        q_ref[rows, :] = quantize_with_scale(y, fmt, scale).data
-        if mean_ref is not None:
-            mean_ref[rows, :] = mean
-        rstd_ref[rows, :] = rstd
+        if cast:
+            q_ref[rows, :] = quantize_with_scale(y, fmt, scale).data
+            if mean_ref is not None:
+                mean_ref[rows, :] = mean
+            rstd_ref[rows, :] = rstd
         return jnp.maximum(amax, cast_transpose.tile_max(y)), ahead
 
     max_ref[...] = lax.fori_loop(0, steps, step, (jnp.zeros((1, 1), jnp.float32), load(0)))[0]
 
 
 def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
-    """The kernel on (rows, hidden) ``x``: q, (mean,) rstd, and one amax per program."""
+    """The kernel on (rows, hidden) ``x``: q, (mean,) rstd, and one amax per program.
+
+    With ``fmt`` None (and ``scale`` None) only ``(maxima,)``: the first pass
+    of current scaling (:func:`output_maxima`).
+    """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
@@ -98,36 +110,69 @@ def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
     by_rows = pl.BlockSpec((ROWS_PER_PROGRAM, hidden), lambda i: (i, 0))
     stats = pl.BlockSpec((ROWS_PER_PROGRAM, 1), lambda i: (i, 0))
     whole_row = pl.BlockSpec((1, hidden), lambda i: (0, 0))
-    operands = [x, gamma] + ([] if beta is None else [beta]) + [scale.reshape(1)]
+    operands = [x, gamma] + ([] if beta is None else [beta])
     in_specs = [by_rows, whole_row] + ([] if beta is None else [whole_row])
-    in_specs.append(pl.BlockSpec((1,), lambda i: (0,)))
-    n_stats = 2 if centred else 1
+    out_specs, out_shape = [], []
+    if fmt is not None:
+        operands.append(scale.reshape(1))
+        in_specs.append(pl.BlockSpec((1,), lambda i: (0,)))
+        n_stats = 2 if centred else 1
+        out_specs = [by_rows] + [stats] * n_stats
+        out_shape = [jax.ShapeDtypeStruct((rows, hidden), fmt.dtype)]
+        out_shape += [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * n_stats
+    out_specs.append(pl.BlockSpec((1, 1), lambda i: (i, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((programs, 1), jnp.float32))
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
-    return pl.pallas_call(
+    outputs = pl.pallas_call(
         functools.partial(_kernel, fmt, centred, beta is not None, epsilon),
         grid=(programs,),
         in_specs=in_specs,
-        out_specs=[by_rows] + [stats] * n_stats + [pl.BlockSpec((1, 1), lambda i: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((rows, hidden), fmt.dtype)]
-        + [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * n_stats
-        + [jax.ShapeDtypeStruct((programs, 1), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
-        name="fp8jax_norm_forward",
+        name="fp8jax_norm_forward" if fmt is not None else "fp8jax_norm_maxima",
         **params,
     )(*operands)
+    return outputs
 
 
 def _xla(x, gamma, beta, scale, *, fmt, centred, epsilon):
     """:func:`_pallas`'s values from XLA, one amax per block of ROWS_PER_PROGRAM rows."""
     y, mean, rstd = norm.normalize_rows(x.astype(jnp.float32), gamma, beta, centred, epsilon)
-    q = quantize_with_scale(y, fmt, scale).data
     maxima = cast_transpose.tile_maxima(y, (ROWS_PER_PROGRAM, x.shape[1]))
+    if fmt is None:
+        return (maxima,)
+    q = quantize_with_scale(y, fmt, scale).data
     return (q, rstd, maxima) if mean is None else (q, mean, rstd, maxima)
 
 
 def kernel_row_axes(x) -> tuple[str, ...] | None:
     """The mesh axes splitting the kernel's rows for the norm input ``x``; None: XLA's path."""
     return norm_backward.kernel_row_axes(x, fits)
+
+
+def _matrix_operands(x, gamma, beta, config: NormConfig):
+    """``x`` as (rows, hidden), the effective gamma and beta as (1, hidden), and ``centred``."""
+    centred = config.norm_type == "layernorm"
+    beta = None if beta is None else beta.astype(jnp.float32).reshape(1, -1)
+    return x.reshape(-1, x.shape[-1]), norm.effective_gamma(gamma, config, 2), beta, centred
+
+
+def output_maxima(x, gamma, beta, config: NormConfig, row_axes=()) -> jax.Array:
+    """The maxima of the norm's f32 output magnitude, one per ROWS_PER_PROGRAM rows, alone.
+
+    Current scaling's first pass: the kernel reads ``x`` and writes nothing
+    else, and the scale from these maxima's maximum goes to
+    :func:`normalize_and_cast`, which computes the same values again and
+    casts them. Arguments as for :func:`normalize_and_cast`.
+    """
+    matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
+    kwargs = {"fmt": None, "centred": centred, "epsilon": config.epsilon}
+    (maxima,) = dispatch.on_each_device(
+        functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
+        (matrix, gamma, beta, None), 1, ("rows",), tuple(row_axes),
+    )  # fmt: skip
+    return maxima
 
 
 def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format, row_axes=()):
@@ -137,7 +182,8 @@ def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format
       x: the norm's input, (..., hidden).
       gamma, beta: as for ``normalize`` (beta None for RMSNorm or none).
       config: the norm's settings.
-      scale: the f32 scale delayed scaling stored for the output.
+      scale: the f32 scale of the output: delayed scaling's stored one, or
+        current scaling's from :func:`output_maxima`.
       fmt: the FP8 format of the output.
       row_axes: from :func:`kernel_row_axes`, which must not be None.
 
@@ -147,10 +193,7 @@ def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format
       maximum is its amax (of this device's rows, inside ``shard_map``); the
       statistics as ``normalize`` returns them (``mean`` None for RMSNorm).
     """
-    centred = config.norm_type == "layernorm"
-    matrix = x.reshape(-1, x.shape[-1])
-    gamma = norm.effective_gamma(gamma, config, 2)
-    beta = None if beta is None else beta.astype(jnp.float32).reshape(1, -1)
+    matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
     kwargs = {"fmt": fmt, "centred": centred, "epsilon": config.epsilon}
     outputs = dispatch.on_each_device(
         functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),

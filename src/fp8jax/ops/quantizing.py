@@ -129,13 +129,16 @@ def amax_for_update(maxima: jax.Array, recipe: Recipe) -> jax.Array:
     return _partitioning.reduce_amax(maxima, recipe)
 
 
-def current_scale(value: jax.Array, fmt: Fp8Format, recipe: Recipe) -> jax.Array:
-    """Current scaling's scale for ``value``, from its amax over every device holding a part.
+def current_amax_and_scale(maxima: jax.Array, fmt: Fp8Format, recipe: Recipe):
+    """Current scaling's ``(amax, scale)`` from a kernel's partial ``maxima``, over every device.
 
-    For a kernel that casts ``value`` itself but needs the scale first (the
-    forward activation kernel, docs/design.md#the-activation-cast-under-current-scaling).
+    For a kernel that needs the scale before it casts: ``maxima`` from a pass
+    of its own (the norm's, docs/design.md#the-norms-forward-under-current-scaling),
+    or the magnitudes of a value XLA computes to reduce them (the
+    activation's, docs/design.md#the-activation-cast-under-current-scaling).
     """
-    return _scale(_partitioning.reduce_amax(amax(value), recipe), fmt, None, recipe)
+    value_amax = _partitioning.reduce_amax(jnp.max(maxima), recipe)
+    return value_amax, _scale(value_amax, fmt, None, recipe)
 
 
 def _scale(x_amax, fmt: Fp8Format, state: ScaleState | None, recipe: Recipe) -> jax.Array:
