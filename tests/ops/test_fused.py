@@ -784,6 +784,42 @@ def test_split_qkv_gradient_is_cast_from_its_pieces(recipe, op, head_dim):
     assert whole_gradients_written(compiled(split=False))  # the pass the split removes
 
 
+def _bias_broadcasts(hlo: str, whole: int, bias_size: int) -> list[str]:
+    """Results of ``whole`` bf16 elements a program writes from nothing larger than the bias."""
+    from fp8jax.verify import _hlo
+
+    entry = _hlo.parse_module(hlo).entry
+
+    def size(name):
+        return max((math.prod(t.shape) for t in entry.instructions[name].types), default=0)
+
+    return [
+        name for name, dtype, shape in _written_results(hlo)
+        if dtype == "bf16" and math.prod(shape) == whole
+        and all(size(op) <= bias_size for op in entry.instructions[name].operands
+                if op in entry.instructions)
+    ]  # fmt: skip
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("op", ["layernorm_dense", "dense"])
+def test_split_outputs_bias_is_added_where_the_pieces_are_copied(op):
+    # With the GEMMs on cuBLAS (fp8jax.compiler_options, as every program
+    # fp8jax jits), XLA folded a bias over (heads, 3, head_dim) into the GEMM
+    # as its whole (tokens, features) addend, broadcast by a fusion of its
+    # own first: 0.24 ms of the TE-config layer's step on the H200. Split,
+    # the op adds it in the pieces' copy (ops.split.split_output_with_bias).
+    from fp8jax.verify import compile_many, gemm_report
+
+    head_dim, recipe = 128, fp8jax.CurrentScaling()
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _qkv_args(head_dim))
+    step = jax.grad(_qkv_loss(True, recipe, None, op), argnums=(0, 1, 2, 3, 4))
+    (hlo,) = compile_many([(step, args)], target="h100",
+                          xla_flags="--xla_gpu_enable_triton_gemm=false")  # fmt: skip
+    assert [g.backend for g in gemm_report(hlo).fp8_gemms] == ["cublaslt-fp8"] * 3
+    assert _bias_broadcasts(hlo, _QKV_TOKENS * 8 * head_dim, 8 * head_dim) == []
+
+
 def test_one_device_mesh_lets_the_kernel_run(one_device):
     from fp8jax.kernels import dispatch
 

@@ -21,7 +21,7 @@ from fp8jax.ops import _partitioning, dimensions, fine_grained, gemm
 from fp8jax.ops.operand import Fp8Layout
 from fp8jax.ops.quantizing import quantize_operand
 from fp8jax.ops.residuals import saved_as_bits
-from fp8jax.ops.split import Split, SplitGradient
+from fp8jax.ops.split import Split, SplitGradient, split_output_with_bias
 from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 from fp8jax.scaling import DotScaleState, ScaleState, update_group
@@ -73,9 +73,7 @@ def _fp8_dot_fwd(lhs, rhs, bias, state, config: DotConfig):
     rhs_q = quantize_operand(rhs, fmt, state and state.kernel, recipe, rows_ndim=n_contract,
                              transpose=n_contract is not None)  # fmt: skip
     y = gemm.scaled_dot(lhs_q.fp8, rhs_q, dims, config.out_dtype, recipe.forward_precision)
-    y = gemm.add_bias(y, bias, config.bias_ndim)
-    if config.split is not None:
-        y = config.split.apply(y)
+    y = split_output_with_bias(y, bias, config.bias_ndim, config.split)
     amaxes = (lhs_q.amax, rhs_q.amax) if state is not None else None
     return y, DotResiduals(lhs_q.for_wgrad(), rhs_q.fp8, state, amaxes)
 

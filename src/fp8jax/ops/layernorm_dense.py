@@ -26,7 +26,7 @@ from fp8jax.ops.norm import NormConfig, check_norm_args
 from fp8jax.ops.operand import Fp8Layout
 from fp8jax.ops.quantizing import quantize_operand
 from fp8jax.ops.residuals import saved_as_bits
-from fp8jax.ops.split import SplitGradient, make_split
+from fp8jax.ops.split import SplitGradient, make_split, split_output_with_bias
 from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import Recipe, resolve_recipe
 from fp8jax.scaling import DotScaleState, update_group
@@ -56,9 +56,7 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
                                 rows_ndim=1, transpose=True)  # fmt: skip
     y = gemm.scaled_dot(normed.fp8, kernel_q, _fused.contract_last(x.ndim), config.x_dtype,
                         recipe.forward_precision)  # fmt: skip
-    y = gemm.add_bias(y, bias, kernel.ndim - 1)
-    if config.split is not None:
-        y = config.split.apply(y)
+    y = split_output_with_bias(y, bias, kernel.ndim - 1, config.split)
     if config.return_normalized:
         y = (y, _fused.normalized(x, gamma, beta, config).astype(x.dtype))
     if config.return_residual:

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from fp8jax.kernels.cast_transpose import Interleaved
+from fp8jax.ops import gemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,24 @@ def make_split(
             f"({out_shape[axis]}), got {sizes}."
         )
     return Split(sizes, axis)
+
+
+def split_output_with_bias(
+    y: jax.Array, bias: jax.Array | None, n_out_axes: int, split: Split | None
+) -> jax.Array | tuple[jax.Array, ...]:
+    """An op's GEMM output ``y`` plus ``bias`` (over its last ``n_out_axes``), cut by ``split``.
+
+    Cut, the pieces are copied out of ``y`` anyway, and the bias is added in
+    that copy: behind the optimization barrier XLA cannot fold it into the
+    GEMM. Folded, a bias over several output axes (a fused QKV's heads, 3,
+    head_dim) became the GEMM's whole (tokens, features) addend matrix,
+    written by a fusion of its own first: 0.24 ms of the TE-config layer's
+    step on the H200 (docs/design.md#the-fused-qkv-split-inside-the-op).
+    """
+    if split is not None and bias is not None:
+        y = lax.optimization_barrier(y)
+    y = gemm.add_bias(y, bias, n_out_axes)
+    return y if split is None else split.apply(y)
 
 
 def split_output(
