@@ -20,9 +20,8 @@ Under current scaling the scale depends on the amax of the whole output,
 so the cast cannot share the pass: the same kernel runs twice, first
 without the cast, writing only the maxima from which the scale comes
 (:func:`output_maxima`), then with it; two reads of ``x`` where XLA's
-passes make four (docs/design.md#the-norms-forward-under-current-scaling).
-The kernel's
-shape rules and its placement under a mesh are the backward's
+passes make three or four (docs/design.md#the-norms-forward-under-current-scaling).
+The kernel's shape rules and its placement under a mesh are the backward's
 (:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with the kernels
 off (:mod:`fp8jax.kernels`), XLA runs the same arithmetic, its sums in its own
 order (at the transformer layer's shape the FP8 bytes came out equal).
