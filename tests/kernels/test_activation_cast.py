@@ -160,15 +160,18 @@ def test_kernels_match_the_activation_and_its_gradient(activations, with_bias):
     )
 
 
-@pytest.mark.parametrize("path", ["interpret", "xla"])
+@pytest.mark.parametrize("path", ["interpret", "xla", pytest.param("live", marks=pytest.mark.gpu)])
 def test_forward_without_maxima_writes_the_same_bytes(path):
     # Current scaling knows the amax before the kernel runs and asks for no
     # maxima: the FP8 bytes are those of the kernel with them.
     activations = ("silu", "linear")
     pre, _, bias = _inputs(len(activations))
     kwargs = {"activations": activations, "fmt": fp8jax.E4M3}
-    call = (functools.partial(ac._pallas_forward, interpret=True) if path == "interpret"
-            else ac._xla_forward)  # fmt: skip
+    call = {
+        "interpret": functools.partial(ac._pallas_forward, interpret=True),
+        "xla": ac._xla_forward,
+        "live": jax.jit(ac._pallas_forward, static_argnames=("activations", "fmt", "maxima")),
+    }[path]
     q, _ = call(pre, (bias,), jnp.float32(H_SCALE), **kwargs)
     only = call(pre, (bias,), jnp.float32(H_SCALE), maxima=False, **kwargs)
     assert len(only) == 1

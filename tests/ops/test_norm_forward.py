@@ -72,7 +72,7 @@ def test_kernel_and_xla_path_match_the_f64_forward(norm_type, path):
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
-@pytest.mark.parametrize("path", ["interpret", "xla"])
+@pytest.mark.parametrize("path", ["interpret", "xla", pytest.param("live", marks=pytest.mark.gpu)])
 def test_maxima_pass_gives_the_cast_passes_maxima(norm_type, path):
     # Current scaling's first pass is the same kernel without the cast: its
     # maxima, from which the scale comes, are exactly those the cast pass
@@ -83,9 +83,14 @@ def test_maxima_pass_gives_the_cast_passes_maxima(norm_type, path):
     if path == "interpret":
         (maxima,) = norm_forward._pallas(x, gamma[None], beta, None, fmt=None, interpret=True,
                                          **kwargs)  # fmt: skip
+    elif path == "live":
+        pallas = jax.jit(norm_forward._pallas, static_argnames=("fmt", "centred", "epsilon"))
+        (maxima,) = pallas(x, gamma[None], beta, None, fmt=None, **kwargs)
+        *_, cast_maxima = pallas(x, gamma[None], beta, jnp.float32(SCALE), fmt=FMT, **kwargs)
     else:
         (maxima,) = norm_forward._xla(x, gamma[None], beta, None, fmt=None, **kwargs)
-    *_, cast_maxima = _run(path, x, gamma, None if beta is None else beta[0], norm_type)
+    if path != "live":
+        *_, cast_maxima = _run(path, x, gamma, None if beta is None else beta[0], norm_type)
     assert maxima.shape == (ROWS // norm_forward.ROWS_PER_PROGRAM, 1)
     np.testing.assert_array_equal(maxima, cast_maxima)
 
