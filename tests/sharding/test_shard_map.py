@@ -33,14 +33,22 @@ def _dense_loss(recipe):
     return loss
 
 
+# (x, kernel) shapes: too small for the Pallas kernels (XLA's casts), and taken
+# by them (the weight's cast-transpose kernel, whose result must be typed for
+# shard_map: fp8jax.kernels.dispatch.pallas_call).
+SHAPES = {"xla": ((64, 32), (32, 16)), "kernels": ((128, 256), (256, 128))}
+
+
+@pytest.mark.parametrize("shapes", sorted(SHAPES))
 @pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
-def test_data_parallel_dense_matches_jit(delayed):
+def test_data_parallel_dense_matches_jit(delayed, shapes):
     mesh = fs.make_mesh(dp=8)
     axes = {"amax_history_len": 4} if delayed else {}
     recipe_cls = fp8jax.DelayedScaling if delayed else fp8jax.CurrentScaling
     recipe = recipe_cls(amax_reduction_axes=("dp",), **axes)
     state = fp8jax.init_state(recipe)
-    x, w = _x((64, 32)), jax.random.normal(jax.random.key(1), (32, 16))
+    x_shape, w_shape = SHAPES[shapes]
+    x, w = _x(x_shape), jax.random.normal(jax.random.key(1), w_shape)
     grad = jax.value_and_grad(_dense_loss(recipe), argnums=(0, 1, 2))
 
     def per_device(x, w, state):

@@ -224,7 +224,7 @@ def _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, name, warps):
     params = {} if interpret else {
         "compiler_params": pallas_triton.CompilerParams(num_warps=warps)
     }  # fmt: skip
-    return pl.pallas_call(
+    return dispatch.pallas_call(
         kernel,
         grid=grid,
         in_specs=[pl.BlockSpec(*index[kind]) for kind in inputs],

@@ -110,7 +110,7 @@ def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=
     params = {} if interpret else {
         "compiler_params": pallas_triton.CompilerParams(num_warps=warps, num_stages=stages)
     }  # fmt: skip
-    return pl.pallas_call(
+    return dispatch.pallas_call(
         functools.partial(_kernel, slices=slices),
         grid=(batch, m // tm, n // tn),
         in_specs=[

@@ -220,7 +220,7 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_s
         kernel, operands = functools.partial(_kernel, fmt, column_sums), (g,)
         piece_specs = [pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j))]
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
-    return pl.pallas_call(
+    return dispatch.pallas_call(
         kernel,
         grid=grid,
         in_specs=[*piece_specs, pl.BlockSpec((1,), lambda i, j: (0,))],

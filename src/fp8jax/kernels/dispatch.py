@@ -23,6 +23,10 @@ decided here:
 * **the platform**: :func:`on_each_device` stages both and lets
   ``lax.platform_dependent`` keep the kernel on CUDA only.
 
+Every kernel calls :func:`pallas_call` rather than Pallas's own: inside a
+user's ``shard_map`` (``check_vma=True``, JAX's default) a result must say
+which manual axes it varies along, which ``pl.pallas_call`` does not infer.
+
 Which mesh axes split the token rows is not in the values' types under
 ``AxisType.Auto`` axes (``jax.typeof(x).sharding`` names Explicit axes
 only), so it is declared: :func:`data_parallel` (which
@@ -260,3 +264,40 @@ def on_each_device(pallas_fn, xla_fn, operands, n_row_split: int, out_layouts, r
         # pallas_call does not type its outputs by the manual axes they vary along.
         check_vma=False,
     )(*operands)  # fmt: skip
+
+
+def varying_axes(x) -> frozenset:
+    """The shard_map axes ``x`` varies along (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    # JAX <= 0.9 calls this ShapedArray.vma; 0.10 moved it to manual_axis_type.
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _varying_struct(struct: jax.ShapeDtypeStruct, axes: frozenset) -> jax.ShapeDtypeStruct:
+    if hasattr(jax.sharding, "ManualAxisType"):  # JAX >= 0.10
+        typed = {"manual_axis_type": jax.sharding.ManualAxisType(varying=axes)}
+    else:
+        typed = {"vma": axes}
+    return jax.ShapeDtypeStruct(struct.shape, struct.dtype, **typed)
+
+
+def pallas_call(kernel, *, out_shape, **kwargs):
+    """``pl.pallas_call(kernel, out_shape=..., **kwargs)``, its results typed for shard_map.
+
+    Each result varies along every shard_map axis an operand varies along
+    (none outside shard_map, or for a replicated weight's cast). Without that
+    type, tracing the call inside ``jax.shard_map`` (with JAX's default
+    ``check_vma=True``) fails: a kernel's output, like any value there, must
+    say whether devices hold different data.
+    """
+    from jax.experimental import pallas as pl
+
+    def call(*operands):
+        axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands)))
+        shapes = jax.tree.map(lambda s: _varying_struct(s, axes), out_shape)
+        return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*operands)
+
+    return call

@@ -49,7 +49,7 @@ def _pallas(w, scale, forward: Fp8Format, backward: Fp8Format, interpret: bool =
 
     g, k, n = w.shape
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
-    return pl.pallas_call(
+    return dispatch.pallas_call(
         functools.partial(_kernel, forward, backward),
         grid=(g, k // TILE_K, n // TILE_N),
         in_specs=[

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.kernels import triton_fp8_dot
+from fp8jax.kernels import dispatch, triton_fp8_dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +277,7 @@ def grouped(a, b, group_sizes, per_group, out_dtype, interpret: bool = False, *,
     k = a.shape[1]
     last = per_group.shape[0] - 1
     tile_scale = per_group.astype(jnp.float32)[jnp.minimum(lay.tile_group, last)]
-    return pl.pallas_call(
+    return dispatch.pallas_call(
         functools.partial(_grouped_kernel, t, k // t.k),
         grid=(lay.padded_rows // t.m, b.shape[1] // t.n),
         in_specs=[
@@ -324,7 +324,7 @@ def gather_transposed(x, lay: Layout, multiple: int, interpret: bool = False, re
     from jax.experimental import pallas as pl
 
     c_pad = _round_up(x.shape[1], max(multiple, GATHER_COLS))
-    return pl.pallas_call(
+    return dispatch.pallas_call(
         _gather_transposed_kernel,
         grid=(lay.padded_rows // GATHER_ROWS, c_pad // GATHER_COLS),
         in_specs=[pl.BlockSpec((GATHER_ROWS,), lambda i, j: (i,)), pl.no_block_spec],
@@ -378,7 +378,7 @@ def grouped_transposed(a, b, group_sizes, scale, out_dtype, interpret: bool = Fa
     a_t = gather_transposed(a, lay, tk, interpret, read_a)
     b_t = gather_transposed(b, lay, tn, interpret, read_b)
     grid = (groups, a_t.shape[0] // tk, b_t.shape[0] // tn)
-    out = pl.pallas_call(
+    out = dispatch.pallas_call(
         functools.partial(_transposed_kernel, t),
         grid=grid,
         in_specs=[

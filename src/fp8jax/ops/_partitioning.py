@@ -39,6 +39,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fp8jax.kernels.dispatch import varying_axes
 from fp8jax.recipes import Recipe
 
 
@@ -62,16 +63,6 @@ def reduce_amax(amax: jax.Array, recipe: Recipe) -> jax.Array:
             f"({e}). The field is for code inside shard_map over those axes; under jit the "
             "amax of a sharded array is already global, so leave it () there."
         ) from None
-
-
-def varying_axes(x) -> frozenset:
-    """The shard_map axes ``x`` varies along (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    # JAX <= 0.9 calls this ShapedArray.vma; 0.10 moved it to manual_axis_type.
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
 
 
 def _explicit_mesh(x):

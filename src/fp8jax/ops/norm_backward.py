@@ -116,7 +116,7 @@ def _pallas(dy, x, mean, rstd, residual, gamma, has_beta: bool, interpret: bool 
         in_specs.append(by_rows)
     n_sums = 2 if has_beta else 1
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
-    dx, *sums = pl.pallas_call(
+    dx, *sums = dispatch.pallas_call(
         functools.partial(_kernel, mean is not None, has_beta, residual is not None),
         grid=(programs,),
         in_specs=in_specs,

@@ -122,7 +122,7 @@ def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
     out_specs.append(pl.BlockSpec((1, 1), lambda i: (i, 0)))
     out_shape.append(jax.ShapeDtypeStruct((programs, 1), jnp.float32))
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
-    outputs = pl.pallas_call(
+    outputs = dispatch.pallas_call(
         functools.partial(_kernel, fmt, centred, beta is not None, epsilon),
         grid=(programs,),
         in_specs=in_specs,
