@@ -24,6 +24,7 @@ import numpy as np
 
 from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
 from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul
+from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import BlockScaling
 
@@ -34,6 +35,8 @@ class BlockDotConfig:
     out_dtype: np.dtype
     a_dtype: np.dtype
     b_dtype: np.dtype
+    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
+    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def _tiles(x, fmt, recipe: BlockScaling):
@@ -63,7 +66,7 @@ def _block_dot_bwd(config: BlockDotConfig, residuals, g):
     d_a = block_scaled_matmul(qg, qb_t, sg, expand_blocks(sb_t, BLOCK), config.a_dtype)
     qg_t, sg_t = _tiles(jnp.swapaxes(g, 1, 2), fmt, recipe)  # (B, N, M)
     d_b = block_scaled_matmul(qg_t, qa_t, sg_t, sa_t, config.b_dtype)
-    return d_a, d_b
+    return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
 
 
 block_dot.defvjp(*saved_as_bits(_block_dot_fwd, _block_dot_bwd))

@@ -49,7 +49,8 @@ def dot_general(lhs, rhs, dims, recipe, out_dtype) -> jax.Array:
 
 def _product(a, b, recipe, out_dtype) -> jax.Array:
     if isinstance(recipe, RowwiseScaling):
-        config = rowwise.RowDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype))
+        config = rowwise.RowDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
+                                      _partitioning.input_types(a, b))  # fmt: skip
         return rowwise.row_dot(a, b, config)
     if not isinstance(recipe, BlockScaling):
         raise TypeError(f"recipe must be RowwiseScaling or BlockScaling here, got {recipe!r}.")
@@ -58,7 +59,8 @@ def _product(a, b, recipe, out_dtype) -> jax.Array:
     pad = lambda size: -size % BLOCK  # noqa: E731
     a = jnp.pad(a, ((0, 0), (0, pad(m)), (0, pad(k))))
     b = jnp.pad(b, ((0, 0), (0, pad(n)), (0, pad(k))))
-    config = blockwise.BlockDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype))
+    config = blockwise.BlockDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
+                                      _partitioning.input_types(a, b))  # fmt: skip
     return blockwise.block_dot(a, b, config)[:, :m, :n]
 
 

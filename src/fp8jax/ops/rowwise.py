@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax.fine_quantize import quantize_rows
+from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import RowwiseScaling
 
@@ -37,6 +38,8 @@ class RowDotConfig:
     out_dtype: np.dtype
     a_dtype: np.dtype
     b_dtype: np.dtype
+    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
+    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def gemm_dtype(out_dtype) -> np.dtype:
@@ -92,7 +95,7 @@ def _row_dot_bwd(config: RowDotConfig, residuals, g):
     d_a = scaled_gemm(qg, sg, qb_t, sb_t, config.a_dtype, recipe.dgrad_precision)
     qg_t, sg_t = quantize_rows(jnp.swapaxes(g, 1, 2), fmt, recipe.margin)  # wgrad contracts M
     d_b = scaled_gemm(qg_t, sg_t, qa_t, sa_t, config.b_dtype, recipe.wgrad_precision)
-    return d_a, d_b
+    return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
 
 
 row_dot.defvjp(*saved_as_bits(_row_dot_fwd, _row_dot_bwd))
