@@ -6,6 +6,7 @@ has a reader), or past a line of output that only that phase prints. The
 timeouts only bound a hung process; no assertion depends on timing.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -22,16 +23,36 @@ FAST += ["--precision", "bf16", "--log-every", "1", "--eval-every", "1000", "--s
 PATIENCE_S = 300
 
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_processes():
+    """Kills and reaps what a test started, also when it fails midway.
+
+    A process left running, and its unclosed pipe, would surface as warnings
+    in whichever later test the garbage collector happens to run in.
+    """
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
 def start(*argv: str) -> subprocess.Popen:
     """``fp8jax train ARGV`` through the console script's module."""
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "fp8jax_command", "train", *FAST, *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    _STARTED.append(proc)
+    return proc
 
 
 def read_until(proc: subprocess.Popen, marker: str) -> list[str]:
@@ -71,11 +92,17 @@ def open_writer_once_read(fifo, proc: subprocess.Popen) -> int:
 
 
 def pipes(pid: int) -> int:
-    """How many pipes the process has open besides its stdin, stdout and stderr."""
-    fds = pathlib.Path(f"/proc/{pid}/fd")
-    return sum(
-        1 for fd in fds.iterdir() if int(fd.name) > 2 and os.readlink(fd).startswith("pipe:")
-    )
+    """How many pipes the process has open besides its stdin, stdout and stderr.
+
+    The process opens and closes files as it runs: a descriptor listed may be
+    gone when it is read (and the process itself, which the caller checks).
+    """
+    count = 0
+    with contextlib.suppress(FileNotFoundError):
+        for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                count += int(fd.name) > 2 and os.readlink(fd).startswith("pipe:")
+    return count
 
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc")
