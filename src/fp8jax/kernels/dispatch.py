@@ -288,16 +288,18 @@ def pallas_call(kernel, *, out_shape, **kwargs):
     """``pl.pallas_call(kernel, out_shape=..., **kwargs)``, its results typed for shard_map.
 
     Each result varies along every shard_map axis an operand varies along
-    (none outside shard_map, or for a replicated weight's cast). Without that
-    type, tracing the call inside ``jax.shard_map`` (with JAX's default
+    (none for a replicated weight's cast); outside shard_map the call is
+    Pallas's own. Without that type, tracing the call inside ``jax.shard_map`` (with JAX's default
     ``check_vma=True``) fails: a kernel's output, like any value there, must
     say whether devices hold different data.
     """
     from jax.experimental import pallas as pl
 
     def call(*operands):
-        axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands)))
-        shapes = jax.tree.map(lambda s: _varying_struct(s, axes), out_shape)
+        shapes = out_shape
+        if AxisType.Manual in tuple(jax.sharding.get_abstract_mesh().axis_types):
+            axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands)))
+            shapes = jax.tree.map(lambda s: _varying_struct(s, axes), out_shape)
         return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*operands)
 
     return call
