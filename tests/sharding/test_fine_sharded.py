@@ -90,6 +90,16 @@ def test_sharded_step_matches_single_device(layout, recipe_and_reference):
     sl.check_against_reference(sl.to_host(state), losses, reference, sl.GPU)
 
 
+def test_explicit_axes_step_matches_single_device(recipe_and_reference):
+    # Over Explicit axes the fine-grained GEMMs run with the axes Auto inside
+    # (jax.sharding.auto_axes), their results sharded as the per-tensor ops'.
+    recipe, reference = recipe_and_reference
+    sizes, config = sl.LAYOUTS["fsdp8"]
+    mesh = fs.make_mesh(**sizes, config=config, axis_types=jax.sharding.AxisType.Explicit)
+    state, losses = sl.run(sl.model(recipe=recipe), sl.STEPS, mesh, config)
+    sl.check_against_reference(sl.to_host(state), losses, reference, sl.GPU)
+
+
 def test_step_tolerances_fail_a_replica_that_skips_the_all_reduce(recipe_and_reference):
     recipe, reference = recipe_and_reference
     x, y = sl.batch()
@@ -117,6 +127,12 @@ def _dot_values_and_grads(recipe):
         return jnp.sum(y * r), y
 
     return x, kernel, r, jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+
+
+def _spec(x) -> tuple:
+    """``x``'s PartitionSpec as one entry per axis."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
 
 
 def _normwise(got, want):
@@ -152,3 +168,21 @@ def test_sharded_dot_scales_are_the_whole_tensors(name, layout):
         jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=P())
     )(x, r)
     assert _normwise(per_shard, want_grads[1]) > 100 * DOT_TOL
+
+
+@pytest.mark.parametrize("layout", sorted(DOT_LAYOUTS))
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_explicit_axes_dot_matches_and_shards_gradients_like_their_primals(name, layout):
+    x, kernel, _, step = _dot_values_and_grads(RECIPES[name])
+    (_, want_y), want_grads = step(x, kernel)
+    axis = DOT_LAYOUTS[layout][0][0]
+    mesh = jax.make_mesh((8,), (axis,), axis_types=(jax.sharding.AxisType.Explicit,))
+    shardings = [NamedSharding(mesh, spec) for spec in DOT_LAYOUTS[layout]]
+    sharded = [jax.device_put(a, sh) for a, sh in zip((x, kernel), shardings, strict=True)]
+    with jax.set_mesh(mesh):
+        (_, y), grads = step(*sharded)
+    assert _spec(y) == (axis, None)  # the activation's rows
+    assert _normwise(y, want_y) < DOT_TOL
+    for got, want, sharding in zip(grads, want_grads, shardings, strict=True):
+        assert _spec(got) == tuple(sharding.spec) + (None,) * (got.ndim - len(sharding.spec))
+        assert _normwise(got, want) < DOT_TOL

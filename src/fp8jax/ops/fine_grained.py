@@ -16,6 +16,7 @@ fused into one custom_vjp as the per-tensor recipes are.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -31,7 +32,22 @@ def dot_general(lhs, rhs, dims, recipe, out_dtype) -> jax.Array:
 
     ``dims`` are normalized (:func:`fp8jax.ops.dimensions.normalize`); the
     result is laid out as ``lax.dot_general`` lays it out.
+
+    Over Explicit mesh axes the merges, transposes and GEMMs below have no
+    sharding their types can state (the weight gradient contracts sharded
+    tokens; a block view splits a sharded axis), so they run with the axes
+    Auto, partitioned by XLA as under ``jit``, and the result takes the
+    sharding the per-tensor recipes give it
+    (:func:`fp8jax.ops._partitioning.dot_out_sharding`).
     """
+    out_sharding = _partitioning.dot_out_sharding(lhs, rhs, dims)
+    product = functools.partial(_dot_general, dims=dims, recipe=recipe, out_dtype=out_dtype)
+    if out_sharding is None:
+        return product(lhs, rhs)
+    return jax.sharding.auto_axes(product, out_sharding=out_sharding)(lhs, rhs)
+
+
+def _dot_general(lhs, rhs, *, dims, recipe, out_dtype) -> jax.Array:
     (lc, rc), (lb, rb) = dims
     lf = [i for i in range(lhs.ndim) if i not in lc and i not in lb]
     rf = [i for i in range(rhs.ndim) if i not in rc and i not in rb]
