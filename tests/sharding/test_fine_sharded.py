@@ -13,7 +13,7 @@ the per-tensor recipes:
   ``dot_general``'s values and gradients under ``dp8`` and ``fsdp8`` match
   the single-device ones to f32 reordering (1e-6), where scales taken from
   each shard's own rows or columns miss by FP8 rounding noise (measured
-  ~1e-2, checked below);
+  4.5e-2 to 7e-2, checked below);
 * on 8 CPU devices, ``dp8`` and ``fsdp8`` train steps of the layer match the
   single-device run within ``sharded_layer.GPU``. Not the CPU tolerances
   of test_sharded_train_step.py: there the per-tensor recipes' sharded
@@ -156,18 +156,19 @@ def test_sharded_dot_scales_are_the_whole_tensors(name, layout):
     for got, want in zip(grads, want_grads, strict=True):
         assert _normwise(got, want) < DOT_TOL
 
-    # Each device scaling its own rows of tokens, then summing the weight
-    # gradients: what a scale taken from one shard gives. The tolerance fails it.
+    # Each device scaling its own rows of tokens: what a scale taken from one
+    # shard gives (measured 7e-2 row, 4.5e-2 block). The op sums the replicated
+    # kernel's per-device gradients over the axis itself. The tolerance fails it.
     def local(x, r):
         def shard_loss(kernel):
             return jnp.sum(fp8jax.dot_general(x, kernel, DIMS, recipe=recipe) * r)
 
-        return jax.lax.psum(jax.grad(shard_loss)(kernel), axis)
+        return jax.grad(shard_loss)(kernel)
 
     per_shard = jax.jit(
         jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=P())
     )(x, r)
-    assert _normwise(per_shard, want_grads[1]) > 100 * DOT_TOL
+    assert 100 * DOT_TOL < _normwise(per_shard, want_grads[1]) < 0.2
 
 
 @pytest.mark.parametrize("layout", sorted(DOT_LAYOUTS))
