@@ -149,3 +149,50 @@ def test_global_amax_is_the_whole_tensors():
     assert float(whole) == float(jnp.max(jnp.abs(x)))
     # Without axes: each device's own shard (two rows), the last one the largest.
     assert float(local[-1]) == float(jnp.max(jnp.abs(x[-2:])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["current", "row", "block"])
+def test_live_kernels_inside_shard_map_give_the_jit_values(name):
+    # The Pallas kernels' results typed for shard_map (check_vma=True):
+    # the fused MLP and a dense at kernel shapes, on a one-GPU mesh, against
+    # the same ops under jit. One device: the same scales, the same kernels.
+    recipes = {
+        "current": (fp8jax.CurrentScaling(amax_reduction_axes=("dp",)), fp8jax.CurrentScaling()),
+        "row": (fp8jax.RowwiseScaling(),) * 2,
+        "block": (fp8jax.BlockScaling(),) * 2,
+    }
+    inside, outside = recipes[name]
+    keys = jax.random.split(jax.random.key(0), 5)
+    tokens, hidden, ffn = 2048, 1024, 2048
+    x = jax.random.normal(keys[0], (tokens, hidden), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (hidden, hidden)) * 0.03).astype(jnp.bfloat16)
+    k1 = (jax.random.normal(keys[2], (hidden, 2, ffn)) * 0.03).astype(jnp.bfloat16)
+    k2 = (jax.random.normal(keys[3], (ffn, hidden)) * 0.03).astype(jnp.bfloat16)
+    r = jax.random.normal(keys[4], (tokens, hidden), jnp.float32)  # a random output gradient
+    gamma = jnp.ones((hidden,), jnp.float32)
+
+    def loss(recipe, x, w, k1, k2, r):
+        y = fp8jax.dense(x, w, recipe=recipe)
+        z = fp8jax.layernorm_mlp(y, gamma, None, k1, k2, activations=("silu", "linear"),
+                                 norm_type="rmsnorm", recipe=recipe)  # fmt: skip
+        return jnp.sum(z.astype(jnp.float32) * r)
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3, 4))
+    mesh = jax.make_mesh((1,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    specs = (P("dp"), P(), P(), P())  # of x, w, k1, k2 and of their gradients
+
+    def per_device(*args):
+        value, grads = grad(inside, *args)
+        return jax.lax.psum(value, "dp"), grads
+
+    sharded = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(*specs, P("dp")), out_specs=(P(), specs))
+    )
+    got = sharded(x, w, k1, k2, r)
+    want = jax.jit(lambda *a: grad(outside, *a))(x, w, k1, k2, r)
+    hlo = sharded.lower(x, w, k1, k2, r).compile().as_text()
+    assert "fp8jax_" in hlo, "expected fp8jax's Pallas kernels in the shard_map program"
+    for g, wnt in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(wnt, np.float32),
+                                   rtol=RTOL, atol=RTOL * float(np.max(np.abs(wnt))))  # fmt: skip
