@@ -189,3 +189,25 @@ def test_explicit_axes_dot_matches_and_shards_gradients_like_their_primals(name,
     for got, want, sharding in zip(grads, want_grads, shardings, strict=True):
         assert _spec(got) == tuple(sharding.spec) + (None,) * (got.ndim - len(sharding.spec))
         assert _normwise(got, want) < DOT_TOL
+
+
+def test_block_scales_inside_shard_map_are_the_whole_tensors_on_whole_tiles():
+    # BlockScaling's weight gradient scales 128-token tiles along M. With a
+    # multiple of 128 tokens on each device, every tile lies on one device, so
+    # each device's own scales are the whole tensor's: no reduction is needed
+    # (with 16 tokens each, as above, the padded tiles differ).
+    recipe = fp8jax.BlockScaling()
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (8 * 128, 256), jnp.float32)
+    kernel = jax.random.normal(keys[1], (256, 128), jnp.float32) * 0.1
+    r = jax.random.normal(keys[2], (8 * 128, 128), jnp.float32)
+
+    def kernel_grad(x, r):
+        return jax.grad(lambda k: jnp.sum(fp8jax.dot_general(x, k, DIMS, recipe=recipe) * r))(
+            kernel
+        )
+
+    want = jax.jit(kernel_grad)(x, r)
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    per_device = jax.shard_map(kernel_grad, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
+    assert _normwise(jax.jit(per_device)(x, r), want) < DOT_TOL
