@@ -37,7 +37,6 @@ activations in f32, a cost rather than an error
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import sharded_layer as sl
 from jax.sharding import NamedSharding
@@ -137,11 +136,6 @@ def _spec(x) -> tuple:
     return spec + (None,) * (x.ndim - len(spec))
 
 
-def _normwise(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 @pytest.mark.parametrize("layout", sorted(DOT_LAYOUTS))
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_sharded_dot_scales_are_the_whole_tensors(name, layout):
@@ -154,9 +148,9 @@ def test_sharded_dot_scales_are_the_whole_tensors(name, layout):
     sharded = (jax.device_put(x, NamedSharding(mesh, x_spec)),
                jax.device_put(kernel, NamedSharding(mesh, kernel_spec)))  # fmt: skip
     (_, y), grads = step(*sharded)
-    assert _normwise(y, want_y) < DOT_TOL
+    assert sl._normwise(y, want_y) < DOT_TOL
     for got, want in zip(grads, want_grads, strict=True):
-        assert _normwise(got, want) < DOT_TOL
+        assert sl._normwise(got, want) < DOT_TOL
 
     # Each device scaling its own rows of tokens: what a scale taken from one
     # shard gives (measured 7e-2 row, 4.5e-2 block). The op sums the replicated
@@ -170,7 +164,7 @@ def test_sharded_dot_scales_are_the_whole_tensors(name, layout):
     per_shard = jax.jit(
         jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=P())
     )(x, r)
-    assert 100 * DOT_TOL < _normwise(per_shard, want_grads[1]) < 0.2
+    assert 100 * DOT_TOL < sl._normwise(per_shard, want_grads[1]) < 0.2
 
 
 @pytest.mark.parametrize("layout", sorted(DOT_LAYOUTS))
@@ -185,10 +179,10 @@ def test_explicit_axes_dot_matches_and_shards_gradients_like_their_primals(name,
     with jax.set_mesh(mesh):
         (_, y), grads = step(*sharded)
     assert _spec(y) == (axis, None)  # the activation's rows
-    assert _normwise(y, want_y) < DOT_TOL
+    assert sl._normwise(y, want_y) < DOT_TOL
     for got, want, sharding in zip(grads, want_grads, shardings, strict=True):
         assert _spec(got) == tuple(sharding.spec) + (None,) * (got.ndim - len(sharding.spec))
-        assert _normwise(got, want) < DOT_TOL
+        assert sl._normwise(got, want) < DOT_TOL
 
 
 def test_block_scales_inside_shard_map_are_the_whole_tensors_on_whole_tiles():
@@ -210,4 +204,4 @@ def test_block_scales_inside_shard_map_are_the_whole_tensors_on_whole_tiles():
     want = jax.jit(kernel_grad)(x, r)
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
     per_device = jax.shard_map(kernel_grad, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
-    assert _normwise(jax.jit(per_device)(x, r), want) < DOT_TOL
+    assert sl._normwise(jax.jit(per_device)(x, r), want) < DOT_TOL
