@@ -152,14 +152,15 @@ def test_global_amax_is_the_whole_tensors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["current", "row", "block"])
+@pytest.mark.parametrize("name", ["current", "block"])
 def test_live_kernels_inside_shard_map_give_the_jit_values(name):
     # The Pallas kernels' results typed for shard_map (check_vma=True):
     # the fused MLP and a dense at kernel shapes, on a one-GPU mesh, against
     # the same ops under jit. One device: the same scales, the same kernels.
+    # RowwiseScaling has no Pallas kernel (its GEMMs are XLA's scaled dots),
+    # so it has nothing to show here; the CPU tests above cover it.
     recipes = {
         "current": (fp8jax.CurrentScaling(amax_reduction_axes=("dp",)), fp8jax.CurrentScaling()),
-        "row": (fp8jax.RowwiseScaling(),) * 2,
         "block": (fp8jax.BlockScaling(),) * 2,
     }
     inside, outside = recipes[name]
