@@ -27,23 +27,48 @@ from fp8jax.kernels import triton_fp8_dot
 BF16, BLOCK = jnp.bfloat16, 128
 
 
-def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices, tile_scale):
+def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices, tile_scale, order):
     from jax.experimental import pallas as pl
 
-    def step(kb, acc):
+    def product(kb):
         a = a_ref[:, pl.ds(kb * BLOCK, BLOCK)]
         b = b_ref[:, pl.ds(kb * BLOCK, BLOCK)]
-        p = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if tile_scale:
-            return acc + p * (sa_ref[kb, :] * sb_ref[kb, 0])[:, None]
-        return acc + p * sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :]
+        return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, slices, step, jnp.zeros(o_ref.shape, jnp.float32))
+    def scales(kb):
+        if tile_scale:
+            return (sa_ref[kb, :] * sb_ref[kb, 0])[:, None]
+        return sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :]
+
+    zeros = jnp.zeros(o_ref.shape, jnp.float32)
+    if order == "ahead":
+        # The next slice's MMA is issued before the previous product is
+        # scaled, so that the tensor cores need not wait for the CUDA cores.
+        def step(kb, carry):
+            acc, previous = carry
+            p = product(kb)
+            return acc + previous * scales(kb - 1), p
+
+        acc, last = lax.fori_loop(1, slices, step, (zeros, product(0)))
+        acc = acc + last * scales(slices - 1)
+    elif order == "pairs":
+        # Two independent MMAs in flight, then both scaled.
+        def step(i, acc):
+            p0, p1 = product(2 * i), product(2 * i + 1)
+            return acc + p0 * scales(2 * i) + p1 * scales(2 * i + 1)
+
+        acc = lax.fori_loop(0, slices // 2, step, zeros)
+    else:
+
+        def step(kb, acc):
+            return acc + product(kb) * scales(kb)
+
+        acc = lax.fori_loop(0, slices, step, zeros)
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
 def variant(a, b, sa, sb_blocks, *, tile=(128, 128), warps=8, stages=3, group=0,
-            tile_scale=False, interpret=False):  # fmt: skip
+            tile_scale=False, order="plain", interpret=False):  # fmt: skip
     """``sb_blocks``: the weight's block scales (B, N/128, K/128)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
@@ -75,7 +100,7 @@ def variant(a, b, sa, sb_blocks, *, tile=(128, 128), warps=8, stages=3, group=0,
         return pl.BlockSpec(block, lambda z, t: index(*where(z, t)))
 
     return pl.pallas_call(
-        functools.partial(_kernel, slices=slices, tile_scale=tile_scale),
+        functools.partial(_kernel, slices=slices, tile_scale=tile_scale, order=order),
         grid=(a.shape[0], gm * gn),
         in_specs=[
             spec((None, tm, k), lambda z, i, j: (z, i, 0)),
@@ -96,21 +121,21 @@ def variant(a, b, sa, sb_blocks, *, tile=(128, 128), warps=8, stages=3, group=0,
     )(a, b, jnp.swapaxes(sa, 1, 2), sb)
 
 
+_BEST = {"tile_scale": True, "group": 8, "tile": (64, 128), "warps": 4, "stages": 4}
 VARIANTS = {
-    "flat_128x128_w8_s3": {},
-    "flat_128x128_w8_s4": {"stages": 4},
     "flat_64x128_w4_s3": {"tile": (64, 128), "warps": 4},
-    "group8_128x128_w8_s3": {"group": 8},
-    "tile_scale_128x128_w8_s3": {"tile_scale": True},
-    "tile_scale_group8_128x128_w8_s3": {"tile_scale": True, "group": 8},
-    "tile_scale_group8_128x128_w8_s4": {"tile_scale": True, "group": 8, "stages": 4},
-    "tile_scale_group8_64x128_w4_s4": {
-        "tile_scale": True,
-        "group": 8,
-        "tile": (64, 128),
-        "warps": 4,
-        "stages": 4,
-    },
+    "tile_scale_group8_64x128_w4_s4": _BEST,
+    # The MMA of the next 128 of K issued before the last one's product is scaled.
+    "ahead_64x128_w4_s3": {"tile": (64, 128), "warps": 4, "order": "ahead"},
+    "ahead_tile_scale_group8_64x128_w4_s4": _BEST | {"order": "ahead"},
+    "ahead_tile_scale_group8_128x128_w8_s3": _BEST
+    | {"order": "ahead", "tile": (128, 128), "warps": 8, "stages": 3},
+    "ahead_tile_scale_group8_128x128_w4_s3": _BEST
+    | {"order": "ahead", "tile": (128, 128), "stages": 3},
+    "pairs_64x128_w4_s3": {"tile": (64, 128), "warps": 4, "order": "pairs"},
+    "pairs_tile_scale_group8_64x128_w4_s4": _BEST | {"order": "pairs"},
+    "pairs_tile_scale_group8_128x128_w8_s3": _BEST
+    | {"order": "pairs", "tile": (128, 128), "warps": 8, "stages": 3},
 }
 
 

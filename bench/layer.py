@@ -148,7 +148,7 @@ def main():
     parser.add_argument("--attention", default="cudnn", help="cudnn on the GPU, xla elsewhere")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
-    parser.add_argument("--trace", default=None, help="profile the FP8 variants here")
+    parser.add_argument("--trace", default=None, help="profile each variant here")
     add_loss_argument(parser)
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
@@ -167,7 +167,7 @@ def main():
     rows = []
     for name in args.variants:
         fn, fn_args = VARIANTS[name](x, shape, args.attention)
-        trace = os.path.join(args.trace, name) if args.trace and name != "bf16" else None
+        trace = os.path.join(args.trace, name) if args.trace else None
         state_arg = 2 if name.startswith("fp8jax") else None  # (params, x, state, r)
         rows.append(
             measure(
