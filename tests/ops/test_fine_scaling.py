@@ -200,11 +200,31 @@ def test_block_kernel_matches_xla_in_interpret_mode():
     np.testing.assert_allclose(kernel, xla, rtol=1e-5, atol=1e-5 * float(jnp.abs(xla).max()))
 
 
+@pytest.mark.parametrize("group", [0, 3])
+def test_block_kernel_programs_cover_every_tile_in_either_order(group):
+    # 4 x 2 tiles of (64, 128); groups of 3 rows leave a last group of one.
+    ops = _block_operands(1, 256, 128, 256)
+    kernel = block_gemm.pallas_block_matmul(*ops, out_dtype=jnp.float32, interpret=True,
+                                            tile=(64, 128), group=group)  # fmt: skip
+    xla = block_gemm.xla_block_matmul(*ops, out_dtype=jnp.float32)
+    np.testing.assert_allclose(kernel, xla, rtol=1e-5, atol=1e-5 * float(jnp.abs(xla).max()))
+
+
+@pytest.mark.parametrize("group", [0, 1, 3, 8])
+def test_grouped_program_order_is_a_permutation_of_the_tiles(group):
+    tiles_m, tiles_n = 7, 5
+    tiles = [tuple(int(v) for v in block_gemm._tile_of(jnp.int32(p), tiles_m, tiles_n, group))
+             for p in range(tiles_m * tiles_n)]  # fmt: skip
+    assert sorted(tiles) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
+
+
 @pytest.mark.gpu
-def test_block_kernel_matches_xla_on_the_gpu():
+@pytest.mark.parametrize("group", [0, 8])
+def test_block_kernel_matches_xla_on_the_gpu(group):
     """On FP8 tensor cores each 128-slice is summed at the tensor core's precision first."""
     ops = _block_operands(1, 512, 1024, 384)
-    kernel = jax.jit(functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32))
+    kernel = jax.jit(functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32,
+                                       group=group))  # fmt: skip
     xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))
     y, expected = kernel(*ops), xla(*ops)
     # Hopper's FP8 accumulation keeps fewer bits than f32 (DeepSeek-V3's reason to

@@ -36,6 +36,8 @@ BLOCK = 128  # the K slice each scale covers
 # several per SM and ran 1.9x 128 x 128 with 8 warps at 8192^3 on an H200
 # (docs/design.md#the-block-scaled-gemm-kernel).
 TILE_M, TILE_N, WARPS, STAGES = 64, 128, 4, 3
+# Rows of output tiles whose programs run column by column (L2 reuse of b's tiles).
+GROUP_M = 0
 KERNEL_NAME = "fp8jax_block_scaled_gemm"
 
 
@@ -93,12 +95,29 @@ def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices: int):
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
+def _tile_of(program, tiles_m: int, tiles_n: int, group: int):
+    """The (row, column) output tile of a program: ``group`` rows of tiles at a time.
+
+    The programs of a group walk down its rows of tiles column by column, so
+    that those running together share the weight's tiles in L2; ``group`` 0
+    is the plain row-major order.
+    """
+    if not group:
+        return program // tiles_n, program % tiles_n
+    width = group * tiles_n
+    first = (program // width) * group
+    rows = jnp.minimum(tiles_m - first, group)  # the last group may be shorter
+    return first + (program % width) % rows, (program % width) // rows
+
+
 def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=False,
-                        tile=(TILE_M, TILE_N), warps=WARPS, stages=STAGES):  # fmt: skip
+                        tile=(TILE_M, TILE_N), warps=WARPS, stages=STAGES,
+                        group=GROUP_M):  # fmt: skip
     """The kernel: a program per (batch, output tile), looping over K in 128-wide slices.
 
     The scales go in transposed, (B, K // 128, rows), so that each step reads
-    one contiguous row of them.
+    one contiguous row of them. ``group``: rows of output tiles whose programs
+    run column by column (:func:`_tile_of`).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
@@ -107,19 +126,27 @@ def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=
     batch, m, k = a.shape
     n, slices = b.shape[1], k // BLOCK
     tm, tn = tile
+    tiles_m, tiles_n = m // tm, n // tn
     params = {} if interpret else {
         "compiler_params": pallas_triton.CompilerParams(num_warps=warps, num_stages=stages)
     }  # fmt: skip
+
+    def spec(block, index):
+        def at(z, program):
+            return index(z, *_tile_of(program, tiles_m, tiles_n, group))
+
+        return pl.BlockSpec(block, at)
+
     return dispatch.pallas_call(
         functools.partial(_kernel, slices=slices),
-        grid=(batch, m // tm, n // tn),
+        grid=(batch, tiles_m * tiles_n),
         in_specs=[
-            pl.BlockSpec((None, tm, k), lambda z, i, j: (z, i, 0)),
-            pl.BlockSpec((None, tn, k), lambda z, i, j: (z, j, 0)),
-            pl.BlockSpec((None, slices, tm), lambda z, i, j: (z, 0, i)),
-            pl.BlockSpec((None, slices, tn), lambda z, i, j: (z, 0, j)),
+            spec((None, tm, k), lambda z, i, j: (z, i, 0)),
+            spec((None, tn, k), lambda z, i, j: (z, j, 0)),
+            spec((None, slices, tm), lambda z, i, j: (z, 0, i)),
+            spec((None, slices, tn), lambda z, i, j: (z, 0, j)),
         ],
-        out_specs=pl.BlockSpec((None, tm, tn), lambda z, i, j: (z, i, j)),
+        out_specs=spec((None, tm, tn), lambda z, i, j: (z, i, j)),
         out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
         interpret=interpret,
         name=KERNEL_NAME,
