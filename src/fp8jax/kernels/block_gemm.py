@@ -112,12 +112,12 @@ def _tile_of(program, tiles_m: int, tiles_n: int, group: int):
 
 def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=False,
                         tile=(TILE_M, TILE_N), warps=WARPS, stages=STAGES,
-                        group=GROUP_M):  # fmt: skip
+                        group=None):  # fmt: skip
     """The kernel: a program per (batch, output tile), looping over K in 128-wide slices.
 
     The scales go in transposed, (B, K // 128, rows), so that each step reads
     one contiguous row of them. ``group``: rows of output tiles whose programs
-    run column by column (:func:`_tile_of`).
+    run column by column (:func:`_tile_of`); None: :data:`GROUP_M`.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
@@ -127,6 +127,7 @@ def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=
     n, slices = b.shape[1], k // BLOCK
     tm, tn = tile
     tiles_m, tiles_n = m // tm, n // tn
+    group = GROUP_M if group is None else group
     params = {} if interpret else {
         "compiler_params": pallas_triton.CompilerParams(num_warps=warps, num_stages=stages)
     }  # fmt: skip
