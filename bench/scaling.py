@@ -83,6 +83,10 @@ def gemm_rows(m, k, n, iters) -> list[dict]:
         fn = functools.partial(block_gemm.pallas_block_matmul, out_dtype=BF16, tile=cfg[:2],
                                warps=cfg[2], stages=cfg[3])  # fmt: skip
         variants[f"block_pallas_{cfg[0]}x{cfg[1]}_w{cfg[2]}_s{cfg[3]}"] = (jax.jit(fn), ops)
+    # The library's kernel with the weight's block scales (b_blocks): one scalar a tile and step.
+    _, b_blocks = quantize_blocks(w, fp8jax.E4M3, 128)
+    fn = functools.partial(block_gemm.pallas_block_matmul, out_dtype=BF16, b_blocks=True)
+    variants["block_pallas_default_b_blocks"] = (jax.jit(fn), (*ops[:3], b_blocks))
     for name, (fn, args) in variants.items():
         try:
             row = measure(name, fn, *args, iters=iters)

@@ -218,6 +218,23 @@ def test_grouped_program_order_is_a_permutation_of_the_tiles(group):
     assert sorted(tiles) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
 
 
+@pytest.mark.parametrize("tile_n", [128, 256])
+def test_block_kernel_takes_a_weights_block_scales(tile_n):
+    # b_blocks: b's scales one per 128 x 128 block. A tile of N that is one
+    # block scales by a scalar a step; a wider one takes them repeated per row.
+    kx, kw = jax.random.split(jax.random.key(5))
+    qa, sa = quantize_tiles(jax.random.normal(kx, (1, 128, 256)), fp8jax.E4M3, B)
+    qb, sb = quantize_blocks(jax.random.normal(kw, (1, 256, 256)) * 0.1, fp8jax.E4M3, B)
+    per_row = block_gemm.xla_block_matmul(qa, qb, sa, expand_blocks(sb, B), out_dtype=jnp.float32)
+    xla = block_gemm.xla_block_matmul(qa, qb, sa, sb, out_dtype=jnp.float32, b_blocks=True)
+    kernel = block_gemm.pallas_block_matmul(qa, qb, sa, sb, out_dtype=jnp.float32, interpret=True,
+                                            tile=(64, tile_n), b_blocks=True)  # fmt: skip
+    np.testing.assert_array_equal(xla, per_row)
+    # The scalar path multiplies the two scales first: f32 rounding apart.
+    np.testing.assert_allclose(kernel, per_row, rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(per_row).max()))  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", [0, 8])
 def test_block_kernel_matches_xla_on_the_gpu(group):
@@ -227,6 +244,13 @@ def test_block_kernel_matches_xla_on_the_gpu(group):
                                        group=group))  # fmt: skip
     xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))
     y, expected = kernel(*ops), xla(*ops)
+    # b's block scales, applied as one scalar per tile and step.
+    qa, qb, sa, _ = ops
+    blocks = jnp.max(ops[3].reshape(1, -1, B, ops[3].shape[-1]), axis=2)  # one per block
+    by_block = jax.jit(functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32,
+                                         group=group, b_blocks=True))  # fmt: skip
+    y_blocks = by_block(qa, qb, sa, blocks)
+    assert float(jnp.max(jnp.abs(y_blocks - expected)) / jnp.max(jnp.abs(expected))) < 2**-10
     # Hopper's FP8 accumulation keeps fewer bits than f32 (DeepSeek-V3's reason to
     # promote every 128), and XLA's batched dot may accumulate fast too; both
     # stay far below E4M3's own rounding, 2**-4.

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8jax.fine_quantize import expand_blocks
 from fp8jax.kernels import dispatch, triton_fp8_dot
 
 BLOCK = 128  # the K slice each scale covers
@@ -49,28 +50,35 @@ def fits(a_shape, b_shape, a_dtype, b_dtype, tile=(TILE_M, TILE_N)) -> bool:
     return a_dtype == b_dtype and m % tile[0] == 0 and n % tile[1] == 0 and k % BLOCK == 0
 
 
-def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype) -> jax.Array:
+def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, *,
+                        b_blocks: bool = False) -> jax.Array:  # fmt: skip
     """``a (B, M, K) . b (B, N, K)^T`` with per-(row, K slice) scales, in ``out_dtype``.
 
     Args:
       a, b: FP8 operands, K a multiple of 128.
-      a_scale_inv: f32 (B, M, K // 128); b_scale_inv: f32 (B, N, K // 128).
+      a_scale_inv: f32 (B, M, K // 128); b_scale_inv: f32 (B, N, K // 128), or
+        with ``b_blocks`` one per 128 x 128 block of ``b``: (B, N // 128, K // 128).
       out_dtype: the result's dtype; the accumulator is f32.
+      b_blocks: ``b_scale_inv`` holds block scales (a weight's). The kernel then
+        scales each step's product by one scalar of them where its tile of N is
+        one block (docs/design.md#the-block-scaled-gemm-kernel).
     """
     out_dtype = jnp.dtype(out_dtype)
     where = dispatch.placement(
         lambda shards: shards == 1 and fits(a.shape, b.shape, a.dtype, b.dtype),
         rows_are_tokens=False,
     )
-    xla = functools.partial(xla_block_matmul, out_dtype=out_dtype)
+    xla = functools.partial(xla_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
     if where is None:
         return xla(a, b, a_scale_inv, b_scale_inv)
-    pallas = functools.partial(pallas_block_matmul, out_dtype=out_dtype)
+    pallas = functools.partial(pallas_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
     return dispatch.on_each_device(pallas, xla, (a, b, a_scale_inv, b_scale_inv), 0, ("rows",))
 
 
-def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype) -> jax.Array:
+def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=False) -> jax.Array:
     """The same sums in XLA: one FP8 dot per 128-wide slice of K (f32 out), scaled, summed."""
+    if b_blocks:
+        b_scale_inv = expand_blocks(b_scale_inv, BLOCK)
     batch, m, k = a.shape
     n, slices = b.shape[1], k // BLOCK
     a4 = a.reshape(batch, m, slices, BLOCK)
@@ -83,7 +91,7 @@ def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype) -> jax.Array:
     return jnp.sum(partial * sa * sb, axis=1).astype(out_dtype)
 
 
-def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices: int):
+def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices: int, b_block: bool):
     from jax.experimental import pallas as pl
 
     def step(kb, acc):
@@ -91,6 +99,8 @@ def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices: int):
         b = b_ref[:, pl.ds(kb * BLOCK, BLOCK)]
         product = lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                   preferred_element_type=jnp.float32)  # fmt: skip
+        if b_block:  # the tile's one block of b: one scale per row of the product
+            return acc + product * (sa_ref[kb, :] * sb_ref[kb, 0])[:, None]
         return acc + product * sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :]
 
     acc = lax.fori_loop(0, slices, step, jnp.zeros(o_ref.shape, jnp.float32))
@@ -114,12 +124,14 @@ def _tile_of(program, tiles_m: int, tiles_n: int, group: int):
 
 def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=False,
                         tile=(TILE_M, TILE_N), warps=WARPS, stages=STAGES,
-                        group=None):  # fmt: skip
+                        group=None, b_blocks=False):  # fmt: skip
     """The kernel: a program per (batch, output tile), looping over K in 128-wide slices.
 
     The scales go in transposed, (B, K // 128, rows), so that each step reads
     one contiguous row of them. ``group``: rows of output tiles whose programs
-    run column by column (:func:`_tile_of`); None: :data:`GROUP_M`.
+    run column by column (:func:`_tile_of`); None: :data:`GROUP_M`. ``b_blocks``:
+    ``b_scale_inv`` is (B, N // 128, K // 128), applied as a scalar a step where
+    the tile of N is one block, else repeated per row.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
@@ -130,6 +142,11 @@ def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=
     tm, tn = tile
     tiles_m, tiles_n = m // tm, n // tn
     group = GROUP_M if group is None else group
+    b_block = b_blocks and tn == BLOCK
+    if b_blocks and not b_block:
+        b_scale_inv = expand_blocks(b_scale_inv, BLOCK)
+    # b's scales, transposed: (B, K // 128, N // 128) blocks or (B, K // 128, N) rows.
+    sb_block = 1 if b_block else tn
     params = {} if interpret else {
         "compiler_params": pallas_triton.CompilerParams(num_warps=warps, num_stages=stages)
     }  # fmt: skip
@@ -141,13 +158,13 @@ def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=
         return pl.BlockSpec(block, at)
 
     return dispatch.pallas_call(
-        functools.partial(_kernel, slices=slices),
+        functools.partial(_kernel, slices=slices, b_block=b_block),
         grid=(batch, tiles_m * tiles_n),
         in_specs=[
             spec((None, tm, k), lambda z, i, j: (z, i, 0)),
             spec((None, tn, k), lambda z, i, j: (z, j, 0)),
             spec((None, slices, tm), lambda z, i, j: (z, 0, i)),
-            spec((None, slices, tn), lambda z, i, j: (z, 0, j)),
+            spec((None, slices, sb_block), lambda z, i, j: (z, 0, j)),
         ],
         out_specs=spec((None, tm, tn), lambda z, i, j: (z, i, j)),
         out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
+from fp8jax.fine_quantize import quantize_blocks, quantize_tiles
 from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul
 from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
@@ -53,7 +53,7 @@ def _block_dot_fwd(a, b, config: BlockDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     qa, sa = _tiles(a, fmt, recipe)  # (B, M, K / 128)
     qb, sb = quantize_blocks(b, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
-    y = block_scaled_matmul(qa, qb, sa, expand_blocks(sb, BLOCK), config.out_dtype)
+    y = block_scaled_matmul(qa, qb, sa, sb, config.out_dtype, b_blocks=True)
     qa_t, sa_t = _tiles(jnp.swapaxes(a, 1, 2), fmt, recipe)  # (B, K, M): the wgrad contracts M
     return y, (qa_t, sa_t, qb, sb)
 
@@ -63,7 +63,7 @@ def _block_dot_bwd(config: BlockDotConfig, residuals, g):
     recipe, fmt = config.recipe, config.recipe.formats.backward
     qg, sg = _tiles(g, fmt, recipe)  # (B, M, N / 128): the dgrad contracts N
     qb_t, sb_t = jnp.swapaxes(qb, 1, 2), jnp.swapaxes(sb, 1, 2)  # (B, K, N), (B, K/128, N/128)
-    d_a = block_scaled_matmul(qg, qb_t, sg, expand_blocks(sb_t, BLOCK), config.a_dtype)
+    d_a = block_scaled_matmul(qg, qb_t, sg, sb_t, config.a_dtype, b_blocks=True)
     qg_t, sg_t = _tiles(jnp.swapaxes(g, 1, 2), fmt, recipe)  # (B, N, M)
     d_b = block_scaled_matmul(qg_t, qa_t, sg_t, sa_t, config.b_dtype)
     return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
