@@ -22,7 +22,7 @@ from scaling import operands
 
 from fp8jax import E4M3
 from fp8jax.fine_quantize import quantize_blocks
-from fp8jax.kernels import triton_fp8_dot
+from fp8jax.kernels import block_gemm, triton_fp8_dot
 
 BF16, BLOCK = jnp.bfloat16, 128
 
@@ -89,12 +89,7 @@ def variant(a, b, sa, sb_blocks, *, tile=(128, 128), warps=8, stages=3, group=0,
         sb_block = (None, slices, tn)
 
     def where(z, t):
-        if not group:
-            return z, t // gn, t % gn
-        width = group * gn
-        first = (t // width) * group
-        rows = jnp.minimum(gm - first, group)
-        return z, first + (t % width) % rows, (t % width) // rows
+        return z, *block_gemm._tile_of(t, gm, gn, group)  # the library's program order
 
     def spec(block, index):
         return pl.BlockSpec(block, lambda z, t: index(*where(z, t)))
