@@ -162,6 +162,19 @@ def check(value, owner: str | None = None) -> tuple[str, ...]:
     return names
 
 
+def gated(pre, names: tuple[str, ...], axis: int = -2) -> jax.Array:
+    """The (gated) activation of ``pre`` by XLA's formulas (:attr:`Activation.xla`), in f32.
+
+    ``pre``'s axis ``axis`` (of size ``len(names)``) picks the activation:
+    ``(..., len(names), ffn)`` by default; the result drops that axis.
+    """
+    pre32 = pre.astype(jnp.float32)
+    h = REGISTRY[names[0]].xla(lax.index_in_dim(pre32, 0, axis, keepdims=False))
+    for i, name in enumerate(names[1:], start=1):
+        h = h * REGISTRY[name].xla(lax.index_in_dim(pre32, i, axis, keepdims=False))
+    return h
+
+
 def kernel_serves(names: tuple[str, ...]) -> bool:
     """Whether :func:`fp8jax.layernorm_mlp` computes ``names`` (checked) in the kernels."""
     return all(REGISTRY[a].kernel for a in names)

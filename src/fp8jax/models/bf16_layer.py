@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
+from fp8jax.activations import gated
 from fp8jax.flax import _attention, _common
 from fp8jax.flax._common import ACT, EMBED, HEADS, KV, MLP, QKV, RESIDUAL
 from fp8jax.flax.linen._base import param
 from fp8jax.flax.linen.dense import default_kernel_init
 from fp8jax.ops.gemm import add_bias
-from fp8jax.ops.layernorm_mlp import gated
 from fp8jax.sharding import constrain
 
 

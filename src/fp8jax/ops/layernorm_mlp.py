@@ -27,9 +27,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax import activations as activations_
+from fp8jax.activations import gated
 from fp8jax.kernels import activation_cast, dispatch
 from fp8jax.ops import _fused, _partitioning, fine_fused, fine_grained, gemm, norm_backward
-from fp8jax.ops._fused import ACTIVATIONS, FusedConfig, NormSaved
+from fp8jax.ops._fused import FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
 from fp8jax.ops.operand import Fp8Layout, QuantizedOperand, from_kernel, inverse, transposed_copy
@@ -43,19 +44,6 @@ from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import Recipe, resolve_recipe
 from fp8jax.scaling import MlpScaleState, update_group
-
-
-def gated(pre, activations, axis=-2):
-    """The (gated) activation of ``pre``, in f32.
-
-    ``pre``'s axis ``axis`` (of size ``len(activations)``) picks the activation:
-    ``(..., len(activations), ffn)`` by default.
-    """
-    pre32 = pre.astype(jnp.float32)
-    h = ACTIVATIONS[activations[0]](lax.index_in_dim(pre32, 0, axis, keepdims=False))
-    for i, name in enumerate(activations[1:], start=1):
-        h = h * ACTIVATIONS[name](lax.index_in_dim(pre32, i, axis, keepdims=False))
-    return h
 
 
 class MlpAmaxes(NamedTuple):

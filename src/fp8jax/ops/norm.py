@@ -173,6 +173,14 @@ def layernorm(
     """
     config = NormConfig(norm_type, zero_centered_gamma, epsilon)
     check_norm_args(x, gamma, beta, config)
+    return norm(x, gamma, beta, config)
+
+
+def norm(x, gamma, beta, config: NormConfig) -> jax.Array:
+    """:func:`layernorm` on checked arguments, in ``x.dtype``.
+
+    Its backward keeps ``x`` and the f32 row statistics only.
+    """
     return _layernorm(x, gamma, beta, _NormOp(config, _partitioning.input_types(x, gamma, beta)))
 
 
