@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
+from fp8jax.kernels import dispatch, row_cast
 from fp8jax.quantize import quantize_with_scale
 from fp8jax.scaling import scale_from_amax
 
@@ -32,6 +33,31 @@ def quantize_rows(x: jax.Array, fmt: Fp8Format, margin: float = 0):
     row_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
     q = quantize_with_scale(x, fmt, _scales(row_amax, fmt, margin, False))
     return q.data, q.scale_inv
+
+
+def quantize_rows_and_columns(x: jax.Array, fmt: Fp8Format, margin: float = 0, *,
+                              rows_are_tokens: bool = True):  # fmt: skip
+    """``x`` (B, R, C) scaled per row, and transposed, scaled per column.
+
+    Returns ``((data, scale_inv), (data_t, scale_inv_t))``: what
+    :func:`quantize_rows` gives for ``x`` and for ``swapaxes(x, 1, 2)``, with
+    the same bytes. A batch of one whose shape fits the kernels' tiles runs
+    the Pallas kernels of :mod:`fp8jax.kernels.row_cast` where
+    :mod:`fp8jax.kernels.dispatch` lets them (``rows_are_tokens``: the rows
+    are tokens, which data parallelism splits); elsewhere XLA.
+    """
+    placement = dispatch.decide(
+        lambda shards: x.shape[0] == 1 and row_cast.fits(x.shape[1:], shards),
+        rows_are_tokens=rows_are_tokens,
+    )
+    if not placement.kernel:
+        return quantize_rows(x, fmt, margin), quantize_rows(jnp.swapaxes(x, 1, 2), fmt, margin)
+    x2 = x[0]
+    row_amax, col_amax = row_cast.row_and_column_maxima(x2, placement.row_axes)
+    row_scale = _scales(row_amax, fmt, margin, False)[:, None]
+    col_scale = _scales(col_amax, fmt, margin, False)[None, :]
+    q, q_t = row_cast.cast_both_ways(x2, row_scale, col_scale, fmt, placement.row_axes)
+    return (q[None], (1.0 / row_scale)[None]), (q_t[None], (1.0 / col_scale).T[None])
 
 
 def quantize_tiles(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp8jax.fine_quantize import quantize_rows
+from fp8jax.fine_quantize import quantize_rows_and_columns
 from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import RowwiseScaling
@@ -78,22 +78,25 @@ def row_dot(a, b, config: RowDotConfig):
 
 def _row_dot_fwd(a, b, config: RowDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    qa, sa = quantize_rows(a, fmt, recipe.margin)
-    qb, sb = quantize_rows(b, fmt, recipe.margin)
-    y = scaled_gemm(qa, sa, qb, sb, config.out_dtype, recipe.forward_precision)
+    # Each operand is cast twice from the array in its own dtype: XLA kept
+    # the producer's f32 value for both casts otherwise
+    # (docs/design.md#the-rowwise-casts).
+    a, b = lax.optimization_barrier((a, b))
     # The backward GEMMs contract M (a's tokens) and N (b's rows): each operand
     # is saved quantized along the axis its backward GEMM contracts.
-    a_cols = quantize_rows(jnp.swapaxes(a, 1, 2), fmt, recipe.margin)  # (B, K, M)
-    b_cols = quantize_rows(jnp.swapaxes(b, 1, 2), fmt, recipe.margin)  # (B, K, N)
+    (qa, sa), a_cols = quantize_rows_and_columns(a, fmt, recipe.margin)  # a_cols: (B, K, M)
+    (qb, sb), b_cols = quantize_rows_and_columns(b, fmt, recipe.margin, rows_are_tokens=False)
+    y = scaled_gemm(qa, sa, qb, sb, config.out_dtype, recipe.forward_precision)
     return y, (a_cols, b_cols)
 
 
 def _row_dot_bwd(config: RowDotConfig, residuals, g):
     (qa_t, sa_t), (qb_t, sb_t) = residuals
     recipe, fmt = config.recipe, config.recipe.formats.backward
-    qg, sg = quantize_rows(g, fmt, recipe.margin)  # per token: dgrad contracts N
+    g = lax.optimization_barrier(g)
+    # Per token for the dgrad (it contracts N), per column for the wgrad (M).
+    (qg, sg), (qg_t, sg_t) = quantize_rows_and_columns(g, fmt, recipe.margin)
     d_a = scaled_gemm(qg, sg, qb_t, sb_t, config.a_dtype, recipe.dgrad_precision)
-    qg_t, sg_t = quantize_rows(jnp.swapaxes(g, 1, 2), fmt, recipe.margin)  # wgrad contracts M
     d_b = scaled_gemm(qg_t, sg_t, qa_t, sa_t, config.b_dtype, recipe.wgrad_precision)
     return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
 
