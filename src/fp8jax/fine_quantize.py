@@ -14,18 +14,14 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
-from fp8jax.kernels import dispatch, row_cast
+from fp8jax.kernels import dispatch, row_cast, tile_cast
 from fp8jax.quantize import quantize_with_scale
-from fp8jax.scaling import scale_from_amax
+from fp8jax.scaling import group_scales
 
 
 def _scales(group_amax: jax.Array, fmt: Fp8Format, margin: float, power_of_two: bool):
     """Each group's scale from its amax; 1 for an all-zero or non-finite group."""
-    scale = scale_from_amax(group_amax, fmt.max, margin, fallback=1.0)
-    if power_of_two:
-        # Rounded down, so that the group's amax still maps within fmt.max.
-        scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
-    return scale
+    return group_scales(group_amax, fmt.max, margin, power_of_two)
 
 
 def quantize_rows(x: jax.Array, fmt: Fp8Format, margin: float = 0):
@@ -75,6 +71,32 @@ def quantize_tiles(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,
     # (docs/design.md#the-forward-kernel-transposed-in-the-program).
     q = quantize_with_scale(x, fmt, jnp.repeat(scale, block, axis=-1))
     return q.data, 1.0 / scale
+
+
+def quantize_tiles_both_ways(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,
+                             power_of_two: bool = False, *,
+                             rows_are_tokens: bool = True):  # fmt: skip
+    """``x`` (B, R, C) per 1 x ``block`` tile along C, and transposed, along R.
+
+    Returns ``((data, scale_inv), (data_t, scale_inv_t))``: what
+    :func:`quantize_tiles` gives for ``x`` and for ``swapaxes(x, 1, 2)``. A
+    batch of one on the 128 grid runs the one-pass kernel of
+    :mod:`fp8jax.kernels.tile_cast` where :mod:`fp8jax.kernels.dispatch` lets it
+    (``rows_are_tokens``: the rows are tokens, which data parallelism
+    splits); elsewhere XLA.
+    """
+    placement = dispatch.decide(
+        lambda shards: x.shape[0] == 1 and block == tile_cast.BLOCK
+        and tile_cast.fits(x.shape[1:], shards),
+        rows_are_tokens=rows_are_tokens,
+    )  # fmt: skip
+    if not placement.kernel:
+        x_t = jnp.swapaxes(x, 1, 2)
+        return (quantize_tiles(x, fmt, block, margin, power_of_two),
+                quantize_tiles(x_t, fmt, block, margin, power_of_two))  # fmt: skip
+    q, s, q_t, s_t = tile_cast.cast_tiles_both_ways(x[0], fmt, margin, power_of_two,
+                                                    placement.row_axes)  # fmt: skip
+    return (q[None], s[None]), (q_t[None], s_t[None])
 
 
 def quantize_blocks(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,

@@ -112,6 +112,19 @@ def scale_from_amax(amax: jax.Array, fp8_max: float, margin: float, fallback) ->
     return safe
 
 
+def group_scales(group_amax: jax.Array, fp8_max: float, margin: float,
+                 power_of_two: bool) -> jax.Array:  # fmt: skip
+    """Each group's scale from its amax (:func:`scale_from_amax`, fallback 1).
+
+    ``power_of_two``: rounded down to a power of two, so that the group's
+    amax still maps within ``fp8_max``.
+    """
+    scale = scale_from_amax(group_amax, fp8_max, margin, fallback=1.0)
+    if power_of_two:
+        scale = jnp.exp2(jnp.floor(jnp.log2(scale)))
+    return scale
+
+
 def _amax_of_history(history: jax.Array, recipe: DelayedScaling) -> jax.Array:
     if recipe.amax_compute_algo == "max":
         return jnp.max(history, axis=-1)

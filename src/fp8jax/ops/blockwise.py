@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8jax.fine_quantize import quantize_blocks, quantize_tiles
+from fp8jax.fine_quantize import quantize_blocks, quantize_tiles_both_ways
 from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul
 from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
@@ -39,8 +39,8 @@ class BlockDotConfig:
     inputs: tuple[_partitioning.InputType, ...] = ()
 
 
-def _tiles(x, fmt, recipe: BlockScaling):
-    return quantize_tiles(x, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
+def _tiles_both_ways(x, fmt, recipe: BlockScaling):
+    return quantize_tiles_both_ways(x, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -51,20 +51,20 @@ def block_dot(a, b, config: BlockDotConfig):
 
 def _block_dot_fwd(a, b, config: BlockDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    qa, sa = _tiles(a, fmt, recipe)  # (B, M, K / 128)
+    # qa (B, M, K), sa (B, M, K / 128); qa_t (B, K, M) for the wgrad, which contracts M.
+    (qa, sa), (qa_t, sa_t) = _tiles_both_ways(a, fmt, recipe)
     qb, sb = quantize_blocks(b, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
     y = block_scaled_matmul(qa, qb, sa, sb, config.out_dtype, b_blocks=True)
-    qa_t, sa_t = _tiles(jnp.swapaxes(a, 1, 2), fmt, recipe)  # (B, K, M): the wgrad contracts M
     return y, (qa_t, sa_t, qb, sb)
 
 
 def _block_dot_bwd(config: BlockDotConfig, residuals, g):
     qa_t, sa_t, qb, sb = residuals
     recipe, fmt = config.recipe, config.recipe.formats.backward
-    qg, sg = _tiles(g, fmt, recipe)  # (B, M, N / 128): the dgrad contracts N
+    # qg (B, M, N) for the dgrad, which contracts N; qg_t (B, N, M) for the wgrad.
+    (qg, sg), (qg_t, sg_t) = _tiles_both_ways(g, fmt, recipe)
     qb_t, sb_t = jnp.swapaxes(qb, 1, 2), jnp.swapaxes(sb, 1, 2)  # (B, K, N), (B, K/128, N/128)
     d_a = block_scaled_matmul(qg, qb_t, sg, sb_t, config.a_dtype, b_blocks=True)
-    qg_t, sg_t = _tiles(jnp.swapaxes(g, 1, 2), fmt, recipe)  # (B, N, M)
     d_b = block_scaled_matmul(qg_t, qa_t, sg_t, sa_t, config.b_dtype)
     return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
 

@@ -80,7 +80,7 @@ def _row_dot_fwd(a, b, config: RowDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     # Each operand is cast twice from the array in its own dtype: XLA kept
     # the producer's f32 value for both casts otherwise
-    # (docs/design.md#the-rowwise-casts).
+    # (docs/design.md#the-fine-grained-fused-ops).
     a, b = lax.optimization_barrier((a, b))
     # The backward GEMMs contract M (a's tokens) and N (b's rows): each operand
     # is saved quantized along the axis its backward GEMM contracts.
