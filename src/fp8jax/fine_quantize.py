@@ -32,7 +32,7 @@ def quantize_rows(x: jax.Array, fmt: Fp8Format, margin: float = 0):
 
 
 def quantize_rows_and_columns(x: jax.Array, fmt: Fp8Format, margin: float = 0, *,
-                              rows_are_tokens: bool = True):  # fmt: skip
+                              rows_are_tokens: bool = True, reduce_column_amax=None):  # fmt: skip
     """``x`` (B, R, C) scaled per row, and transposed, scaled per column.
 
     Returns ``((data, scale_inv), (data_t, scale_inv_t))``: what
@@ -41,15 +41,27 @@ def quantize_rows_and_columns(x: jax.Array, fmt: Fp8Format, margin: float = 0, *
     the Pallas kernels of :mod:`fp8jax.kernels.row_cast` where
     :mod:`fp8jax.kernels.dispatch` lets them (``rows_are_tokens``: the rows
     are tokens, which data parallelism splits); elsewhere XLA.
+    ``reduce_column_amax``: applied to the column maxima (B, C) before their
+    scales are taken; inside ``shard_map`` over token axes, a ``pmax`` over
+    them makes each column's scale the whole tensor's. Row maxima are never
+    reduced: a row lies on one device.
     """
     placement = dispatch.decide(
         lambda shards: x.shape[0] == 1 and row_cast.fits(x.shape[1:], shards),
         rows_are_tokens=rows_are_tokens,
     )
     if not placement.kernel:
-        return quantize_rows(x, fmt, margin), quantize_rows(jnp.swapaxes(x, 1, 2), fmt, margin)
+        x_t = jnp.swapaxes(x, 1, 2)
+        if reduce_column_amax is None:
+            return quantize_rows(x, fmt, margin), quantize_rows(x_t, fmt, margin)
+        col_amax = jnp.max(jnp.abs(x_t.astype(jnp.float32)), axis=-1)
+        col_scale = _scales(reduce_column_amax(col_amax), fmt, margin, False)[..., None]
+        q_t = quantize_with_scale(x_t, fmt, col_scale)
+        return quantize_rows(x, fmt, margin), (q_t.data, q_t.scale_inv)
     x2 = x[0]
     row_amax, col_amax = row_cast.row_and_column_maxima(x2, placement.row_axes)
+    if reduce_column_amax is not None:
+        col_amax = reduce_column_amax(col_amax[None])[0]
     row_scale = _scales(row_amax, fmt, margin, False)[:, None]
     col_scale = _scales(col_amax, fmt, margin, False)[None, :]
     q, q_t = row_cast.cast_both_ways(x2, row_scale, col_scale, fmt, placement.row_axes)

@@ -211,6 +211,14 @@ class RowwiseScaling:
       formats: forward and gradient formats (default E4M3 / E5M2).
       forward_precision, dgrad_precision, wgrad_precision: accumulation of
         each GEMM, as in :class:`CurrentScaling`.
+      amax_reduction_axes: inside ``shard_map``, the mesh axes that split
+        token rows (data, FSDP or sequence parallelism). The column maxima
+        (over tokens, for the weight gradient's operands) are max-reduced
+        over them, so every scale is the whole tensor's; the per-token row
+        maxima are not. Name no axis that splits features or a weight's
+        rows (tensor parallelism): a column split over it is a different
+        column on each device. Under ``jit`` leave it ``()``: a sharded
+        array's maxima are already global there.
 
     Example:
       >>> import fp8jax
@@ -223,9 +231,11 @@ class RowwiseScaling:
     forward_precision: lax.Precision = lax.Precision.DEFAULT
     dgrad_precision: lax.Precision = lax.Precision.HIGHEST
     wgrad_precision: lax.Precision = lax.Precision.HIGHEST
+    amax_reduction_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_fine("RowwiseScaling", self)
+        _check_reduction_axes("RowwiseScaling", self.amax_reduction_axes)
         for field in ("forward_precision", "dgrad_precision", "wgrad_precision"):
             if not isinstance(getattr(self, field), lax.Precision):
                 raise TypeError(

@@ -27,7 +27,9 @@ the per-tensor recipes:
   up to 4e-2 (normwise), and so does perturbing the inputs by 2**-22
   relative on one device. ``sharded_layer.GPU`` is derived for that noise
   (inputs perturbed by 2**-14) and still fails a replica that skips the
-  gradient all-reduce, for these recipes too (checked below).
+  gradient all-reduce, for these recipes too (checked below). Inside
+  ``shard_map``, ``RowwiseScaling(amax_reduction_axes=...)`` over the token
+  axis gives the whole tensor's column scales (checked below).
 
 Under tensor and sequence parallelism (``fsdp2_tp4_sp``, Megatron's; ``dp2_sp4``,
 an axis of its own) the steps match as well; there the compile gathers
@@ -205,3 +207,42 @@ def test_block_scales_inside_shard_map_are_the_whole_tensors_on_whole_tiles():
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
     per_device = jax.shard_map(kernel_grad, mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=P())
     assert sl._normwise(jax.jit(per_device)(x, r), want) < DOT_TOL
+
+
+@pytest.mark.parametrize("layout", sorted(DOT_LAYOUTS))
+def test_rowwise_amax_reduction_axes_give_shard_map_the_whole_tensors_scales(layout):
+    # Inside shard_map each device sees its own tokens. With the token axis in
+    # amax_reduction_axes the column maxima (the weight gradient's operands,
+    # per feature over tokens) are max-reduced over it, so the values and every
+    # gradient match one device's to f32 reordering, where the test above
+    # measures a per-shard error over 100 times that.
+    x, kernel, r, step = _dot_values_and_grads(RECIPES["row"])
+    (_, want_y), want_grads = step(x, kernel)
+    axis = DOT_LAYOUTS[layout][0][0]
+    mesh = jax.make_mesh((8,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+    recipe = fp8jax.RowwiseScaling(amax_reduction_axes=(axis,))
+
+    def local(x, r):
+        def shard_loss(x, kernel):
+            y = fp8jax.dot_general(x, kernel, DIMS, recipe=recipe)
+            return jnp.sum(y * r), y
+
+        (_, y), grads = jax.value_and_grad(shard_loss, (0, 1), has_aux=True)(x, kernel)
+        return y, grads
+
+    per_device = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(axis), P(axis)), out_specs=(P(axis), (P(axis), P()))
+    )
+    y, grads = jax.jit(per_device)(x, r)
+    assert sl._normwise(y, want_y) < DOT_TOL
+    for got, want in zip(grads, want_grads, strict=True):
+        assert sl._normwise(got, want) < DOT_TOL
+
+
+def test_rowwise_amax_reduction_axes_outside_shard_map_are_refused_by_name():
+    x, kernel, _, _ = _dot_values_and_grads(RECIPES["row"])
+    recipe = fp8jax.RowwiseScaling(amax_reduction_axes=("dp",))
+    with pytest.raises(ValueError, match=r"amax_reduction_axes=\('dp',\) names a mesh axis"):
+        jax.jit(lambda x, k: fp8jax.dot_general(x, k, DIMS, recipe=recipe))(x, kernel)
+    with pytest.raises(TypeError, match="RowwiseScaling.amax_reduction_axes must be a tuple"):
+        fp8jax.RowwiseScaling(amax_reduction_axes="dp")

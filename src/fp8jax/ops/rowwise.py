@@ -70,6 +70,18 @@ def scaled_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, precision) -> jax.Arr
     return (y.astype(jnp.float32) * outer).astype(out_dtype)
 
 
+def _column_reduction(recipe: RowwiseScaling):
+    """The column maxima's max over ``recipe.amax_reduction_axes`` (in shard_map), or None.
+
+    A column of an operand runs along its rows: tokens, split over the
+    axes, for activations and gradients; a replicated weight's columns are
+    the same on every device, where the reduction changes nothing.
+    """
+    if not recipe.amax_reduction_axes:
+        return None
+    return functools.partial(_partitioning.reduce_amax, recipe=recipe)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def row_dot(a, b, config: RowDotConfig):
     """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N), both scaled per row, FP8 both ways."""
@@ -84,8 +96,11 @@ def _row_dot_fwd(a, b, config: RowDotConfig):
     a, b = lax.optimization_barrier((a, b))
     # The backward GEMMs contract M (a's tokens) and N (b's rows): each operand
     # is saved quantized along the axis its backward GEMM contracts.
-    (qa, sa), a_cols = quantize_rows_and_columns(a, fmt, recipe.margin)  # a_cols: (B, K, M)
-    (qb, sb), b_cols = quantize_rows_and_columns(b, fmt, recipe.margin, rows_are_tokens=False)
+    reduce = _column_reduction(recipe)
+    (qa, sa), a_cols = quantize_rows_and_columns(a, fmt, recipe.margin,
+                                                 reduce_column_amax=reduce)  # fmt: skip
+    (qb, sb), b_cols = quantize_rows_and_columns(b, fmt, recipe.margin, rows_are_tokens=False,
+                                                 reduce_column_amax=reduce)  # fmt: skip
     y = scaled_gemm(qa, sa, qb, sb, config.out_dtype, recipe.forward_precision)
     return y, (a_cols, b_cols)
 
@@ -95,7 +110,9 @@ def _row_dot_bwd(config: RowDotConfig, residuals, g):
     recipe, fmt = config.recipe, config.recipe.formats.backward
     g = lax.optimization_barrier(g)
     # Per token for the dgrad (it contracts N), per column for the wgrad (M).
-    (qg, sg), (qg_t, sg_t) = quantize_rows_and_columns(g, fmt, recipe.margin)
+    reduce = _column_reduction(recipe)
+    (qg, sg), (qg_t, sg_t) = quantize_rows_and_columns(g, fmt, recipe.margin,
+                                                       reduce_column_amax=reduce)  # fmt: skip
     d_a = scaled_gemm(qg, sg, qb_t, sb_t, config.a_dtype, recipe.dgrad_precision)
     d_b = scaled_gemm(qg_t, sg_t, qa_t, sa_t, config.b_dtype, recipe.wgrad_precision)
     return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
