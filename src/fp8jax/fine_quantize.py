@@ -4,8 +4,12 @@ The GEMM operands of :mod:`fp8jax.ops.rowwise` and :mod:`fp8jax.ops.blockwise`
 come here as (batch, rows, columns) arrays whose last axis is the one their
 GEMM contracts. Each function returns the FP8 data in the array's shape and
 the f32 ``scale_inv`` (``value ~= data * scale_inv``) of each group, so the
-GEMMs can rescale products group by group. Plain ``jnp``: XLA fuses the
-maxima, the scaling and the cast into the producer's kernels.
+GEMMs can rescale products group by group. :func:`quantize_rows`,
+:func:`quantize_tiles` and :func:`quantize_blocks` are plain ``jnp``, which XLA
+fuses into the producer's kernels. An operand needed in both layouts goes
+through :func:`quantize_rows_and_columns` or :func:`quantize_tiles_both_ways`,
+which run Pallas kernels on the GPU where they can
+(docs/design.md#the-rowwise-casts, docs/design.md#the-block-casts).
 """
 
 from __future__ import annotations
