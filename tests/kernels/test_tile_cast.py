@@ -39,6 +39,8 @@ def test_kernel_writes_quantize_tiles_bytes_both_ways(fmt, power_of_two):
     q, s, q_t, s_t = run(x)
     want = [quantize_tiles(v, fmt, B, 1, power_of_two) for v in (x, x.T)]
     _assert_same(((q, s), (q_t, s_t)), want)
+    xla_q, xla_s, xla_qt, xla_st = tc._xla(x, fmt, 1, power_of_two)  # the kernel's XLA twin
+    _assert_same(((xla_q, xla_s), (xla_qt, xla_st)), want)
     assert s.shape == (2 * B, 3) and s_t.shape == (3 * B, 2)
     assert float(s_t[2 * B, 1]) == 1.0  # the zero tile
 
