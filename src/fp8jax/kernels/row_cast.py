@@ -31,18 +31,17 @@ from fp8jax.formats import Fp8Format
 from fp8jax.kernels import dispatch
 from fp8jax.quantize import quantize_with_scale
 
-# The cast kernel's tile and warps: the cast-transpose kernel's
-# (fp8jax.kernels.cast_transpose), the fastest of its measured shapes for the
-# same reads and writes.
+# Both kernels' tile and warps: the cast-transpose kernel's, the fastest of
+# its measured shapes for the same reads and writes; a sweep of eight shapes
+# for the maxima kernel found none faster (docs/design.md#the-rowwise-casts).
 TILE_ROWS, TILE_COLS, WARPS = 64, 128, 4
-# The maxima kernel's, which only reads.
-MAXIMA_ROWS, MAXIMA_COLS, MAXIMA_WARPS = 64, 128, 4
 
 
 def fits(shape: tuple[int, ...], row_shards: int = 1) -> bool:
-    """Whether a 2-D ``shape`` splits into whole tiles of both kernels, each device's rows too."""
-    rows = row_shards * max(TILE_ROWS, MAXIMA_ROWS)
-    return len(shape) == 2 and shape[0] % rows == 0 and shape[1] % max(TILE_COLS, MAXIMA_COLS) == 0
+    """Whether a 2-D ``shape`` splits into whole tiles, each device's rows too."""
+    return (
+        len(shape) == 2 and shape[0] % (row_shards * TILE_ROWS) == 0 and shape[1] % TILE_COLS == 0
+    )
 
 
 def _maxima_kernel(x_ref, row_ref, col_ref):
@@ -51,10 +50,10 @@ def _maxima_kernel(x_ref, row_ref, col_ref):
     col_ref[...] = jnp.max(a, axis=0)[None, :]
 
 
-def _compiler_params(interpret: bool, warps: int) -> dict:
+def _compiler_params(interpret: bool) -> dict:
     from jax.experimental.pallas import triton as pallas_triton
 
-    return {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=warps)}
+    return {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
 
 
 def _pallas_maxima(x, interpret: bool = False):
@@ -62,14 +61,14 @@ def _pallas_maxima(x, interpret: bool = False):
     from jax.experimental import pallas as pl
 
     rows, cols = x.shape
-    grid = (rows // MAXIMA_ROWS, cols // MAXIMA_COLS)
+    grid = (rows // TILE_ROWS, cols // TILE_COLS)
     return dispatch.pallas_call(
         _maxima_kernel,
         grid=grid,
-        in_specs=[pl.BlockSpec((MAXIMA_ROWS, MAXIMA_COLS), lambda i, j: (i, j))],
+        in_specs=[pl.BlockSpec((TILE_ROWS, TILE_COLS), lambda i, j: (i, j))],
         out_specs=[
-            pl.BlockSpec((1, MAXIMA_ROWS), lambda i, j: (j, i)),
-            pl.BlockSpec((1, MAXIMA_COLS), lambda i, j: (i, j)),
+            pl.BlockSpec((1, TILE_ROWS), lambda i, j: (j, i)),
+            pl.BlockSpec((1, TILE_COLS), lambda i, j: (i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((grid[1], rows), jnp.float32),
@@ -77,15 +76,15 @@ def _pallas_maxima(x, interpret: bool = False):
         ],
         interpret=interpret,
         name="fp8jax_row_column_maxima",
-        **_compiler_params(interpret, MAXIMA_WARPS),
+        **_compiler_params(interpret),
     )(x)
 
 
 def _xla_maxima(x):
     rows, cols = x.shape
     a = jnp.abs(x.astype(jnp.float32))
-    row = jnp.max(a.reshape(rows, cols // MAXIMA_COLS, MAXIMA_COLS), axis=2).T
-    col = jnp.max(a.reshape(rows // MAXIMA_ROWS, MAXIMA_ROWS, cols), axis=1)
+    row = jnp.max(a.reshape(rows, cols // TILE_COLS, TILE_COLS), axis=2).T
+    col = jnp.max(a.reshape(rows // TILE_ROWS, TILE_ROWS, cols), axis=1)
     return row, col
 
 
@@ -130,7 +129,7 @@ def _pallas_cast(x, row_scale, col_scale, fmt: Fp8Format, interpret: bool = Fals
         ],
         interpret=interpret,
         name="fp8jax_cast_rows_and_columns",
-        **_compiler_params(interpret, WARPS),
+        **_compiler_params(interpret),
     )(x, row_scale, col_scale)
 
 
