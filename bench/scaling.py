@@ -33,9 +33,8 @@ from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
 from fp8jax.kernels import block_gemm
 
 BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
-CONFIGS = [  # (tile_m, tile_n, warps, stages); the first is the library's default
-    (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 4), (128, 128, 4, 4), (128, 256, 8, 3),
-]  # fmt: skip
+# The kernel's pipeline stages (K slices in flight); the first is the library's default.
+CONFIGS = [block_gemm.STAGES, 3, 5]
 
 
 def operands(m, k, n, key=0):
@@ -52,11 +51,11 @@ def check(m=1024, k=2048, n=768) -> dict:
     out = {}
     xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))(*ops)
     exact = jnp.einsum("bmk,bnk->bmn", x, w, precision=lax.Precision.HIGHEST)
-    for cfg in CONFIGS[:1]:
-        fn = functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32,
-                               tile=cfg[:2], warps=cfg[2], stages=cfg[3])  # fmt: skip
+    for stages in CONFIGS[:1]:
+        fn = functools.partial(block_gemm.mosaic_block_matmul, out_dtype=jnp.float32,
+                               stages=stages)  # fmt: skip
         y = jax.jit(fn)(*ops)
-        out[str(cfg)] = {
+        out[f"stages={stages}"] = {
             "max_rel_diff_vs_xla": float(jnp.max(jnp.abs(y - xla)) / jnp.max(jnp.abs(xla))),
             "rel_error_vs_f32": float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)),
         }
@@ -79,14 +78,14 @@ def gemm_rows(m, k, n, iters) -> list[dict]:
                     compiler_options=fp8jax.compiler_options()),
             (a8, b8, jnp.float32(0.5).astype(BF16))),
     }  # fmt: skip
-    for cfg in CONFIGS:
-        fn = functools.partial(block_gemm.pallas_block_matmul, out_dtype=BF16, tile=cfg[:2],
-                               warps=cfg[2], stages=cfg[3])  # fmt: skip
-        variants[f"block_pallas_{cfg[0]}x{cfg[1]}_w{cfg[2]}_s{cfg[3]}"] = (jax.jit(fn), ops)
-    # The library's kernel with the weight's block scales (b_blocks): one scalar a tile and step.
+    # The weight's block scales (b_blocks, the library's forward and dgrad): one
+    # scalar a tile and step; per-row scales (its wgrad's form): a row and a column.
     _, b_blocks = quantize_blocks(w, fp8jax.E4M3, 128)
-    fn = functools.partial(block_gemm.pallas_block_matmul, out_dtype=BF16, b_blocks=True)
-    variants["block_pallas_default_b_blocks"] = (jax.jit(fn), (*ops[:3], b_blocks))
+    for stages in CONFIGS:
+        for form, scales in (("blocks", b_blocks), ("rows", ops[3])):
+            fn = functools.partial(block_gemm.mosaic_block_matmul, out_dtype=BF16,
+                                   stages=stages, b_blocks=form == "blocks")  # fmt: skip
+            variants[f"block_mosaic_{form}_s{stages}"] = (jax.jit(fn), (*ops[:3], scales))
     for name, (fn, args) in variants.items():
         try:
             row = measure(name, fn, *args, iters=iters)
@@ -136,7 +135,7 @@ def main():
     parser.add_argument("--gemm", default="8192x8192x8192")
     parser.add_argument("--dense", default="16384x4096x16384")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--configs", type=int, default=len(CONFIGS), help="kernel configs timed")
+    parser.add_argument("--configs", type=int, default=len(CONFIGS), help="stage counts timed")
     parser.add_argument("--out", default=None)
     add_compile_cache_argument(parser)
     add_heat_argument(parser)

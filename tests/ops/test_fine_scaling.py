@@ -175,10 +175,10 @@ def test_outlier_channels_halve_per_tensor_error(outlier_data):
         assert wgrad_error(recipe) <= per_tensor / 2, (recipe, per_tensor)
 
 
-def _block_operands(batch, m, k, n, seed=4):
+def _block_operands(batch, m, k, n, seed=4, fmt=fp8jax.E4M3):
     kx, kw = jax.random.split(jax.random.key(seed))
-    qa, sa = quantize_tiles(jax.random.normal(kx, (batch, m, k)), fp8jax.E4M3, B)
-    qb, sb = quantize_blocks(jax.random.normal(kw, (batch, n, k)) * 0.1, fp8jax.E4M3, B)
+    qa, sa = quantize_tiles(jax.random.normal(kx, (batch, m, k)), fmt, B)
+    qb, sb = quantize_blocks(jax.random.normal(kw, (batch, n, k)) * 0.1, fmt, B)
     return qa, qb, sa, expand_blocks(sb, B)
 
 
@@ -191,77 +191,75 @@ def test_xla_block_matmul_is_the_scaled_sum_over_k_slices():
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
-def test_block_kernel_matches_xla_in_interpret_mode():
-    ops = _block_operands(2, 128, 256, 256)  # a grid of (2, 2, 2) programs of (64, 128)
-    kernel = block_gemm.pallas_block_matmul(*ops, out_dtype=jnp.float32, interpret=True,
-                                            tile=(64, 128))  # fmt: skip
-    xla = block_gemm.xla_block_matmul(*ops, out_dtype=jnp.float32)
-    # Only the f32 summation order differs.
-    np.testing.assert_allclose(kernel, xla, rtol=1e-5, atol=1e-5 * float(jnp.abs(xla).max()))
-
-
-@pytest.mark.parametrize("group", [0, 3])
-def test_block_kernel_programs_cover_every_tile_in_either_order(group):
-    # 4 x 2 tiles of (64, 128); groups of 3 rows leave a last group of one.
-    ops = _block_operands(1, 256, 128, 256)
-    kernel = block_gemm.pallas_block_matmul(*ops, out_dtype=jnp.float32, interpret=True,
-                                            tile=(64, 128), group=group)  # fmt: skip
-    xla = block_gemm.xla_block_matmul(*ops, out_dtype=jnp.float32)
-    np.testing.assert_allclose(kernel, xla, rtol=1e-5, atol=1e-5 * float(jnp.abs(xla).max()))
-
-
-@pytest.mark.parametrize("group", [0, 1, 3, 8])
-def test_grouped_program_order_is_a_permutation_of_the_tiles(group):
-    tiles_m, tiles_n = 7, 5
-    tiles = [tuple(int(v) for v in block_gemm._tile_of(jnp.int32(p), tiles_m, tiles_n, group))
-             for p in range(tiles_m * tiles_n)]  # fmt: skip
-    assert sorted(tiles) == [(i, j) for i in range(tiles_m) for j in range(tiles_n)]
-
-
-@pytest.mark.parametrize("tile_n", [128, 256])
-def test_block_kernel_takes_a_weights_block_scales(tile_n):
-    # b_blocks: b's scales one per 128 x 128 block. A tile of N that is one
-    # block scales by a scalar a step; a wider one takes them repeated per row.
+def test_xla_block_matmul_takes_a_weights_block_scales():
+    # b_blocks: b's scales one per 128 x 128 block, the same sums as repeated per row.
     kx, kw = jax.random.split(jax.random.key(5))
     qa, sa = quantize_tiles(jax.random.normal(kx, (1, 128, 256)), fp8jax.E4M3, B)
     qb, sb = quantize_blocks(jax.random.normal(kw, (1, 256, 256)) * 0.1, fp8jax.E4M3, B)
     per_row = block_gemm.xla_block_matmul(qa, qb, sa, expand_blocks(sb, B), out_dtype=jnp.float32)
     xla = block_gemm.xla_block_matmul(qa, qb, sa, sb, out_dtype=jnp.float32, b_blocks=True)
-    kernel = block_gemm.pallas_block_matmul(qa, qb, sa, sb, out_dtype=jnp.float32, interpret=True,
-                                            tile=(64, tile_n), b_blocks=True)  # fmt: skip
     np.testing.assert_array_equal(xla, per_row)
-    # The scalar path multiplies the two scales first: f32 rounding apart.
-    np.testing.assert_allclose(kernel, per_row, rtol=1e-5,
-                               atol=1e-5 * float(jnp.abs(per_row).max()))  # fmt: skip
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("group", [0, 8])
-def test_block_kernel_matches_xla_on_the_gpu(group):
-    """On FP8 tensor cores each 128-slice is summed at the tensor core's precision first."""
-    ops = _block_operands(1, 512, 1024, 384)
-    kernel = jax.jit(functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32,
-                                       group=group))  # fmt: skip
-    xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))
-    y, expected = kernel(*ops), xla(*ops)
-    # b's block scales, applied as one scalar per tile and step.
-    qa, qb, sa, _ = ops
-    blocks = jnp.max(ops[3].reshape(1, -1, B, ops[3].shape[-1]), axis=2)  # one per block
-    by_block = jax.jit(functools.partial(block_gemm.pallas_block_matmul, out_dtype=jnp.float32,
-                                         group=group, b_blocks=True))  # fmt: skip
-    y_blocks = by_block(qa, qb, sa, blocks)
-    assert float(jnp.max(jnp.abs(y_blocks - expected)) / jnp.max(jnp.abs(expected))) < 2**-10
-    # Hopper's FP8 accumulation keeps fewer bits than f32 (DeepSeek-V3's reason to
-    # promote every 128), and XLA's batched dot may accumulate fast too; both
-    # stay far below E4M3's own rounding, 2**-4.
-    assert float(jnp.max(jnp.abs(y - expected)) / jnp.max(jnp.abs(expected))) < 2**-10
+def _kernel_args(batch, m, n, k, b_blocks, dtype=jnp.float8_e4m3fn):
+    b_scales = (batch, n // B, k // B) if b_blocks else (batch, n, k // B)
+    return (jax.ShapeDtypeStruct((batch, m, k), dtype), jax.ShapeDtypeStruct((batch, n, k), dtype),
+            jax.ShapeDtypeStruct((batch, m, k // B), jnp.float32),
+            jax.ShapeDtypeStruct(b_scales, jnp.float32))  # fmt: skip
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("b_blocks", [False, True], ids=["row-scales", "block-scales"])
+def test_deviceless_block_kernel_is_one_fp8_wgmma_gemm(b_blocks):
+    """A batch of two lowers to the one Mosaic GPU kernel on FP8 tensor cores (H200 target)."""
+    from fp8jax import verify
+
+    fn = functools.partial(block_gemm.block_scaled_matmul, out_dtype=jnp.bfloat16,
+                           b_blocks=b_blocks)  # fmt: skip
+    hlo = verify.compile_for(fn, *_kernel_args(2, 256, 384, 512, b_blocks), target="h200")
+    report = verify.gemm_report(hlo)
+    assert [(g.backend, g.target, g.lhs_shape, g.rhs_shape, g.out_shape) for g in report.gemms] == [
+        ("pallas-fp8", block_gemm.KERNEL_NAME, (2, 256, 512), (2, 384, 512), (2, 256, 384))
+    ], str(report)  # fmt: skip
+    # The kernel's own instructions ride in the custom call: Hopper's FP8 wgmma,
+    # 64 rows a warpgroup, a 128-column tile, 32 of K an instruction.
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", hlo)
 
 
 def test_block_kernel_takes_only_whole_tiles_of_one_fp8_type():
     e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
     assert block_gemm.fits((1, 256, 384), (1, 128, 384), e4, e4)
+    assert block_gemm.fits((1, 256, 384), (1, 128, 384), e5, e5)
     assert not block_gemm.fits((1, 256, 384), (1, 128, 384), e5, e4)  # HYBRID's dgrad
-    assert not block_gemm.fits((1, 200, 384), (1, 128, 384), e4, e4)
+    assert not block_gemm.fits((1, 192, 384), (1, 128, 384), e4, e4)  # two warpgroups of 64 rows
+    assert not block_gemm.fits((1, 256, 384), (1, 192, 384), e4, e4)
+    assert not block_gemm.fits((1, 256, 320), (1, 128, 320), e4, e4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [fp8jax.E4M3, fp8jax.E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("sms", [None, 5], ids=["all-sms", "5-ctas"])
+def test_block_kernel_matches_xla_on_the_gpu(sms, fmt):
+    """On FP8 tensor cores each 128-slice is summed at the tensor core's precision first.
+
+    A batch of two, 4 x 3 tiles each: with 5 CTAs each walks several tiles.
+    """
+    ops = _block_operands(2, 512, 1024, 384, fmt=fmt)
+    kernel = jax.jit(functools.partial(block_gemm.mosaic_block_matmul, out_dtype=jnp.float32,
+                                       sms=sms))  # fmt: skip
+    xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))
+    y, expected = kernel(*ops), xla(*ops)
+    # b's block scales, applied as one scalar per tile and step.
+    qa, qb, sa, _ = ops
+    blocks = jnp.max(ops[3].reshape(2, -1, B, ops[3].shape[-1]), axis=2)  # one per block
+    by_block = jax.jit(functools.partial(block_gemm.mosaic_block_matmul, out_dtype=jnp.float32,
+                                         sms=sms, b_blocks=True))  # fmt: skip
+    y_blocks = by_block(qa, qb, sa, blocks)
+    # Hopper's FP8 accumulation keeps fewer bits than f32 (DeepSeek-V3's reason to
+    # promote every 128), and XLA's batched dot may accumulate fast too; both
+    # stay far below E4M3's own rounding, 2**-4.
+    for out in (y, y_blocks):
+        assert float(jnp.max(jnp.abs(out - expected)) / jnp.max(jnp.abs(expected))) < 2**-10
 
 
 RECIPES = [fp8jax.RowwiseScaling(), fp8jax.BlockScaling()]
@@ -361,12 +359,13 @@ def _deviceless_reports():
     ptx = "".join(path.read_text() for path in pathlib.Path(dump).glob("*.ptx"))
     shutil.rmtree(dump, ignore_errors=True)
     untiled = [[r for r in verify.fp8_relayouts(t) if r.untiled_transpose] for t in texts]
-    return [verify.gemm_report(t) for t in texts], ptx, untiled
+    # Mosaic GPU kernels carry their instructions in the custom call, not in XLA's PTX.
+    return [verify.gemm_report(t) for t in texts], ptx + "".join(texts), untiled
 
 
 @pytest.mark.deviceless
 def test_deviceless_h100_every_gemm_is_fp8():
-    """Rowwise: three cuBLASLt FP8 GEMMs; block: three block-scaled Pallas kernels on f8."""
+    """Rowwise: three cuBLASLt FP8 GEMMs; block: three block-scaled Mosaic GPU kernels on f8."""
     (row, block), _, untiled = _deviceless_reports()
     assert [g.backend for g in row.gemms] == ["cublaslt-fp8"] * 3, str(row)
     assert [g.backend for g in block.gemms] == ["pallas-fp8"] * 3, str(block)

@@ -8,14 +8,19 @@ each slice's product is taken on the FP8 tensor cores, scaled and added to
 an f32 accumulator, which is also DeepSeek-V3's promotion of the
 accumulator to FP32 every 128 elements (docs/design.md#fine-grained-scaling).
 
-On NVIDIA GPUs this is a Pallas Triton kernel: one program per output tile
-loops over K in 128-wide steps, each step's dot on Hopper's FP8 tensor cores
-(:mod:`fp8jax.kernels.triton_fp8_dot`). Triton's ``dot`` takes FP8 operands (E4M3
-or E5M2, both of one type), so operands of two formats (a gradient in E5M2
-against a weight in E4M3, ``fp8jax.HYBRID``) go to XLA's path. XLA's path,
-also the CPU's and the reference, computes the same sums: K reshaped into
-its 128-wide slices, one batched FP8 dot per slice with f32 output, scaled
-and summed. It never dequantizes to a wider type before a GEMM. Whether the
+On NVIDIA GPUs this is a Pallas Mosaic GPU kernel, warp specialized as
+DeepGEMM's: a memory warpgroup feeds shared memory through TMA while two
+compute warpgroups, 64 output rows each, take each slice's product on
+Hopper's FP8 tensor cores (``wgmma``) into a fresh accumulator, wait for it
+and add it, scaled, to their f32 sum. While one warpgroup scales, the other's
+MMA runs. Where ``b`` carries a weight's 128 x 128 block scales, the tile's
+columns share one scale a step, so scaling is one multiply-add an element
+(docs/design.md#the-block-scaled-gemm-kernel). ``wgmma`` takes FP8 operands
+of one type, so operands of two formats (a gradient in E5M2 against a
+weight in E4M3, ``fp8jax.HYBRID``) go to XLA's path. XLA's path, also the
+CPU's and the reference, computes the same sums: K reshaped into its
+128-wide slices, one batched FP8 dot per slice with f32 output, scaled and
+summed. It never dequantizes to a wider type before a GEMM. Whether the
 kernel runs is :mod:`fp8jax.kernels.dispatch`'s decision.
 """
 
@@ -28,26 +33,30 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax.fine_quantize import expand_blocks
-from fp8jax.kernels import dispatch, triton_fp8_dot
+from fp8jax.kernels import dispatch
 
 BLOCK = 128  # the K slice each scale covers
-# Output tile rows x columns per program, warps and pipeline stages. Each step
-# waits for its MMA before scaling the product, so the tensor cores idle unless
-# other programs on the SM fill in: 64 x 128 tiles with 4 warps leave room for
-# several per SM and ran 1.9x 128 x 128 with 8 warps at 8192^3 on an H200
-# (docs/design.md#the-block-scaled-gemm-kernel).
-TILE_M, TILE_N, WARPS, STAGES = 64, 128, 4, 3
-# Rows of output tiles whose programs run column by column, so that programs
-# running together share b's tiles in L2: 485 against 475 TFLOP/s at 8192^3
-# on an H200 (docs/design.md#the-block-scaled-gemm-kernel).
+# Output rows per compute warpgroup (two a CTA) and columns per tile: the
+# running sum and the fresh product, 64 f32 registers a thread each, fit
+# beside each other; 64 x 256 would need 256 (docs/design.md#the-block-scaled-gemm-kernel).
+TILE_M, TILE_N = 64, 128
+CTA_M = 2 * TILE_M
+# K slices in flight in shared memory (32 KiB each).
+STAGES = 4
+# Rows of output tiles walked column by column, so that tiles computed at
+# the same time share the weight's tiles in L2.
 GROUP_M = 8
+# The SMs of an H100 or H200 SXM, for a compile without a GPU to ask
+# (the kernel is persistent: one CTA an SM walks the output tiles).
+HOPPER_SMS = 132
+EPILOGUE_N = 64  # output columns written back per TMA store
 KERNEL_NAME = "fp8jax_block_scaled_gemm"
 
 
-def fits(a_shape, b_shape, a_dtype, b_dtype, tile=(TILE_M, TILE_N)) -> bool:
+def fits(a_shape, b_shape, a_dtype, b_dtype) -> bool:
     """Whether the kernel takes these operands: whole output tiles, K in slices, one FP8 type."""
     (_, m, k), (_, n, _) = a_shape, b_shape
-    return a_dtype == b_dtype and m % tile[0] == 0 and n % tile[1] == 0 and k % BLOCK == 0
+    return a_dtype == b_dtype and m % CTA_M == 0 and n % TILE_N == 0 and k % BLOCK == 0
 
 
 def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, *,
@@ -60,8 +69,8 @@ def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, *,
         with ``b_blocks`` one per 128 x 128 block of ``b``: (B, N // 128, K // 128).
       out_dtype: the result's dtype; the accumulator is f32.
       b_blocks: ``b_scale_inv`` holds block scales (a weight's). The kernel then
-        scales each step's product by one scalar of them where its tile of N is
-        one block (docs/design.md#the-block-scaled-gemm-kernel).
+        scales each step's product by one scalar of them: its tile of N is one
+        block (docs/design.md#the-block-scaled-gemm-kernel).
     """
     out_dtype = jnp.dtype(out_dtype)
     where = dispatch.placement(
@@ -71,7 +80,7 @@ def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, *,
     xla = functools.partial(xla_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
     if where is None:
         return xla(a, b, a_scale_inv, b_scale_inv)
-    pallas = functools.partial(pallas_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
+    pallas = functools.partial(mosaic_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
     return dispatch.on_each_device(pallas, xla, (a, b, a_scale_inv, b_scale_inv), 0, ("rows",))
 
 
@@ -91,85 +100,134 @@ def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=Fals
     return jnp.sum(partial * sa * sb, axis=1).astype(out_dtype)
 
 
-def _kernel(a_ref, b_ref, sa_ref, sb_ref, o_ref, *, slices: int, b_block: bool):
-    from jax.experimental import pallas as pl
-
-    def step(kb, acc):
-        a = a_ref[:, pl.ds(kb * BLOCK, BLOCK)]
-        b = b_ref[:, pl.ds(kb * BLOCK, BLOCK)]
-        product = lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32)  # fmt: skip
-        if b_block:  # the tile's one block of b: one scale per row of the product
-            return acc + product * (sa_ref[kb, :] * sb_ref[kb, 0])[:, None]
-        return acc + product * sa_ref[kb, :][:, None] * sb_ref[kb, :][None, :]
-
-    acc = lax.fori_loop(0, slices, step, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+def sm_count() -> int:
+    """The SMs of this process's GPU, or :data:`HOPPER_SMS` where it compiles without one."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend: a deviceless compile or the CPU
+        return HOPPER_SMS
+    return getattr(gpus[0], "core_count", None) or HOPPER_SMS
 
 
-def _tile_of(program, tiles_m: int, tiles_n: int, group: int):
-    """The (row, column) output tile of a program: ``group`` rows of tiles at a time.
+def _tile_transforms(plgpu, columns: int, dtype) -> tuple:
+    """Shared-memory tiling and swizzle for rows of ``columns`` elements of ``dtype``."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(columns * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
-    The programs of a group walk down its rows of tiles column by column, so
-    that those running together share the weight's tiles in L2; ``group`` 0
-    is the plain row-major order.
+
+def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, stages: int, group: int,
+            b_scalar: bool):  # fmt: skip
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    batch, m, k = a_gmem.shape
+    n = b_gmem.shape[1]
+    m_tiles, n_tiles, slices = m // CTA_M, n // TILE_N, k // BLOCK
+    operand = _tile_transforms(plgpu, BLOCK, a_gmem.dtype)
+    shape = (TILE_M, TILE_N)
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(slices,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((CTA_M, BLOCK), lambda s: (0, s), transforms=operand),
+                plgpu.BlockSpec((TILE_N, BLOCK), lambda s: (0, s), transforms=operand),
+                plgpu.BlockSpec((1, CTA_M), lambda s: (s, 0)),  # a's scales, this slice
+                plgpu.BlockSpec((1, TILE_N), lambda s: (s, 0)),  # b's
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    operands = (a_gmem.at[0], b_gmem.at[0], sa_gmem.at[0], sb_gmem.at[0])
+    out_transforms = _tile_transforms(plgpu, EPILOGUE_N, out_gmem.dtype)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(*operands),
+        # Per warpgroup, two slots: one is written while the other is stored.
+        out_smem=plgpu.SMEM((2, 2, TILE_M, EPILOGUE_N), out_gmem.dtype, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def _scope(allocations, out_smem):
+        wg = lax.axis_index("wg")
+        rows = pl.ds(wg * TILE_M, TILE_M)  # this warpgroup's rows of the CTA's tile
+
+        @plgpu.nd_loop((batch * m_tiles * n_tiles,), collective_axes="sm")
+        def _tile(info):
+            (index,) = info.index
+            z, index = index // (m_tiles * n_tiles), index % (m_tiles * n_tiles)
+            mi, ni = plgpu.planar_snake(index, (m_tiles, n_tiles), 1, group)
+            m_slice, n_slice = pl.ds(mi * CTA_M, CTA_M), pl.ds(ni * TILE_N, TILE_N)
+
+            def scale(sa_smem, sb_smem):
+                sa = sa_smem[0, rows]
+                if b_scalar:  # the tile's columns lie in one block of b: one scale
+                    return lax.broadcast_in_dim(sa * sb_smem[0, 0], shape, [0])
+                return (lax.broadcast_in_dim(sa, shape, [0])
+                        * lax.broadcast_in_dim(sb_smem[0, :], shape, [1]))  # fmt: skip
+
+            def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
+                def product(fresh):
+                    plgpu.wgmma(fresh, a_smem.at[rows], b_smem.transpose((1, 0)))
+                    return fresh[...]  # waits for the MMA
+
+                slice_product = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+                return total + slice_product * scale(sa_smem, sb_smem)
+
+            def context(run):
+                out = run(jnp.zeros(shape, jnp.float32)).astype(out_gmem.dtype)
+                tile = out_gmem.at[z, m_slice, n_slice].at[rows]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for part in range(TILE_N // EPILOGUE_N):
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    columns = slice(part * EPILOGUE_N, (part + 1) * EPILOGUE_N)
+                    out_smem[wg, part % 2] = out[:, columns]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, part % 2], tile.at[:, columns])
+
+            pipeline(step, context)(
+                a_gmem.at[z, m_slice], b_gmem.at[z, n_slice],
+                sa_gmem.at[z, :, m_slice], sb_gmem.at[z, :, n_slice],
+                allocations=allocations,
+            )  # fmt: skip
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def mosaic_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=False,
+                        stages=STAGES, group=GROUP_M, sms=None):  # fmt: skip
+    """The kernel: one CTA an SM, walking the (batch, 128 x 128) output tiles.
+
+    The scales go in transposed, (B, K // 128, rows), so that each step loads
+    one contiguous row of them. ``b_blocks``: ``b_scale_inv`` is (B, N // 128,
+    K // 128), repeated over each block's rows (a column of a tile reads the
+    first). ``sms``: CTAs launched; None: :func:`sm_count`.
     """
-    if not group:
-        return program // tiles_n, program % tiles_n
-    width = group * tiles_n
-    first = (program // width) * group
-    rows = jnp.minimum(tiles_m - first, group)  # the last group may be shorter
-    return first + (program % width) % rows, (program % width) // rows
+    import jax.experimental.pallas.mosaic_gpu as plgpu
 
-
-def pallas_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, interpret=False,
-                        tile=(TILE_M, TILE_N), warps=WARPS, stages=STAGES,
-                        group=None, b_blocks=False):  # fmt: skip
-    """The kernel: a program per (batch, output tile), looping over K in 128-wide slices.
-
-    The scales go in transposed, (B, K // 128, rows), so that each step reads
-    one contiguous row of them. ``group``: rows of output tiles whose programs
-    run column by column (:func:`_tile_of`); None: :data:`GROUP_M`. ``b_blocks``:
-    ``b_scale_inv`` is (B, N // 128, K // 128), applied as a scalar a step where
-    the tile of N is one block, else repeated per row.
-    """
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pallas_triton
-
-    triton_fp8_dot.install()  # FP8 tensor cores, not f16 ones
-    batch, m, k = a.shape
-    n, slices = b.shape[1], k // BLOCK
-    tm, tn = tile
-    tiles_m, tiles_n = m // tm, n // tn
-    group = GROUP_M if group is None else group
-    b_block = b_blocks and tn == BLOCK
-    if b_blocks and not b_block:
+    batch, m, _ = a.shape
+    n = b.shape[1]
+    if b_blocks:
         b_scale_inv = expand_blocks(b_scale_inv, BLOCK)
-    # b's scales, transposed: (B, K // 128, N // 128) blocks or (B, K // 128, N) rows.
-    sb_block = 1 if b_block else tn
-    params = {} if interpret else {
-        "compiler_params": pallas_triton.CompilerParams(num_warps=warps, num_stages=stages)
-    }  # fmt: skip
-
-    def spec(block, index):
-        def at(z, program):
-            return index(z, *_tile_of(program, tiles_m, tiles_n, group))
-
-        return pl.BlockSpec(block, at)
-
-    return dispatch.pallas_call(
-        functools.partial(_kernel, slices=slices, b_block=b_block),
-        grid=(batch, tiles_m * tiles_n),
-        in_specs=[
-            spec((None, tm, k), lambda z, i, j: (z, i, 0)),
-            spec((None, tn, k), lambda z, i, j: (z, j, 0)),
-            spec((None, slices, tm), lambda z, i, j: (z, 0, i)),
-            spec((None, slices, sb_block), lambda z, i, j: (z, 0, j)),
-        ],
-        out_specs=spec((None, tm, tn), lambda z, i, j: (z, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
-        interpret=interpret,
-        name=KERNEL_NAME,
-        **params,
-    )(a, b, jnp.swapaxes(a_scale_inv, 1, 2).astype(jnp.float32),
-      jnp.swapaxes(b_scale_inv, 1, 2).astype(jnp.float32))  # fmt: skip
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, stages=stages, group=group, b_scalar=b_blocks),
+        out_type=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
+        grid=(sms or sm_count(),),
+        grid_names=("sm",),
+        num_threads=3,  # two compute warpgroups and the memory one
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        kernel_name=KERNEL_NAME,
+    )
+    scales = (jnp.swapaxes(a_scale_inv, 1, 2).astype(jnp.float32),
+              jnp.swapaxes(b_scale_inv, 1, 2).astype(jnp.float32))  # fmt: skip
+    return dispatch.varying_like(kernel(a, b, *scales), (a, b, *scales))

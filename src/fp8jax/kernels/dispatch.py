@@ -284,6 +284,24 @@ def _varying_struct(struct: jax.ShapeDtypeStruct, axes: frozenset) -> jax.ShapeD
     return jax.ShapeDtypeStruct(struct.shape, struct.dtype, **typed)
 
 
+def varying_like(out, operands):
+    """``out`` typed to vary along every shard_map axis an operand varies along.
+
+    For a kernel whose result type says nothing of them (a Mosaic GPU
+    ``plgpu.kernel``), as :func:`pallas_call` types Pallas's; outside
+    shard_map ``out`` as it is.
+    """
+    if AxisType.Manual not in tuple(jax.sharding.get_abstract_mesh().axis_types):
+        return out
+    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands)))
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, out)
+
+
 def pallas_call(kernel, *, out_shape, **kwargs):
     """``pl.pallas_call(kernel, out_shape=..., **kwargs)``, its results typed for shard_map.
 
