@@ -12,7 +12,13 @@ from fp8jax.ops.layernorm_mlp import layernorm_mlp
 from fp8jax.ops.norm import layernorm
 from fp8jax.ops.ragged_dot import permuted_ragged_dot, ragged_dot
 from fp8jax.quantize import Fp8Array, dequantize, quantize
-from fp8jax.recipes import BlockScaling, CurrentScaling, DelayedScaling, RowwiseScaling
+from fp8jax.recipes import (
+    BlockScaling,
+    CurrentScaling,
+    DelayedScaling,
+    MXFP8Scaling,
+    RowwiseScaling,
+)
 from fp8jax.scaling import (
     DotScaleState,
     MlpScaleState,
@@ -37,6 +43,7 @@ __all__ = [
     "FormatPair",
     "Fp8Array",
     "Fp8Format",
+    "MXFP8Scaling",
     "MlpScaleState",
     "RowwiseScaling",
     "ScaleState",

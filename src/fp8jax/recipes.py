@@ -178,7 +178,8 @@ def resolve_recipe(recipe) -> Recipe:
     if not isinstance(recipe, Recipe):
         raise TypeError(
             "recipe must be fp8jax.CurrentScaling(...), fp8jax.DelayedScaling(...), "
-            f"fp8jax.RowwiseScaling(...), fp8jax.BlockScaling(...) or None, got {recipe!r}."
+            "fp8jax.RowwiseScaling(...), fp8jax.BlockScaling(...), fp8jax.MXFP8Scaling() or "
+            f"None, got {recipe!r}."
         )
     return recipe
 
@@ -285,5 +286,42 @@ class BlockScaling:
             )
 
 
-FINE_RECIPES = (RowwiseScaling, BlockScaling)
-Recipe = CurrentScaling | DelayedScaling | RowwiseScaling | BlockScaling
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MXFP8Scaling:
+    """OCP MXFP8, for Blackwell: every operand in blocks of 32 along the axis its GEMM contracts.
+
+    Each block of 32 consecutive elements along K (activations, weights and
+    gradients alike; each operand is quantized again along the axis its
+    backward GEMM contracts) shares one power-of-two scale, stored as E8M0:
+    the smallest that brings the block's amax within the format's maximum,
+    so that no element saturates. The GEMMs are ``jax.nn.scaled_matmul``,
+    which XLA compiles to cuDNN's block-scaled FP8 GEMM on Blackwell
+    (compute capability 10). On a Hopper GPU it would dequantize the
+    operands to BF16 first, so the ops refuse one; elsewhere (the CPU) XLA
+    computes the same sums as FP8 dots per 32-wide slice
+    (docs/design.md#mxfp8-for-blackwell).
+
+    Attributes:
+      formats: forward and gradient formats; E4M3 for both by default
+        (``fp8jax.ALL_E4M3``).
+
+    Example:
+      >>> import fp8jax
+      >>> fp8jax.MXFP8Scaling().formats
+      FormatPair(forward=E4M3, backward=E4M3)
+    """
+
+    BLOCK = 32
+
+    formats: FormatPair = ALL_E4M3
+
+    def __post_init__(self):
+        if not isinstance(self.formats, FormatPair):
+            raise TypeError(
+                "MXFP8Scaling.formats must be a FormatPair such as fp8jax.ALL_E4M3 or "
+                f"fp8jax.HYBRID, got {self.formats!r}."
+            )
+
+
+FINE_RECIPES = (RowwiseScaling, BlockScaling, MXFP8Scaling)
+Recipe = CurrentScaling | DelayedScaling | RowwiseScaling | BlockScaling | MXFP8Scaling

@@ -64,7 +64,25 @@ def test_shipped_target_configs(name):
     # JAX 0.10.2 rejects this field of newer spec files (the comments name it).
     fields = [line for line in text.splitlines() if not line.startswith("#")]
     assert not any("collective_memory_granularity" in line for line in fields)
-    assert "cuda_compute_capability { major: 9 }" in text
+    major = 10 if name == "b200" else 9  # Blackwell; Hopper
+    assert f"cuda_compute_capability {{ major: {major} }}" in text
+
+
+def test_b200_is_the_h200_with_blackwells_capability_and_sms():
+    """The b200 target is structural: only what decides XLA's GEMMs differs from the H200's."""
+    h200, b200 = (
+        toolchain.target_config(n).split("gpu_device_info", 1)[1] for n in ("h200", "b200")
+    )
+    changed = {
+        a.strip() + " -> " + b.strip()
+        for a, b in zip(h200.splitlines(), b200.splitlines(), strict=True)
+        if a != b
+    }
+    assert changed == {
+        "core_count: 132 -> core_count: 148",
+        "cuda_compute_capability { major: 9 } -> cuda_compute_capability { major: 10 }",
+        'device_description_str: "NVIDIA H200" -> device_description_str: "NVIDIA B200"',
+    }
 
 
 def test_h200_differs_from_h100_in_memory_and_l2():

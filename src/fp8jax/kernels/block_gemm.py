@@ -84,14 +84,18 @@ def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, *,
     return dispatch.on_each_device(pallas, xla, (a, b, a_scale_inv, b_scale_inv), 0, ("rows",))
 
 
-def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=False) -> jax.Array:
-    """The same sums in XLA: one FP8 dot per 128-wide slice of K (f32 out), scaled, summed."""
+def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=False,
+                     block=BLOCK) -> jax.Array:  # fmt: skip
+    """The same sums in XLA: one FP8 dot per ``block``-wide slice of K (f32 out), scaled, summed.
+
+    ``block``: the slice each scale covers, 128 here; MXFP8's 32 (:mod:`fp8jax.ops.mx`).
+    """
     if b_blocks:
-        b_scale_inv = expand_blocks(b_scale_inv, BLOCK)
+        b_scale_inv = expand_blocks(b_scale_inv, block)
     batch, m, k = a.shape
-    n, slices = b.shape[1], k // BLOCK
-    a4 = a.reshape(batch, m, slices, BLOCK)
-    b4 = b.reshape(batch, n, slices, BLOCK)
+    n, slices = b.shape[1], k // block
+    a4 = a.reshape(batch, m, slices, block)
+    b4 = b.reshape(batch, n, slices, block)
     # (B, slices, M, N): each slice's exact FP8 product, accumulated in f32.
     partial = lax.dot_general(a4, b4, (((3,), (3,)), ((0, 2), (0, 2))),
                               preferred_element_type=jnp.float32)  # fmt: skip

@@ -1,13 +1,15 @@
-"""Any dot_general under RowwiseScaling or BlockScaling, as a batch of matrix products.
+"""Any dot_general under RowwiseScaling, BlockScaling or MXFP8Scaling, as a batch of products.
 
-The fine-grained GEMMs (:mod:`fp8jax.ops.rowwise`, :mod:`fp8jax.ops.blockwise`)
+The fine-grained GEMMs (:mod:`fp8jax.ops.rowwise`, :mod:`fp8jax.ops.blockwise`,
+:mod:`fp8jax.ops.mx`)
 take ``a`` (B, M, K) and ``b`` (B, N, K): batch axes first, the free axes
 merged into rows, the contracted axes merged into the minor axis, which is
 where cuBLASLt's FP8 GEMM and the block kernel read K. Each operand is
 brought there in high precision, where XLA fuses the transpose into the
 pass that quantizes it; JAX differentiates the reshapes and transposes
-around the custom_vjp. Under BlockScaling, M, N and K are padded with zeros
-to multiples of 128 (zeros add nothing to a sum, and their scale is 1).
+around the custom_vjp. Under BlockScaling and MXFP8Scaling, M, N and K are
+padded with zeros to multiples of 128 (zeros add nothing to a sum, and their
+scale is 1).
 
 The fused ops (``layernorm_dense``, ``layernorm_mlp``) take these recipes
 as a norm followed by these GEMMs (:func:`unfused_layernorm_dense`): not
@@ -23,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.kernels.block_gemm import BLOCK
-from fp8jax.ops import _partitioning, blockwise, rowwise
-from fp8jax.recipes import BlockScaling, RowwiseScaling
+from fp8jax.ops import _partitioning, blockwise, mx, rowwise
+from fp8jax.recipes import BlockScaling, MXFP8Scaling, RowwiseScaling
 
 
 def dot_general(lhs, rhs, dims, recipe, out_dtype) -> jax.Array:
@@ -68,21 +70,25 @@ def _product(a, b, recipe, out_dtype) -> jax.Array:
         config = rowwise.RowDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
                                       _partitioning.input_types(a, b))  # fmt: skip
         return rowwise.row_dot(a, b, config)
-    if not isinstance(recipe, BlockScaling):
-        raise TypeError(f"recipe must be RowwiseScaling or BlockScaling here, got {recipe!r}.")
+    if not isinstance(recipe, BlockScaling | MXFP8Scaling):
+        raise TypeError(
+            f"recipe must be RowwiseScaling, BlockScaling or MXFP8Scaling here, got {recipe!r}."
+        )
     _, m, k = a.shape
     n = b.shape[1]
     pad = lambda size: -size % BLOCK  # noqa: E731
     a = jnp.pad(a, ((0, 0), (0, pad(m)), (0, pad(k))))
     b = jnp.pad(b, ((0, 0), (0, pad(n)), (0, pad(k))))
-    config = blockwise.BlockDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
-                                      _partitioning.input_types(a, b))  # fmt: skip
-    return blockwise.block_dot(a, b, config)[:, :m, :n]
+    types = (recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
+             _partitioning.input_types(a, b))  # fmt: skip
+    if isinstance(recipe, MXFP8Scaling):
+        return mx.mx_dot(a, b, mx.MXDotConfig(*types))[:, :m, :n]
+    return blockwise.block_dot(a, b, blockwise.BlockDotConfig(*types))[:, :m, :n]
 
 
 def is_fine(recipe) -> bool:
     """Whether ``recipe`` scales finer than per tensor (its GEMMs run here)."""
-    return isinstance(recipe, RowwiseScaling | BlockScaling)
+    return isinstance(recipe, RowwiseScaling | BlockScaling | MXFP8Scaling)
 
 
 def dot(lhs, rhs, bias, dims, recipe, out_dtype, split=None):

@@ -34,7 +34,7 @@ from fp8jax.verify import toolchain
 from fp8jax.verify._arguments import abstract_args, flatten_call, out_specs
 from fp8jax.verify.meshes import MeshAxes, named_shardings, resolve_mesh
 
-TARGETS = ("h100", "h200", "live")
+TARGETS = ("h100", "h200", "b200", "live")
 
 
 class CompileError(RuntimeError):
@@ -62,7 +62,8 @@ def compile_for(
       *args: arrays or ``jax.ShapeDtypeStruct``s, in any pytree; shardings they
         carry (``NamedSharding`` on any mesh) are re-created on the target mesh
         by axis name. Leaves without ``shape`` and ``dtype`` are static.
-      target: ``"h100"`` or ``"h200"`` (deviceless, in a child process), a
+      target: ``"h100"``, ``"h200"`` or ``"b200"`` (deviceless, in a child
+        process; ``"b200"`` is structural only, see its ``.txtpb``), a
         path to a ``GpuTargetConfigProto`` ``.txtpb`` file, or ``"live"`` to
         compile in this process on its GPU.
       devices: number of GPUs in total.

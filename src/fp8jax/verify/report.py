@@ -4,7 +4,8 @@ A GEMM is FP8 when both operands the GEMM kernel reads are FP8: a cuBLASLt
 ``__cublas$lt$matmul$f8`` call, a Triton GEMM fusion whose ``dot`` reads f8
 values, or one of fp8jax's Pallas GEMM kernels (:mod:`fp8jax.verify.pallas_gemms`:
 the block-scaled GEMM, the grouped expert GEMMs of ``fp8jax.ragged_dot``)
-reading two f8 operands (backend ``pallas-fp8``). A GEMM whose
+reading two f8 operands (backend ``pallas-fp8``), or cuDNN's block-scaled GEMM
+``__cudnn$blockScaledDot`` on f8 operands (``cudnn-fp8``: MXFP8 on Blackwell). A GEMM whose
 operands were converted from f8 to a wider type on the way in (the
 quantize-dequantize pattern) is flagged ``upcast_from_fp8``: the data was FP8
 once, but the multiply runs in BF16 or F32.
@@ -22,8 +23,8 @@ from typing import Any
 from fp8jax.verify import _hlo, _upcast, pallas_gemms
 
 GEMM_BACKENDS = (
-    "cublaslt-fp8", "triton-fp8", "pallas-fp8", "cublaslt", "cublas", "triton", "pallas",
-    "cudnn", "dot",
+    "cublaslt-fp8", "triton-fp8", "pallas-fp8", "cudnn-fp8", "cublaslt", "cublas", "triton",
+    "pallas", "cudnn", "dot",
 )  # fmt: skip
 COLLECTIVES = (
     "all-gather",
@@ -39,6 +40,9 @@ _CUBLAS_TARGETS = {
     "__cublas$lt$matmul": "cublaslt",
     "__cublas$gemm": "cublas",
 }
+# cuDNN's block-scaled GEMM (jax.nn.scaled_matmul on Blackwell: MXFP8), whose
+# operands are (lhs, rhs, lhs_scales, rhs_scales): FP8 when lhs and rhs are f8.
+_CUDNN_BLOCK_SCALED = "__cudnn$blockScaledDot"
 # fp8jax's Pallas (Triton) kernels that are GEMMs, by their pallas_call name:
 # each reads its two GEMM operands as its last two operands and multiplies
 # them in the dtype it reads them in (fp8jax.kernels.grouped_gemm). A Pallas call
@@ -283,6 +287,8 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
     pallas = None if kernel is None else pallas_gemms.KERNELS[kernel]
     if target in _CUBLAS_TARGETS:
         backend, kind = _CUBLAS_TARGETS[target], "gemm"
+    elif target == _CUDNN_BLOCK_SCALED:
+        backend, kind = "cudnn", "gemm"  # cudnn-fp8 once the operands are known
     elif "cudnn" in target and ("fmha" in target or "attention" in target):
         backend, kind = "cudnn", "attention"
     elif pallas is not None:
@@ -293,6 +299,8 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
     lhs, rhs = (_upcast.type_of(comp, op) for op in operands)
     if pallas is not None:
         backend, target = pallas_gemms.backend(lhs.is_fp8, rhs.is_fp8), kernel
+    elif target == _CUDNN_BLOCK_SCALED and lhs.is_fp8 and rhs.is_fp8:
+        backend = "cudnn-fp8"
     row = _row(module, inst, backend, kind, target, lhs, rhs, inst.types[0])
     if kind == "gemm" and not row.is_fp8:
         upcast = any(_upcast.dequantized(module, comp, op, ()) for op in operands)

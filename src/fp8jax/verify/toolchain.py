@@ -15,7 +15,7 @@ import pathlib
 import re
 import shutil
 
-TARGET_NAMES = ("h100", "h200")
+TARGET_NAMES = ("h100", "h200", "b200")
 PLUGIN = "jax-cuda13-plugin"
 PJRT = "jax-cuda13-pjrt"  # the plugin's PJRT half, which registers jax_plugins.xla_cuda13
 # XLA divides by some of these; a config without them crashes the compiler.
@@ -83,7 +83,7 @@ def cuda_roots() -> list[pathlib.Path]:
 
 
 def target_config(name: str) -> str:
-    """The ``GpuTargetConfigProto`` text shipped for ``name`` ("h100" or "h200")."""
+    """The ``GpuTargetConfigProto`` text shipped for ``name`` ("h100", "h200" or "b200")."""
     if name not in TARGET_NAMES:
         raise ValueError(f"target must be one of {TARGET_NAMES}, got {name!r}.")
     files = importlib.resources.files("fp8jax.verify") / "targets" / f"{name}.txtpb"
