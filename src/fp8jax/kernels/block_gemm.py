@@ -37,8 +37,9 @@ from fp8jax.kernels import dispatch
 
 BLOCK = 128  # the K slice each scale covers
 # Output rows per compute warpgroup (two a CTA) and columns per tile: the
-# running sum and the fresh product, 64 f32 registers a thread each, fit
-# beside each other; 64 x 256 would need 256 (docs/design.md#the-block-scaled-gemm-kernel).
+# running sum and the fresh product take 64 f32 registers a thread each.
+# 64 x 256 (two sums and a product, 192) measured slower on the H200
+# (docs/design.md#the-block-scaled-gemm-kernel).
 TILE_M, TILE_N = 64, 128
 CTA_M = 2 * TILE_M
 # K slices in flight in shared memory (32 KiB each).
