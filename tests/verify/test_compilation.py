@@ -184,7 +184,11 @@ X = jax.ShapeDtypeStruct((16, 16), jnp.bfloat16)
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"target": "a100"}, ValueError, r"target must be one of \('h100', 'h200', 'b200', 'live'\)"),
+        (
+            {"target": "a100"},
+            ValueError,
+            r"target must be one of \('h100', 'h200', 'b200', 'live'\)",
+        ),
         ({"target": 100}, TypeError, "target must be a str"),
         ({"devices": 6, "hosts": 4}, ValueError, "devices=6 is not divisible by hosts=4"),
         ({"devices": 0}, ValueError, "devices must be a positive int, got 0"),
