@@ -68,38 +68,32 @@ def test_shipped_target_configs(name):
     assert f"cuda_compute_capability {{ major: {major} }}" in text
 
 
+def _changed_lines(old: str, new: str) -> set[tuple[str, str]]:
+    """The device-description lines that differ between two shipped targets, as (old, new)."""
+    old_lines, new_lines = (
+        toolchain.target_config(n).split("gpu_device_info", 1)[1].splitlines() for n in (old, new)
+    )
+    return {(a.strip(), b.strip()) for a, b in zip(old_lines, new_lines, strict=True) if a != b}
+
+
 def test_b200_is_the_h200_with_blackwells_capability_and_sms():
     """The b200 target is structural: only what decides XLA's GEMMs differs from the H200's."""
-    h200, b200 = (
-        toolchain.target_config(n).split("gpu_device_info", 1)[1] for n in ("h200", "b200")
-    )
-    changed = {
-        a.strip() + " -> " + b.strip()
-        for a, b in zip(h200.splitlines(), b200.splitlines(), strict=True)
-        if a != b
-    }
-    assert changed == {
-        "core_count: 132 -> core_count: 148",
-        "cuda_compute_capability { major: 9 } -> cuda_compute_capability { major: 10 }",
-        'device_description_str: "NVIDIA H200" -> device_description_str: "NVIDIA B200"',
+    assert _changed_lines("h200", "b200") == {
+        ("core_count: 132", "core_count: 148"),
+        ("cuda_compute_capability { major: 9 }", "cuda_compute_capability { major: 10 }"),
+        ('device_description_str: "NVIDIA H200"', 'device_description_str: "NVIDIA B200"'),
     }
 
 
 def test_h200_differs_from_h100_in_memory_and_l2():
-    h100, h200 = (
-        toolchain.target_config(n).split("gpu_device_info", 1)[1] for n in ("h100", "h200")
-    )
-    changed = {
-        a.split(":")[0].strip()
-        for a, b in zip(h100.splitlines(), h200.splitlines(), strict=True)
-        if a != b
-    }
+    changed = {a.split(":")[0] for a, _ in _changed_lines("h100", "h200")}
     assert changed == {
         "memory_bandwidth",
         "l2_cache_size",
         "device_memory_size",
         "device_description_str",
     }
+    h200 = toolchain.target_config("h200")
     assert "device_memory_size: 150109880320" in h200  # CUDA totalGlobalMem on the H200
     assert "l2_cache_size: 62914560" in h200
 
