@@ -284,6 +284,13 @@ def _varying_struct(struct: jax.ShapeDtypeStruct, axes: frozenset) -> jax.ShapeD
     return jax.ShapeDtypeStruct(struct.shape, struct.dtype, **typed)
 
 
+def _operands_varying_axes(operands) -> frozenset | None:
+    """The shard_map axes any operand varies along; None outside shard_map."""
+    if AxisType.Manual not in tuple(jax.sharding.get_abstract_mesh().axis_types):
+        return None
+    return frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands)))
+
+
 def varying_like(out, operands):
     """``out`` typed to vary along every shard_map axis an operand varies along.
 
@@ -291,9 +298,9 @@ def varying_like(out, operands):
     ``plgpu.kernel``), as :func:`pallas_call` types Pallas's; outside
     shard_map ``out`` as it is.
     """
-    if AxisType.Manual not in tuple(jax.sharding.get_abstract_mesh().axis_types):
+    axes = _operands_varying_axes(operands)
+    if axes is None:
         return out
-    axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands)))
 
     def cast(x):
         missing = tuple(sorted(axes - varying_axes(x)))
@@ -315,8 +322,8 @@ def pallas_call(kernel, *, out_shape, **kwargs):
 
     def call(*operands):
         shapes = out_shape
-        if AxisType.Manual in tuple(jax.sharding.get_abstract_mesh().axis_types):
-            axes = frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(operands)))
+        axes = _operands_varying_axes(operands)
+        if axes is not None:
             shapes = jax.tree.map(lambda s: _varying_struct(s, axes), out_shape)
         return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*operands)
 
