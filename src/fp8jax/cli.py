@@ -158,7 +158,9 @@ def _add_train(sub) -> None:
     )
     p.add_argument("--precision", help="fp8 (block GEMMs in FP8, the default) or bf16")
     p.add_argument(
-        "--recipe", default=None, help="FP8 scaling: current (default), delayed, row, block"
+        "--recipe",
+        default=None,
+        help="FP8 scaling: current (default), delayed, row, block, mxfp8 (Blackwell)",
     )
     p.add_argument("--steps", type=int, help="total steps of the run")
     p.add_argument("--out", help="run directory (default runs/CONFIG-PRECISION[-RECIPE])")

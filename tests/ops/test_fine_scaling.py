@@ -408,7 +408,9 @@ def test_linen_and_nnx_modules_take_the_recipe(recipe):
 def test_train_recipe_names():
     from fp8jax.training import config
 
-    for name, cls in (("row", fp8jax.RowwiseScaling), ("block", fp8jax.BlockScaling)):
+    named = (("row", fp8jax.RowwiseScaling), ("block", fp8jax.BlockScaling),
+             ("mxfp8", fp8jax.MXFP8Scaling))  # fmt: skip
+    for name, cls in named:
         options = config.TrainOptions(out="unused", config="tiny", precision="fp8", recipe=name)
         assert isinstance(config.resolve(options).fp8_recipe(), cls)
 
@@ -418,7 +420,7 @@ def test_flax_drop_in_dot_general_takes_the_recipe():
 
     x, w, _ = _data()
     dims = (((1,), (0,)), ((), ()))
-    for recipe in RECIPES:
+    for recipe in (*RECIPES, fp8jax.MXFP8Scaling()):
         expected = fp8jax.dot_general(x, w, dims, recipe=recipe)
         np.testing.assert_array_equal(Fp8DotGeneral(recipe=recipe)(x, w, dims), expected)
 

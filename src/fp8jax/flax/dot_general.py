@@ -5,8 +5,9 @@ Flax's ``Dense``, ``DenseGeneral``, ``MultiHeadDotProductAttention``
 ``nnx.LinearGeneral`` take a ``dot_general`` callable. Passing this one makes
 their GEMMs FP8 in forward and backward without touching anything else.
 
-Only :class:`~fp8jax.CurrentScaling` works here: a callable passed to a Flax
-module has nowhere to keep delayed-scaling state. For DelayedScaling use the
+Only the stateless recipes work here (:class:`~fp8jax.CurrentScaling` and the
+fine-grained ones): a callable passed to a Flax module has nowhere to keep
+delayed-scaling state. For DelayedScaling use the
 modules of :mod:`fp8jax.flax.linen` or :mod:`fp8jax.flax.nnx`.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from fp8jax.ops.dot_general import dot_general as _fp8_dot_general
-from fp8jax.recipes import BlockScaling, CurrentScaling, RowwiseScaling
+from fp8jax.recipes import BlockScaling, CurrentScaling, MXFP8Scaling, RowwiseScaling
+
+_STATELESS = CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,7 +27,8 @@ class Fp8DotGeneral:
 
     Attributes:
       recipe: a :class:`~fp8jax.CurrentScaling` (the default), or the
-        stateless :class:`~fp8jax.RowwiseScaling` or :class:`~fp8jax.BlockScaling`.
+        stateless :class:`~fp8jax.RowwiseScaling`, :class:`~fp8jax.BlockScaling`
+        or :class:`~fp8jax.MXFP8Scaling`.
         Its precisions set the accumulation; the ``precision`` Flax passes is ignored.
 
     Example:
@@ -36,15 +40,15 @@ class Fp8DotGeneral:
       (4, 16)
     """
 
-    recipe: CurrentScaling | RowwiseScaling | BlockScaling = dataclasses.field(
+    recipe: CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling = dataclasses.field(
         default_factory=CurrentScaling
     )
 
     def __post_init__(self):
-        if not isinstance(self.recipe, CurrentScaling | RowwiseScaling | BlockScaling):
+        if not isinstance(self.recipe, _STATELESS):
             raise TypeError(
                 "Fp8DotGeneral.recipe must be fp8jax.CurrentScaling(...) (or the stateless "
-                "RowwiseScaling(...), BlockScaling(...)): a dot_general "
+                "RowwiseScaling(...), BlockScaling(...), MXFP8Scaling(...)): a dot_general "
                 f"callable cannot carry scale state, got {self.recipe!r}. For DelayedScaling "
                 "use the modules in fp8jax.flax.linen or fp8jax.flax.nnx."
             )

@@ -15,7 +15,7 @@ from fp8jax.training.errors import ConfigError
 
 # --recipe names and the recipe each builds (RunConfig.fp8_recipe); a new
 # recipe is one more entry here.
-RECIPES = ("current", "delayed", "row", "block")
+RECIPES = ("current", "delayed", "row", "block", "mxfp8")
 REMAT = tuple(REMAT_POLICIES)
 DELAYED_HISTORY = 16  # amax history of --recipe delayed; short, so the scales follow training
 
@@ -100,8 +100,9 @@ class TrainOptions:
       out: the run directory (config.json, metrics.jsonl, checkpoints/, summary.json).
       config: a preset name from :data:`PRESETS`.
       precision: ``"fp8"`` or ``"bf16"``.
-      recipe: ``"current"``, ``"delayed"``, ``"row"`` (RowwiseScaling) or ``"block"``
-        (BlockScaling); FP8 only, default current.
+      recipe: ``"current"``, ``"delayed"``, ``"row"`` (RowwiseScaling), ``"block"``
+        (BlockScaling) or ``"mxfp8"`` (MXFP8Scaling: Blackwell GPUs, or the CPU's
+        reference path); FP8 only, default current.
       steps, batch_size, seq_len, learning_rate, log_every, eval_every,
       eval_batches, checkpoint_every: override the preset.
       seed: initialization and batch order.
@@ -209,7 +210,11 @@ class RunConfig:
             return None
         if self.recipe == "delayed":
             return fp8jax.DelayedScaling(amax_history_len=DELAYED_HISTORY)
-        fine = {"row": fp8jax.RowwiseScaling, "block": fp8jax.BlockScaling}.get(self.recipe)
+        fine = {
+            "row": fp8jax.RowwiseScaling,
+            "block": fp8jax.BlockScaling,
+            "mxfp8": fp8jax.MXFP8Scaling,
+        }.get(self.recipe)
         return fp8jax.CurrentScaling() if fine is None else fine()
 
     def schedule(self) -> optax.Schedule:
