@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
+import jax
 import pytest
 
 from fp8jax import cli
@@ -87,6 +89,18 @@ def test_bad_options_fail_before_anything_is_written(tmp_path, capsys, argv, mes
     assert fp8jax_train("--out", str(out), *argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("fp8jax train: error: ") and message in err
+    assert not out.exists()
+
+
+def test_mxfp8_on_a_hopper_gpu_fails_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    # This machine's devices are CPUs, which the check passes; an H200's is this one.
+    h200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="H200")
+    monkeypatch.setattr(jax, "local_devices", lambda: [h200])
+    out = tmp_path / "run"
+    assert fp8jax_train("--out", str(out), "--recipe", "mxfp8") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp8jax train: error: --recipe mxfp8: MXFP8Scaling needs a GPU")
+    assert "H200 has 9.0" in err and "Use --recipe block on Hopper." in err
     assert not out.exists()
 
 

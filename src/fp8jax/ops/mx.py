@@ -51,8 +51,11 @@ class MXDotConfig:
     inputs: tuple[_partitioning.InputType, ...] = ()
 
 
-def check_devices(devices=None) -> None:
-    """Raises ValueError for a GPU among ``devices`` (this process's) older than Blackwell."""
+def check_devices(devices=None, advice: str = "Use fp8jax.BlockScaling() on Hopper.") -> None:
+    """Raises ValueError for a GPU among ``devices`` (this process's) older than Blackwell.
+
+    ``advice``: the message's last sentence, what to use instead.
+    """
     for device in jax.local_devices() if devices is None else devices:
         capability = getattr(device, "compute_capability", None)
         if device.platform != "gpu" or capability is None:
@@ -62,7 +65,7 @@ def check_devices(devices=None) -> None:
                 f"MXFP8Scaling needs a GPU of compute capability {BLACKWELL}.0 or later "
                 f"(Blackwell) for its block-scaled FP8 GEMMs; {device.device_kind} has "
                 f"{capability}, where XLA would dequantize the operands and multiply in BF16. "
-                "Use fp8jax.BlockScaling() on Hopper."
+                + advice
             )
 
 

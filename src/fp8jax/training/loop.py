@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fp8jax import compile_cache, data
+from fp8jax.ops import mx
 from fp8jax.training import gemm_count, mfu, summary
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training.config import OLD_RUN_DEFAULTS, RunConfig, TrainOptions, resolve
@@ -109,6 +110,7 @@ def train(
     cache_dir = _compile_cache_dir(options.compile_cache)
     axes = mesh_lib.parse_mesh(options.mesh)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
+    _check_recipe_devices(config, mesh)
     try:
         corpus = data.load_corpus(options.data)
     except OSError as e:  # unreadable files, a folder in a file's place: not a DataError
@@ -154,6 +156,21 @@ def train(
         loop = _Loop(program, run, corpus, options, say)
         with program.sharding_context():
             return loop.run(state, start, progress, on_step)
+
+
+def _check_recipe_devices(config: RunConfig, mesh) -> None:
+    """Refuses ``--recipe mxfp8`` on GPUs older than Blackwell before anything is written.
+
+    The ops would refuse too, but only once the first step traces, from deep
+    inside it; here the message names the option.
+    """
+    if config.precision != "fp8" or config.recipe != "mxfp8":
+        return
+    devices = jax.local_devices() if mesh is None else list(mesh.devices.flat)
+    try:
+        mx.check_devices(devices, advice="Use --recipe block on Hopper.")
+    except ValueError as e:
+        raise ConfigError(f"--recipe mxfp8: {e}") from None
 
 
 def _compile_cache_dir(setting: str) -> str | None:
