@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +34,13 @@ from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
 from fp8jax.kernels import block_gemm
 
 BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
-# The kernel's pipeline stages (K slices in flight); the first is the library's default.
-CONFIGS = [block_gemm.STAGES, 3, 5]
+# Kernel configurations timed, by name; the first is the library's default.
+CONFIGS = {
+    "default": {},
+    "group4": {"group": 4},
+    "group16": {"group": 16},
+    "stages3": {"stages": 3},
+}
 
 
 def operands(m, k, n, key=0):
@@ -51,11 +57,10 @@ def check(m=1024, k=2048, n=768) -> dict:
     out = {}
     xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32))(*ops)
     exact = jnp.einsum("bmk,bnk->bmn", x, w, precision=lax.Precision.HIGHEST)
-    for stages in CONFIGS[:1]:
-        fn = functools.partial(block_gemm.mosaic_block_matmul, out_dtype=jnp.float32,
-                               stages=stages)  # fmt: skip
+    for config, kwargs in list(CONFIGS.items())[:1]:
+        fn = functools.partial(block_gemm.mosaic_block_matmul, out_dtype=jnp.float32, **kwargs)
         y = jax.jit(fn)(*ops)
-        out[f"stages={stages}"] = {
+        out[config] = {
             "max_rel_diff_vs_xla": float(jnp.max(jnp.abs(y - xla)) / jnp.max(jnp.abs(xla))),
             "rel_error_vs_f32": float(jnp.linalg.norm(y - exact) / jnp.linalg.norm(exact)),
         }
@@ -64,7 +69,14 @@ def check(m=1024, k=2048, n=768) -> dict:
     return out
 
 
-def gemm_rows(m, k, n, iters) -> list[dict]:
+def gemm_rows(m, k, n, iters, trace=None) -> list[dict]:
+    """The GEMM rows; with ``trace`` (a folder), each row also has ``device_ms``.
+
+    ``device_ms`` is the kernels' own time per call from a profile of three
+    calls: at about a millisecond a call, the synchronized median also holds
+    the host's dispatch and wait, several tenths of a millisecond on the H200
+    (docs/design.md#the-block-scaled-gemm-kernel).
+    """
     x, w, ops = operands(m, k, n)
     flops = 2 * m * k * n
     rows = []
@@ -81,19 +93,23 @@ def gemm_rows(m, k, n, iters) -> list[dict]:
     # The weight's block scales (b_blocks, the library's forward and dgrad): one
     # scalar a tile and step; per-row scales (its wgrad's form): a row and a column.
     _, b_blocks = quantize_blocks(w, fp8jax.E4M3, 128)
-    for stages in CONFIGS:
+    for config, kwargs in CONFIGS.items():
         for form, scales in (("blocks", b_blocks), ("rows", ops[3])):
             fn = functools.partial(block_gemm.mosaic_block_matmul, out_dtype=BF16,
-                                   stages=stages, b_blocks=form == "blocks")  # fmt: skip
-            variants[f"block_mosaic_{form}_s{stages}"] = (jax.jit(fn), (*ops[:3], scales))
+                                   b_blocks=form == "blocks", **kwargs)  # fmt: skip
+            variants[f"block_mosaic_{form}_{config}"] = (jax.jit(fn), (*ops[:3], scales))
     for name, (fn, args) in variants.items():
+        where = os.path.join(trace, name) if trace else None
         try:
-            row = measure(name, fn, *args, iters=iters)
-        except Exception as e:  # a kernel configuration Triton cannot compile
+            row = measure(name, fn, *args, iters=iters, trace_dir=where)
+        except Exception as e:  # a kernel configuration that does not compile
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             rows.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             continue
         row.pop("report", None)
+        if where:
+            row["device_ms"] = row.pop("breakdown")["kernel_ms"]
+            print(f"    {name}: {row['device_ms']:.3f} ms of kernels a call", flush=True)
         rows.append(row | {"tflops": flops / row["median_ms"] / 1e9})
     return rows
 
@@ -133,21 +149,26 @@ def dense_rows(m, k, n, iters) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gemm", default="8192x8192x8192")
-    parser.add_argument("--dense", default="16384x4096x16384")
+    parser.add_argument("--dense", default="16384x4096x16384", help="'' skips the dense rows")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--configs", type=int, default=len(CONFIGS), help="stage counts timed")
+    parser.add_argument("--configs", type=int, default=len(CONFIGS),
+                        help="kernel configurations timed (the first N of CONFIGS)")  # fmt: skip
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trace", default=None, help="profile the GEMM rows here (device_ms)")
     add_compile_cache_argument(parser)
     add_heat_argument(parser)
     args = parser.parse_args()
     env = start(args)
     print(env, flush=True)
     results = {"environment": env, "check": check()}
-    del CONFIGS[args.configs :]
+    for config in list(CONFIGS)[args.configs :]:
+        del CONFIGS[config]
     gm, gk, gn = (int(v) for v in args.gemm.split("x"))
-    results["gemm"] = {args.gemm: gemm_rows(gm, gk, gn, args.iters)}
+    results["gemm"] = {args.gemm: gemm_rows(gm, gk, gn, args.iters, args.trace)}
     if args.out:
         dump(args.out, results)
+    if not args.dense:
+        return
     dm, dk, dn = (int(v) for v in args.dense.split("x"))
     results["dense_fwd_bwd"] = {args.dense: dense_rows(dm, dk, dn, args.iters)}
     if args.out:
