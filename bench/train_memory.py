@@ -1,6 +1,7 @@
 """How many sequences of a preset fit on one GPU: an estimate that needs no GPU.
 
-The batch sizes of the Llama presets come from this (docs/train.md#llama-presets).
+The Llama presets' batch sizes came from this until the compiled step's measured
+peak showed its activations about five times too high (docs/train.md#llama-presets).
 It counts what the train step keeps from the forward for the backward
 (``jax.ad_checkpoint``'s saved residuals of the loss, traced on abstract
 values, nothing allocated) and adds the f32 training state:

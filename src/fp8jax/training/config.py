@@ -52,8 +52,8 @@ class Preset:
 
 
 # Sequences per step of the Llama presets (docs/train.md#llama-presets).
-LLAMA_1B_BATCH = 4
-LLAMA_3B_BATCH = 1
+LLAMA_1B_BATCH = 16
+LLAMA_3B_BATCH = 8
 
 PRESETS = {
     # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
@@ -78,7 +78,8 @@ PRESETS = {
     ),
     # Llama-3.2-shaped (RMSNorm, SwiGLU, RoPE, GQA, no biases) over bytes. The
     # batch sizes fill one H200 (141 GB) in BF16 without activation
-    # checkpointing; how they were sized is in docs/train.md#llama-presets.
+    # checkpointing, measured by the compiled step's peak
+    # (docs/train.md#llama-presets).
     "llama-1b": Preset(
         model=GptConfig(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192),
         seq_len=4096, batch_size=LLAMA_1B_BATCH, learning_rate=3e-4, warmup_steps=200,
