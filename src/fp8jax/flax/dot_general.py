@@ -16,9 +16,15 @@ from __future__ import annotations
 import dataclasses
 
 from fp8jax.ops.dot_general import dot_general as _fp8_dot_general
-from fp8jax.recipes import BlockScaling, CurrentScaling, MXFP8Scaling, RowwiseScaling
+from fp8jax.recipes import (
+    FINE_RECIPES,
+    BlockScaling,
+    CurrentScaling,
+    MXFP8Scaling,
+    RowwiseScaling,
+)
 
-_STATELESS = CurrentScaling | RowwiseScaling | BlockScaling | MXFP8Scaling
+_STATELESS = (CurrentScaling, *FINE_RECIPES)  # the recipes that keep no scale state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
