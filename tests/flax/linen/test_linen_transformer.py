@@ -114,6 +114,43 @@ def test_h100_compile_runs_twelve_fp8_gemms():
         assert sum(f"/{projection}/" in n for n in names) == count, names
 
 
+@pytest.mark.usefixtures("standard_promotion")
+@pytest.mark.deviceless
+def test_h200_compile_takes_the_qkv_gradients_row_maxima_per_token():
+    # Under current scaling the QKV gradient's amax comes out of the fusion
+    # that applies the RoPE backward to the attention's dq, dk and dv. Reduced
+    # over rows of one 128-wide head, that fusion ran at under half the speed
+    # it runs with a token's rows (docs/design.md#the-amax-over-rows-of-a-token):
+    # every QKV maxima fusion of the backward reduces to (batch, tokens) or less.
+    import re
+
+    from fp8jax import verify
+    from fp8jax.verify import toolchain
+
+    try:
+        toolchain.check_deviceless()
+    except ImportError as e:
+        pytest.skip(f"no deviceless GPU compiles here: {e}")
+    layer = fnn.TransformerLayer(
+        4, 1024, num_kv_heads=2, head_dim=128, use_rope=True, causal=True, norm_type="rmsnorm",
+        activations=("silu", "linear"), use_bias=False, dtype=jnp.bfloat16,
+    )  # fmt: skip
+    x = jax.ShapeDtypeStruct((2, 128, 512), jnp.bfloat16)
+    variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+
+    def step(variables, x):
+        loss = lambda v, x: jnp.mean(jnp.square(layer.apply(v, x).astype(jnp.float32)))  # noqa: E731
+        return jax.value_and_grad(loss, argnums=(0, 1))(variables, x)
+
+    hlo = verify.compile_for(step, variables, x, target="h200")
+    fusion = re.compile(r"= \(?(?:bf16|f32)\[([\d,]*)\][^\n]*? fusion\([^\n]*qkv/reduce_max")
+    backward = [line for line in hlo.splitlines() if "transpose(jvp(" in line]
+    maxima = [m.group(1) for line in backward if (m := fusion.search(line))]
+    assert maxima, "no QKV maxima fusion in the backward"
+    assert all(len(dims.split(",")) <= 2 for dims in maxima if dims), maxima
+    assert "2,128" in maxima, maxima
+
+
 def test_logical_names_shard_over_a_mesh():
     # Auto axes: the FP8 ops take no out_sharding, which Explicit axes would need.
     auto = (jax.sharding.AxisType.Auto,) * 2
