@@ -130,6 +130,30 @@ def test_ctrl_c_while_jax_is_imported_exits_130_in_one_line(tmp_path):
     ), output
 
 
+# A Ctrl-C sent the moment the Ctrl-C pipe exists, before the handler is set:
+# the race the test above lost on CI once (a KeyboardInterrupt traceback, -2).
+_CTRL_C_DURING_INSTALL = """
+import os, signal, time
+import fp8jax_command
+interrupts = fp8jax_command._load_interrupts()
+set_blocking = os.set_blocking
+def ctrl_c_then_set_blocking(fd, flag):
+    os.kill(os.getpid(), signal.SIGINT)
+    set_blocking(fd, flag)
+os.set_blocking = ctrl_c_then_set_blocking
+interrupts.install("", "interrupted.")
+time.sleep(60)  # the watcher thread ends the process before this returns
+"""
+
+
+def test_ctrl_c_while_the_handler_is_installed_exits_130_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_DURING_INSTALL], capture_output=True, text=True,
+        timeout=PATIENCE_S,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stdout + proc.stderr) == (130, "fp8jax: interrupted.\n")
+
+
 def test_ctrl_c_while_reading_data_exits_at_once_and_writes_nothing(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

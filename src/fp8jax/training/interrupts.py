@@ -52,11 +52,21 @@ class CtrlC:
         self._lock = threading.Lock()
 
     def _install(self) -> None:
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        signal.signal(signal.SIGINT, _ignore)
-        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(read,), daemon=True, name="ctrl-c").start()
+        # Ctrl-C is held back until the pipe, the handler and the watcher are all
+        # in place: one that came between the pipe and the handler raised a
+        # KeyboardInterrupt through the command's start. Held back, it arrives
+        # once the mask is restored and takes the pipe like any other.
+        mask = getattr(signal, "pthread_sigmask", None)  # POSIX only
+        previous = mask(signal.SIG_BLOCK, {signal.SIGINT}) if mask else None
+        try:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            signal.signal(signal.SIGINT, _ignore)
+            signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            threading.Thread(target=self._watch, args=(read,), daemon=True, name="ctrl-c").start()
+        finally:
+            if mask:
+                mask(signal.SIG_SETMASK, previous)
 
     def _watch(self, fd: int) -> None:
         while True:
