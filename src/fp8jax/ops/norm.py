@@ -79,19 +79,31 @@ def normalize(x, gamma, beta, config: NormConfig):
     )  # fmt: skip
 
 
-def normalize_rows(x, gamma, beta, centred: bool, epsilon: float):
+def _row_mean(v, width: int | None):
+    """Mean over the last axis, of its first ``width`` entries (the rest are zeros)."""
+    if width is None:
+        return jnp.mean(v, axis=-1, keepdims=True)
+    return jnp.sum(v, axis=-1, keepdims=True) / jnp.float32(width)
+
+
+def normalize_rows(x, gamma, beta, centred: bool, epsilon: float, width: int | None = None):
     """:func:`normalize`'s arithmetic on f32 rows: ``(y, mean, rstd)``, ``mean`` None uncentred.
 
     ``gamma`` (effective) and ``beta`` (or None) are f32 and broadcast
     against ``x``. The forward kernel (:mod:`fp8jax.ops.norm_forward`) runs
-    the same code on a row at a time.
+    the same code on a row at a time. ``width``: the row's true length where
+    the kernel pads it with zeros to a power of two (None: all of it); ``x``,
+    ``gamma`` and ``beta`` are zero past it, and so is ``y``.
     """
     if centred:
-        mean = jnp.mean(x, axis=-1, keepdims=True)
+        mean = _row_mean(x, width)
         centred_x = x - mean
+        if width is not None:
+            columns = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+            centred_x = jnp.where(columns < width, centred_x, 0.0)
     else:
         mean, centred_x = None, x
-    rstd = jax.lax.rsqrt(jnp.mean(centred_x * centred_x, axis=-1, keepdims=True) + epsilon)
+    rstd = jax.lax.rsqrt(_row_mean(centred_x * centred_x, width) + epsilon)
     y = centred_x * rstd * gamma
     if beta is not None:
         y = y + beta
@@ -121,18 +133,20 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, resid
     return dx.astype(x.dtype), dgamma, dbeta
 
 
-def row_gradients(dy, x, mean, rstd, gamma):
+def row_gradients(dy, x, mean, rstd, gamma, width: int | None = None):
     """``(dx, dy * xhat)`` in f32 from f32 ``dy``, ``x`` and the saved row statistics.
 
     ``gamma`` is the effective scale, broadcastable to ``x``; ``mean`` is None
     for rmsnorm. Row by row, so the one-pass kernel
     (:mod:`fp8jax.ops.norm_backward`) computes the same from its blocks.
+    ``width``: as for :func:`normalize_rows`; with ``dy`` and ``gamma`` zero
+    past it, both products are zero there and ``dx`` there is unused.
     """
     xhat = (x - mean) * rstd if mean is not None else x * rstd
     dxhat = dy * gamma
-    projection = xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    projection = xhat * _row_mean(dxhat * xhat, width)
     if mean is not None:
-        dx = rstd * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True) - projection)
+        dx = rstd * (dxhat - _row_mean(dxhat, width) - projection)
     else:
         dx = rstd * (dxhat - projection)
     return dx, dy * xhat

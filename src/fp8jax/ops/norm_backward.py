@@ -16,8 +16,11 @@ layer's peak memory nor its time, so it does not.
 
 Each program takes :data:`ROWS_PER_PROGRAM` rows, a whole row at a time,
 as the row sums need all of it. Triton's blocks have power-of-two sizes, so
-the hidden size must be a power of two, and at most :data:`MAX_HIDDEN` for
-a row to stay in registers (:func:`fits`). Off NVIDIA GPUs, and with the
+a row of another hidden size (Llama-3.2-3B's 3072) is loaded padded with
+zeros to the next power of two and stored masked (:func:`load_rows`,
+:func:`store_rows`), and the row means divide by the true size; the padded
+row must stay within :data:`MAX_HIDDEN` for it to fit in registers
+(:func:`fits`). Off NVIDIA GPUs, and with the
 kernels off (:mod:`fp8jax.kernels`), XLA computes the same values. Where the norm's rows are
 split by data parallelism the kernel runs on each device's rows, as the
 cast kernel does (:func:`fp8jax.kernels.dispatch.on_each_device`).
@@ -43,8 +46,53 @@ MIN_HIDDEN, MAX_HIDDEN = 128, 16384
 
 
 def hidden_fits(hidden: int) -> bool:
-    """Whether the norm kernels take rows of ``hidden``: a power of two registers can hold."""
-    return hidden & (hidden - 1) == 0 and MIN_HIDDEN <= hidden <= MAX_HIDDEN
+    """Whether the norm kernels take rows of ``hidden``: padded, a power of two registers hold."""
+    return hidden >= MIN_HIDDEN and padded_width(hidden) <= MAX_HIDDEN
+
+
+def padded_width(hidden: int) -> int:
+    """The power of two a kernel's row of ``hidden`` is padded to (``hidden`` if it is one)."""
+    return 1 << (hidden - 1).bit_length()
+
+
+def load_rows(ref, start, count: int):
+    """Rows ``start .. start + count`` of a (rows, hidden) block, zero-padded to a power of two.
+
+    Triton loads only power-of-two shapes: a row of any other length is
+    loaded masked, with zeros past ``hidden``. ``start`` may be traced.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    hidden = ref.shape[1]
+    width = padded_width(hidden)
+    if width == hidden:
+        return ref[pl.ds(start, count), :]
+    rows = start + lax.broadcasted_iota(jnp.int32, (count, 1), 0)
+    columns = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    mask = jnp.broadcast_to(columns < hidden, (count, width))
+    return pallas_triton.load(ref.at[rows, columns], mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def store_rows(ref, start, value) -> None:
+    """Writes :func:`load_rows`'s padded ``value`` back to rows ``start ..``, the padding masked."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pallas_triton
+
+    count, width = value.shape
+    hidden = ref.shape[1]
+    if width == hidden:
+        ref[pl.ds(start, count), :] = value.astype(ref.dtype)
+        return
+    rows = start + lax.broadcasted_iota(jnp.int32, (count, 1), 0)
+    columns = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    mask = jnp.broadcast_to(columns < hidden, (count, width))
+    pallas_triton.store(ref.at[rows, columns], value.astype(ref.dtype), mask=mask)
+
+
+def true_width(hidden: int) -> int | None:
+    """``width`` for :func:`fp8jax.ops.norm.normalize_rows` on rows of ``hidden`` in a kernel."""
+    return None if padded_width(hidden) == hidden else hidden
 
 
 def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
@@ -53,9 +101,10 @@ def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
     return rows % (row_shards * ROWS_PER_PROGRAM) == 0 and hidden_fits(hidden)
 
 
-def _row_gradients(dy, x, mean, rstd, gamma):
+def _row_gradients(dy, x, mean, rstd, gamma, width=None):
     """:func:`fp8jax.ops.norm.row_gradients` of a block of rows in any float dtype."""
-    return norm.row_gradients(dy.astype(jnp.float32), x.astype(jnp.float32), mean, rstd, gamma)
+    return norm.row_gradients(dy.astype(jnp.float32), x.astype(jnp.float32), mean, rstd, gamma,
+                              width)  # fmt: skip
 
 
 def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
@@ -69,13 +118,16 @@ def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
     dx_ref, dgamma_ref = refs.pop(0), refs.pop(0)
     dbeta_ref = refs.pop(0) if has_beta else None
     hidden = x_ref.shape[1]
-    gamma = gamma_ref[...]
+    width = true_width(hidden)
+    gamma = load_rows(gamma_ref, 0, 1)
 
     def load(i):
-        rows = pl.ds(jnp.minimum(i, ROWS_PER_PROGRAM - 1), 1)
+        row = jnp.minimum(i, ROWS_PER_PROGRAM - 1)
+        rows = pl.ds(row, 1)
         mean = None if mean_ref is None else mean_ref[rows, :]
-        residual = None if residual_ref is None else residual_ref[rows, :]
-        return dy_ref[rows, :], x_ref[rows, :], mean, rstd_ref[rows, :], residual
+        residual = None if residual_ref is None else load_rows(residual_ref, row, 1)
+        dy, x = load_rows(dy_ref, row, 1), load_rows(x_ref, row, 1)
+        return dy, x, mean, rstd_ref[rows, :], residual
 
     # Each row's loads are issued one row ahead, before the row sums of the
     # row before, so that their latency overlaps that row's math: (16384,
@@ -85,17 +137,17 @@ def _kernel(centred: bool, has_beta: bool, has_residual: bool, *refs):
     def row(i, carry):
         sums, (dy, x, mean, rstd, residual) = carry
         ahead = load(i + 1)
-        dx, dy_xhat = _row_gradients(dy, x, mean, rstd, gamma)
+        dx, dy_xhat = _row_gradients(dy, x, mean, rstd, gamma, width)
         if residual is not None:
             dx = dx + residual.astype(jnp.float32)
-        dx_ref[pl.ds(i, 1), :] = dx.astype(dx_ref.dtype)
+        store_rows(dx_ref, i, dx)
         return (sums[0] + dy_xhat, sums[1] + dy.astype(jnp.float32)), ahead
 
-    zeros = jnp.zeros((1, hidden), jnp.float32)
+    zeros = jnp.zeros((1, padded_width(hidden)), jnp.float32)
     (dgamma, dbeta), _ = lax.fori_loop(0, ROWS_PER_PROGRAM, row, ((zeros, zeros), load(0)))
-    dgamma_ref[...] = dgamma
+    store_rows(dgamma_ref, 0, dgamma)
     if dbeta_ref is not None:
-        dbeta_ref[...] = dbeta
+        store_rows(dbeta_ref, 0, dbeta)
 
 
 def _pallas(dy, x, mean, rstd, residual, gamma, has_beta: bool, interpret: bool = False):

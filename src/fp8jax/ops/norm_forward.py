@@ -64,19 +64,21 @@ def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float
 
     refs = list(refs)
     x_ref, gamma_ref = refs.pop(0), refs.pop(0)
-    beta = refs.pop(0)[...] if has_beta else None
+    beta = norm_backward.load_rows(refs.pop(0), 0, 1) if has_beta else None
     cast = fmt is not None
     scale = refs.pop(0)[0] if cast else None
     q_ref = refs.pop(0) if cast else None
     mean_ref = refs.pop(0) if cast and centred else None
     rstd_ref = refs.pop(0) if cast else None
     (max_ref,) = refs
-    gamma = gamma_ref[...]
+    gamma = norm_backward.load_rows(gamma_ref, 0, 1)
+    width = norm_backward.true_width(x_ref.shape[1])
 
     steps = ROWS_PER_PROGRAM // ROWS_PER_STEP
 
     def load(i):
-        return x_ref[pl.ds(jnp.minimum(i, steps - 1) * ROWS_PER_STEP, ROWS_PER_STEP), :]
+        return norm_backward.load_rows(x_ref, jnp.minimum(i, steps - 1) * ROWS_PER_STEP,
+                                       ROWS_PER_STEP)  # fmt: skip
 
     # The next rows' load is issued before this step's statistics, so that
     # its latency overlaps them (as in fp8jax.ops.norm_backward).
@@ -84,9 +86,11 @@ def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float
         amax, x = carry
         ahead = load(i + 1)
         rows = pl.ds(i * ROWS_PER_STEP, ROWS_PER_STEP)
-        y, mean, rstd = norm.normalize_rows(x.astype(jnp.float32), gamma, beta, centred, epsilon)
+        y, mean, rstd = norm.normalize_rows(x.astype(jnp.float32), gamma, beta, centred, epsilon,
+                                            width)  # fmt: skip
         if cast:
-            q_ref[rows, :] = quantize_with_scale(y, fmt, scale).data
+            q = quantize_with_scale(y, fmt, scale).data
+            norm_backward.store_rows(q_ref, i * ROWS_PER_STEP, q)
             if mean_ref is not None:
                 mean_ref[rows, :] = mean
             rstd_ref[rows, :] = rstd
