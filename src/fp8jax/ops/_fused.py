@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fp8jax import activations as activations_
 from fp8jax.ops import _partitioning, norm_forward
@@ -24,7 +25,7 @@ from fp8jax.ops.norm import NormConfig, normalize
 from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
 from fp8jax.ops.quantizing import amax_for_update, current_amax_and_scale, quantize_operand
 from fp8jax.ops.split import Split
-from fp8jax.quantize import check_high_precision
+from fp8jax.quantize import Fp8Array, check_high_precision
 from fp8jax.recipes import Recipe
 from fp8jax.scaling import ScaleState
 
@@ -50,13 +51,18 @@ class FusedConfig:
 
 
 class NormSaved(NamedTuple):
-    """What the norm's backward reads: its inputs and per-row statistics."""
+    """What the norm's backward reads: its inputs and per-row statistics.
+
+    ``scale``: the FP8 output's scale where the kernel cast it; the backward
+    then casts it again from ``x`` (:func:`fp8_output`) instead of keeping it.
+    """
 
     x: jax.Array
     gamma: jax.Array
     beta: jax.Array | None
     mean: jax.Array | None
     rstd: jax.Array
+    scale: jax.Array | None = None
 
 
 def normalized(x, gamma, beta, config: FusedConfig) -> jax.Array:
@@ -90,10 +96,40 @@ def normalize_and_quantize(
         if state is not None:
             amax = amax_for_update(maxima, recipe)
         normed = from_kernel(q, inverse(scale), fmt, amax)
-        return normed, NormSaved(x, gamma, beta, mean, rstd)
+        return normed, NormSaved(x, gamma, beta, mean, rstd, scale)
     _, mean, rstd = normalize(x, gamma, beta, config.norm)
     value = normalized(x, gamma, beta, config).astype(jnp.float32)
     return quantize_operand(value, fmt, state, recipe), NormSaved(x, gamma, beta, mean, rstd)
+
+
+def saved_output(normed: QuantizedOperand, norm: NormSaved) -> Fp8Array | None:
+    """What the forward keeps of the norm's FP8 output: None where the backward casts it again.
+
+    XLA's rematerialization recomputes an XLA fusion when memory runs short,
+    never a kernel's output: kept, the kernel's FP8 copy (and the transposed
+    copy XLA makes of it for the weight gradient) stays in memory from the
+    forward to the backward (docs/design.md#the-norms-fp8-output-cast-again-in-the-backward).
+    """
+    return None if norm.scale is not None else normed.fp8
+
+
+def fp8_output(saved: Fp8Array | None, norm: NormSaved, config: FusedConfig, after) -> Fp8Array:
+    """The norm's FP8 output in the backward: :func:`saved_output`'s, or cast again from ``x``.
+
+    The kernel computes the forward's bytes again: same input, same scale,
+    same arithmetic. Its inputs pass an ``optimization_barrier`` with
+    ``after`` (a value of the backward, the output gradient), so that XLA
+    neither merges the call with the forward's identical one (CSE) nor
+    schedules it before the backward needs it.
+    """
+    if saved is not None:
+        return saved
+    x, gamma, beta, scale, _ = lax.optimization_barrier((norm.x, norm.gamma, norm.beta,
+                                                         norm.scale, after))  # fmt: skip
+    fmt = config.recipe.formats.forward
+    q = norm_forward.normalize_and_cast(x, gamma, beta, config.norm, scale, fmt,
+                                        norm_forward.kernel_row_axes(x))[0]  # fmt: skip
+    return Fp8Array(q, inverse(scale), fmt)
 
 
 def contract_last(lhs_ndim: int):

@@ -36,7 +36,7 @@ class LnDenseResiduals(NamedTuple):
     """What layernorm_dense's forward saves for its backward."""
 
     norm: NormSaved
-    normed: Fp8Array  # the norm's output, the GEMM's lhs
+    normed: Fp8Array | None  # the norm's output, the GEMM's lhs (_fused.saved_output)
     kernel: Fp8Array
     state: DotScaleState | None
     amaxes: tuple[jax.Array, jax.Array]  # normed's and kernel's, for the state's update
@@ -61,12 +61,12 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
         y = (y, _fused.normalized(x, gamma, beta, config).astype(x.dtype))
     if config.return_residual:
         y = (y, x)
-    return y, LnDenseResiduals(norm, normed.fp8, kernel_q.fp8, state,
+    return y, LnDenseResiduals(norm, _fused.saved_output(normed, norm), kernel_q.fp8, state,
                                (normed.amax, kernel_q.amax))  # fmt: skip
 
 
 def _ln_dense_bwd(config: FusedConfig, saved: LnDenseResiduals, cotangent):
-    x, gamma, beta, mean, rstd = saved.norm
+    x, gamma, beta, mean, rstd, _ = saved.norm
     recipe, state = config.recipe, saved.state
     g, g_normed = cotangent if config.return_normalized else (cotangent, None)
     g, g_residual = g if config.return_residual else (g, None)
@@ -75,8 +75,9 @@ def _ln_dense_bwd(config: FusedConfig, saved: LnDenseResiduals, cotangent):
     g_q = quantize_operand(g, recipe.formats.backward, state and state.grad, recipe,
                            rows_ndim=x.ndim - 1, transpose=True, rows_are_tokens=True,
                            column_sums=config.bias_dtype is not None)  # fmt: skip
+    normed = _fused.fp8_output(saved.normed, saved.norm, config, g_q.fp8.data)
     d_normed, d_kernel = gemm.backward_dots(
-        _fused.contract_last(x.ndim), x.ndim, Fp8Layout(saved.normed), saved.kernel, g_q,
+        _fused.contract_last(x.ndim), x.ndim, Fp8Layout(normed), saved.kernel, g_q,
         x.dtype, config.kernel_dtypes[0], recipe,
     )  # fmt: skip
     if g_normed is not None:

@@ -59,7 +59,7 @@ class MlpResiduals(NamedTuple):
     """What layernorm_mlp's forward saves for its backward."""
 
     norm: NormSaved
-    normed: Fp8Array  # the norm's output, the first GEMM's lhs
+    normed: Fp8Array | None  # the norm's output, the first GEMM's lhs (_fused.saved_output)
     kernel_1: Fp8Array  # as (hidden, ffn, n): see _interleave
     bias_1: jax.Array | None
     pre: jax.Array  # the first GEMM's output, interleaved (..., ffn, n)
@@ -103,8 +103,8 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     if config.return_residual:
         y = (y, x)
     amaxes = MlpAmaxes(normed.amax, k1_q.amax, h.amax, k2_q.amax)
-    return y, MlpResiduals(norm, normed.fp8, k1_q.fp8, b1, pre, h.fp8, k2_q.fp8, b2, state,
-                           amaxes)  # fmt: skip
+    return y, MlpResiduals(norm, _fused.saved_output(normed, norm), k1_q.fp8, b1, pre, h.fp8,
+                           k2_q.fp8, b2, state, amaxes)  # fmt: skip
 
 
 def _interleave(a):
@@ -188,9 +188,10 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved: MlpResiduals, dpre: Qu
 
     ``db1``: bias_1's gradient as (ffn, n), in its dtype, or None without bias_1.
     """
-    x, gamma, beta, mean, rstd = saved.norm
+    x, gamma, beta, mean, rstd, _ = saved.norm
     recipe, state, amaxes = config.recipe, saved.state, saved.amaxes
-    dnormed, dk1 = gemm.backward_dots(_fused.contract_last(x.ndim), x.ndim, Fp8Layout(saved.normed),
+    normed = _fused.fp8_output(saved.normed, saved.norm, config, dpre.fp8.data)
+    dnormed, dk1 = gemm.backward_dots(_fused.contract_last(x.ndim), x.ndim, Fp8Layout(normed),
                                       saved.kernel_1, dpre, x.dtype, config.kernel_dtypes[0],
                                       recipe)  # fmt: skip
     dk1 = _interleave(dk1)
