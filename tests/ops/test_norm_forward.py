@@ -224,9 +224,16 @@ def fused_op_hlos():
 
 def _kernel_calls(hlo: str, kernel: str) -> tuple[int, int]:
     """``(forward, backward)``: the calls of the Pallas kernel ``kernel``, by their op_name."""
-    calls = [line for line in hlo.splitlines()
-             if "custom-call(" in line and f"{kernel}/pallas_call" in line]  # fmt: skip
-    backward = sum("transpose(" in line for line in calls)
+    from fp8jax.verify import _hlo
+
+    op_names = [
+        inst.metadata.get("op_name", "")
+        for comp in _hlo.parse_module(hlo).computations.values()
+        for inst in comp.instructions.values()
+        if inst.custom_call_target == "__gpu$xla.gpu.triton"
+    ]
+    calls = [name for name in op_names if name.endswith(f"/{kernel}/pallas_call")]
+    backward = sum("transpose(" in name for name in calls)
     return len(calls) - backward, backward
 
 

@@ -64,13 +64,10 @@ def load_rows(ref, start, count: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
-    hidden = ref.shape[1]
-    width = padded_width(hidden)
-    if width == hidden:
+    width = padded_width(ref.shape[1])
+    if width == ref.shape[1]:
         return ref[pl.ds(start, count), :]
-    rows = start + lax.broadcasted_iota(jnp.int32, (count, 1), 0)
-    columns = lax.broadcasted_iota(jnp.int32, (1, width), 1)
-    mask = jnp.broadcast_to(columns < hidden, (count, width))
+    rows, columns, mask = _padded_block(ref, start, count, width)
     return pallas_triton.load(ref.at[rows, columns], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
@@ -80,14 +77,18 @@ def store_rows(ref, start, value) -> None:
     from jax.experimental.pallas import triton as pallas_triton
 
     count, width = value.shape
-    hidden = ref.shape[1]
-    if width == hidden:
+    if width == ref.shape[1]:
         ref[pl.ds(start, count), :] = value.astype(ref.dtype)
         return
+    rows, columns, mask = _padded_block(ref, start, count, width)
+    pallas_triton.store(ref.at[rows, columns], value.astype(ref.dtype), mask=mask)
+
+
+def _padded_block(ref, start, count: int, width: int):
+    """Indices of ``count`` rows from ``start``, ``width`` wide, and where ``ref`` has columns."""
     rows = start + lax.broadcasted_iota(jnp.int32, (count, 1), 0)
     columns = lax.broadcasted_iota(jnp.int32, (1, width), 1)
-    mask = jnp.broadcast_to(columns < hidden, (count, width))
-    pallas_triton.store(ref.at[rows, columns], value.astype(ref.dtype), mask=mask)
+    return rows, columns, jnp.broadcast_to(columns < ref.shape[1], (count, width))
 
 
 def true_width(hidden: int) -> int | None:
