@@ -48,11 +48,39 @@ def apply_rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -
     )
     pos = jnp.broadcast_to(positions, (batch, seq)).astype(jnp.float32)
     angle = pos.reshape(batch, seq, 1, 1) * inv_freq.reshape(1, 1, 1, half)
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    return _rotary(x, jnp.sin(angle), jnp.cos(angle))
+
+
+def _rotate(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """``x``'s feature pairs rotated by the angles whose sines and cosines are given, in f32."""
+    half = x.shape[-1] // 2
     x32 = x.astype(jnp.float32)
     x1, x2 = x32[..., :half], x32[..., half:]
-    # The (1, ...) angle broadcasts over heads explicitly; rank promotion stays off.
+    # The (.., 1, half) angle broadcasts over heads explicitly; rank promotion stays off.
     sin = jnp.broadcast_to(sin, x1.shape)
     cos = jnp.broadcast_to(cos, x1.shape)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)
+
+
+# The backward is the rotation by the negative angle, written as the forward
+# is. Autodiff's transpose of the halves' slices pads each half's gradient to
+# the whole head and adds them; in the train step's QKV gradient that fusion
+# moved its bytes at about a third of the forward rotation's rate
+# (docs/design.md#the-rope-backward-as-a-rotation).
+@jax.custom_vjp
+def _rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    return _rotate(x, sin, cos)
+
+
+def _rotary_fwd(x, sin, cos):
+    return _rotate(x, sin, cos), (sin, cos)
+
+
+def _rotary_bwd(residuals, g):
+    sin, cos = residuals
+    # The angles come from integer positions: nothing upstream takes their gradient.
+    return _rotate(g, -sin, cos), jnp.zeros_like(sin), jnp.zeros_like(cos)
+
+
+_rotary.defvjp(_rotary_fwd, _rotary_bwd)
