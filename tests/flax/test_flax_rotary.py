@@ -7,15 +7,19 @@ import numpy as np
 from fp8jax.flax.rotary import apply_rotary
 
 
+def _angles(positions, half, base):
+    """Each (row, position, 1, pair)'s rotation angle, in f64."""
+    freq = base ** (-np.arange(half) / half)
+    return np.asarray(positions, np.float64)[:, :, None, None] * freq
+
+
 def test_matches_complex_rotation():
     x = jax.random.normal(jax.random.key(0), (2, 6, 3, 8))
     positions = jnp.array([[0, 1, 2, 3, 4, 5], [7, 3, 2, 9, 1, 0]])
     y = np.asarray(apply_rotary(x, positions, base=100.0), np.float64)
     xs = np.asarray(x, np.float64)
     half = 4
-    freq = 100.0 ** (-np.arange(half) / half)
-    angle = np.asarray(positions, np.float64)[:, :, None, None] * freq
-    z = (xs[..., :half] + 1j * xs[..., half:]) * np.exp(1j * angle)
+    z = (xs[..., :half] + 1j * xs[..., half:]) * np.exp(1j * _angles(positions, half, 100.0))
     want = np.concatenate([z.real, z.imag], axis=-1)
     # f32 sin/cos of angles up to 9 rad: a few f32 ulps.
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
@@ -37,11 +41,6 @@ def test_scores_depend_on_relative_position_only():
 def test_keeps_dtype():
     x = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
     assert apply_rotary(x, jnp.arange(4)).dtype == jnp.bfloat16
-
-
-def _angles(positions, half, base):
-    freq = base ** (-np.arange(half) / half)
-    return np.asarray(positions, np.float64)[:, :, None, None] * freq
 
 
 def test_gradient_is_the_rotation_by_the_negative_angle():
