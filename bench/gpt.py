@@ -20,6 +20,7 @@ import argparse
 import os
 import traceback
 
+import floor
 import jax
 from harness import (
     add_compile_cache_argument,
@@ -81,6 +82,25 @@ def row_rates(row: dict, program: TrainProgram, tokens: int, devices: int) -> No
     row["mfu_text"] = mfu.describe(peak, kind, devices, row["mfu"])
     row["batch"] = [c.batch_size, c.seq_len]
     row["remat"], row["accumulation_steps"] = c.remat, c.accumulation_steps
+
+
+def elementwise_against_floor(row: dict, program: TrainProgram) -> dict:
+    """The row's element-wise kernel time beside its floor from the shapes (bench/floor.py)."""
+    c = program.config
+    spent = sum(v for k, v in row["breakdown"]["ms"].items() if k not in ("gemm", "attention"))
+    # BF16 has no amax to fuse or not; FP8 gets both of bench/floor.py's floors.
+    ways = {"": False}
+    if c.precision == "fp8":
+        ways = {"amax fused": False, "amax in its own pass": True}
+    floors = {
+        way: floor.step_floor(c.model, c.batch_size, c.seq_len, precision=c.precision,
+                              two_pass_amax=two_pass)["total_ms"]
+        for way, two_pass in ways.items()
+    }  # fmt: skip
+    against = ", ".join(f"{v:.1f}" + (f" ({way})" if way else "") for way, v in floors.items())
+    text = (f"not GEMM or attention: {spent:.1f} ms/step; "
+            f"floor at {floor.DEFAULT_TB_S} TB/s: {against}")  # fmt: skip
+    return {"elementwise_ms": spent, "floor_ms": floors, "text": text}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row_rates(row, program, tokens, devices)
             if "breakdown" in row:
                 row["all_gather_ms_per_gpu"] = row["breakdown"]["ms"].get("all-gather", 0.0)
+                row["floor"] = elementwise_against_floor(row, program)
+                print(f"    {row['floor']['text']}", flush=True)
             print(f"    {row['tokens_per_s']:,.0f} tokens/s, {row['mfu_text']}", flush=True)
             rows.append(row)
             del program, step, step_args

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from fp8jax.flax.nnx._base import Fp8State
-from fp8jax.flax.train import grads_and_fp8_state
+from fp8jax.flax.train import OPTIMIZER_SCOPE, grads_and_fp8_state
 from fp8jax.recipes import DelayedScaling
 
 
@@ -75,6 +75,7 @@ def train_step(
         accumulation_steps=accumulation_steps,
         recipe=recipe,
     )
-    optimizer.update(model, grads)
+    with jax.named_scope(OPTIMIZER_SCOPE):
+        optimizer.update(model, grads)
     nnx.update(model, fp8_state, rest)
     return loss
