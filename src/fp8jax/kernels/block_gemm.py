@@ -56,8 +56,11 @@ KERNEL_NAME = "fp8jax_block_scaled_gemm"
 # Output columns a warpgroup's tile may span, by scale form. A weight's block
 # scale is one scalar a step only where the tile lies in one 128-wide block;
 # per-row scales allow wider tiles, up to the registers two f32 tiles of 64
-# rows leave (docs/design.md#the-block-scaled-gemm-kernel).
+# rows leave: at 192 columns ptxas spills once the step's 96 scale products
+# are computed before the MMA (scales_first), so 192 goes with late scales
+# (docs/design.md#the-block-scaled-gemm-kernel).
 TILE_NS = {"blocks": (64, 128), "rows": (64, 128, 192)}
+SPILLING_TILE_N = 192  # with scales_first and per-row scales
 # What a tile costs besides its columns' MMAs (A's slice, the scales, the
 # waits), in columns' worth, for the shape table's estimate.
 TILE_OVERHEAD_N = 32
@@ -89,6 +92,11 @@ class KernelConfig:
                 f"KernelConfig(tile_n=...) must be None or one of {TILE_NS['rows']}, "
                 f"got {self.tile_n}."
             )
+        if self.scales_first and self.tile_n == SPILLING_TILE_N:
+            raise ValueError(
+                f"KernelConfig(tile_n={SPILLING_TILE_N}) spills registers with "
+                "scales_first=True; pass scales_first=False or a narrower tile_n."
+            )
         if not 2 <= self.stages <= 6:
             raise ValueError(f"KernelConfig(stages=...) must be in [2, 6], got {self.stages}.")
         if self.group < 1:
@@ -98,14 +106,17 @@ class KernelConfig:
 DEFAULT_CONFIG = KernelConfig()
 
 
-def tile_n_for(m: int, n: int, b_blocks: bool, sms: int = HOPPER_SMS, batch: int = 1) -> int:
+def tile_n_for(m: int, n: int, b_blocks: bool, sms: int = HOPPER_SMS, batch: int = 1, *,
+               scales_first: bool = True) -> int:  # fmt: skip
     """The tile width that finishes ``(batch, m, n)`` soonest on ``sms`` SMs (DeepGEMM's table).
 
     The kernel is persistent, so its time is about the waves of tiles times a
     tile's time; a tile's time grows with its columns plus a fixed part
     (:data:`TILE_OVERHEAD_N`). Ties go to the wider tile (fewer A reads).
+    Widths that spill with ``scales_first`` are left out.
     """
-    widths = [w for w in TILE_NS["blocks" if b_blocks else "rows"] if n % w == 0]
+    widths = [w for w in TILE_NS["blocks" if b_blocks else "rows"]
+              if n % w == 0 and not (scales_first and w == SPILLING_TILE_N)]  # fmt: skip
     if not widths:
         raise ValueError(f"no tile width of {TILE_NS} divides n={n}; the kernel needs n % 64 == 0.")
 
@@ -310,7 +321,8 @@ def mosaic_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=F
     batch, m, _ = a.shape
     n = b.shape[1]
     sms = sms or sm_count()
-    tile_n = config.tile_n or tile_n_for(m, n, b_blocks, sms, batch)
+    tile_n = config.tile_n or tile_n_for(m, n, b_blocks, sms, batch,
+                                         scales_first=config.scales_first)  # fmt: skip
     if n % tile_n or (b_blocks and BLOCK % tile_n):
         raise ValueError(
             f"KernelConfig(tile_n={tile_n}) must divide n={n}"
