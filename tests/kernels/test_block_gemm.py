@@ -155,3 +155,17 @@ def test_deviceless_block_kernel_builds_fit_the_registers(case, tmp_path, monkey
     assert "0 bytes spill stores, 0 bytes spill loads" in info, info
     # Two compute warpgroups at most 232 registers a thread beside the memory one's 40.
     assert registers <= 232, info
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sms", [None, 5], ids=["all-sms", "5-ctas"])
+@pytest.mark.parametrize("case", INTERPRET_CASES)
+def test_block_kernel_builds_are_xlas_sums_on_the_gpu(case, sms):
+    """On FP8 tensor cores too: the exact operands leave no rounding to tell them apart."""
+    b_blocks, batch, n, config = INTERPRET_CASES[case]
+    ops = _exact_operands(batch, 512, n, 384, b_blocks)
+    kernel = jax.jit(functools.partial(block_gemm.mosaic_block_matmul, out_dtype=jnp.float32,
+                                       b_blocks=b_blocks, config=config, sms=sms))  # fmt: skip
+    xla = jax.jit(functools.partial(block_gemm.xla_block_matmul, out_dtype=jnp.float32,
+                                    b_blocks=b_blocks))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(kernel(*ops)), np.asarray(xla(*ops)))
