@@ -48,6 +48,7 @@ VARIANTS = {
     "first": KernelConfig(scales_first=True, tile_n=128),
     "table": block_gemm.DEFAULT_CONFIG,
     "late_table": KernelConfig(scales_first=False),  # the table may take 192 columns here
+    "first_pingpong": KernelConfig(scales_first=True, tile_n=128, pingpong=True),
 }
 # (name, M, N, K, weight's block scales): each distinct GEMM once, in order of
 # priority. A projection's input gradient is the other projection's forward.

@@ -54,6 +54,7 @@ INTERPRET_CASES = {
     "blocks-late-scales-n64": (True, 1, 128, KernelConfig(scales_first=False, tile_n=64)),
     "rows-default": (False, 1, 128, KernelConfig()),
     "rows-late-scales-n192": (False, 1, 192, KernelConfig(scales_first=False, tile_n=192)),
+    "blocks-pingpong": (True, 1, 128, KernelConfig(pingpong=True)),
 }
 
 
@@ -125,6 +126,7 @@ DEVICELESS_CASES = {
     "blocks-late-scales": (True, 384, KernelConfig(scales_first=False)),
     "rows-default": (False, 384, KernelConfig()),
     "rows-late-scales-n192": (False, 384, KernelConfig(scales_first=False, tile_n=192)),
+    "blocks-pingpong": (True, 384, KernelConfig(pingpong=True)),
 }
 
 

@@ -37,9 +37,10 @@ from fp8jax.fine_quantize import expand_blocks
 from fp8jax.kernels import dispatch
 
 BLOCK = 128  # the K slice each scale covers
-# Output rows per compute warpgroup (two a CTA) and columns per tile: the
-# running sum and the fresh product take 64 f32 registers a thread each.
-# 64 x 256 (two sums and a product, 192) measured slower on the H200
+# Output rows per compute warpgroup (two a CTA), and the tile width that N
+# must be a multiple of: at 128 columns the running sum and the fresh
+# product take 64 f32 registers a thread each. 64 x 256 (two sums and a
+# product, 192) measured slower on the H200
 # (docs/design.md#the-block-scaled-gemm-kernel).
 TILE_M, TILE_N = 64, 128
 CTA_M = 2 * TILE_M
@@ -79,12 +80,17 @@ class KernelConfig:
       tile_n: output columns per tile; None chooses by shape (:func:`tile_n_for`).
       stages: K slices in flight in shared memory.
       group: rows of output tiles walked column by column (L2 reuse).
+      pingpong: a compute warpgroup issues a slice's MMA only once the other
+        warpgroup's last MMA has finished, so the tensor cores take them in
+        turn and each warpgroup scales while the other's MMA runs. (The turns
+        tried before ordered the issues only, and both MMAs still overlapped.)
     """
 
     scales_first: bool = True
     tile_n: int | None = None
     stages: int = STAGES
     group: int = GROUP_M
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.tile_n is not None and self.tile_n not in TILE_NS["rows"]:
@@ -195,8 +201,8 @@ def _tile_transforms(plgpu, columns: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: KernelConfig, tile_n: int,
-            b_scalar: bool, interpret: bool):  # fmt: skip
+def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *done, config: KernelConfig,
+            tile_n: int, b_scalar: bool, interpret: bool):  # fmt: skip
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -240,6 +246,18 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: KernelConfig,
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * TILE_M, TILE_M)  # this warpgroup's rows of the CTA's tile
 
+        def await_turn():
+            # done[w]: warpgroup w's last MMA has finished (pingpong).
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(done[1]))
+            pl.when(wg == 1)(lambda: plgpu.barrier_wait(done[0]))
+
+        def end_turn():
+            pl.when(wg == 0)(lambda: plgpu.barrier_arrive(done[0]))
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(done[1]))
+
+        if config.pingpong:  # warpgroup 0 goes first
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(done[1]))
+
         @plgpu.nd_loop((batch * m_tiles * n_tiles,), collective_axes="sm")
         def _tile(info):
             (index,) = info.index
@@ -259,8 +277,13 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: KernelConfig,
                 if interpret:
                     # The CPU interpreter's wgmma reads no transposed operand; the
                     # same exact product of the slice, in f32, as a dot.
-                    return lax.dot_general(a_smem[rows, :], b_smem[...], (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)  # fmt: skip
+                    if config.pingpong:
+                        await_turn()
+                    out = lax.dot_general(a_smem[rows, :], b_smem[...], (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)  # fmt: skip
+                    if config.pingpong:
+                        end_turn()
+                    return out
 
                 def mma(fresh):
                     # ptxas compiles the first MMA of a fresh accumulator with its
@@ -268,7 +291,12 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: KernelConfig,
                     plgpu.wgmma(fresh, a_smem.at[rows], b_smem.transpose((1, 0)))
                     return fresh[...]  # waits for the MMA
 
-                return pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+                if config.pingpong:
+                    await_turn()
+                out = pl.run_scoped(mma, plgpu.ACC(shape, jnp.float32))
+                if config.pingpong:
+                    end_turn()
+                return out
 
             def step(_, a_smem, b_smem, sa_smem, sb_smem, total):
                 if config.scales_first:  # the loads' latency hides behind the MMA
@@ -293,6 +321,9 @@ def _kernel(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: KernelConfig,
                 sa_gmem.at[z, :, m_slice], sb_gmem.at[z, :, n_slice],
                 allocations=allocations,
             )  # fmt: skip
+
+        if config.pingpong:  # warpgroup 1's last turn, so that every arrival is awaited
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(done[1]))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -336,6 +367,8 @@ def mosaic_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=F
             _kernel, config=config, tile_n=tile_n, b_scalar=b_blocks, interpret=interpret
         ),
         out_type=jax.ShapeDtypeStruct((batch, m, n), out_dtype),
+        # pingpong's two "MMA done" barriers, one arrival (a warpgroup) each.
+        scratch_types=[plgpu.Barrier(num_arrivals=1)] * (2 if config.pingpong else 0),
         grid=(sms,),
         grid_names=("sm",),
         num_threads=3,  # two compute warpgroups and the memory one
