@@ -17,10 +17,12 @@ MMA runs. Where ``b`` carries a weight's 128 x 128 block scales, the tile's
 columns share one scale a step, so scaling is one multiply-add an element
 (docs/design.md#the-block-scaled-gemm-kernel). ``wgmma`` takes FP8 operands
 of one type, so operands of two formats (a gradient in E5M2 against a
-weight in E4M3, ``fp8jax.HYBRID``) go to XLA's path. XLA's path, also the
-CPU's and the reference, computes the same sums: K reshaped into its
-128-wide slices, one batched FP8 dot per slice with f32 output, scaled and
-summed. It never dequantizes to a wider type before a GEMM. Whether the
+weight in E4M3, ``fp8jax.HYBRID``) go to XLA's path. How the kernel is
+built (scale loads before the MMA, the tile's width by shape, turns
+between the warpgroups) is a :class:`KernelConfig`, part of the jit key.
+XLA's path, also the CPU's and the reference, computes the same sums: K
+reshaped into its 128-wide slices, one batched FP8 dot per slice with f32
+output, scaled and summed. It never dequantizes to a wider type before a GEMM. Whether the
 kernel runs is :mod:`fp8jax.kernels.dispatch`'s decision.
 """
 
