@@ -51,7 +51,7 @@ def _exact_operands(batch, m, n, k, b_blocks, seed=0):
 INTERPRET_CASES = {
     # name: (b_blocks, batch, n, config); m = 256 and k = 384 (3 slices) in each.
     "blocks-default": (True, 2, 128, KernelConfig()),
-    "blocks-late-scales-n64": (True, 1, 128, KernelConfig(scales_first=False, tile_n=64)),
+    "blocks-n64": (True, 1, 128, KernelConfig(tile_n=64)),
     "rows-default": (False, 1, 128, KernelConfig()),
     "rows-late-scales-n192": (False, 1, 192, KernelConfig(scales_first=False, tile_n=192)),
     "blocks-pingpong": (True, 1, 128, KernelConfig(pingpong=True)),
