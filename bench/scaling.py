@@ -37,9 +37,9 @@ BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
 # Kernel configurations timed, by name; the first is the library's default.
 CONFIGS = {
     "default": {},
-    "group4": {"group": 4},
-    "group16": {"group": 16},
-    "stages3": {"stages": 3},
+    "group4": {"config": block_gemm.KernelConfig(group=4)},
+    "group16": {"config": block_gemm.KernelConfig(group=16)},
+    "stages3": {"config": block_gemm.KernelConfig(stages=3)},
 }
 
 
