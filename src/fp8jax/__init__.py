@@ -4,6 +4,7 @@ The public API is what this module re-exports.
 """
 
 from fp8jax.formats import ALL_E4M3, E4M3, E5M2, HYBRID, FormatPair, Fp8Format
+from fp8jax.ops.attention import dot_product_attention
 from fp8jax.ops.dense import dense
 from fp8jax.ops.dot_general import dot_general
 from fp8jax.ops.einsum import einsum
@@ -50,6 +51,7 @@ __all__ = [
     "combine_states",
     "compiler_options",
     "dense",
+    "dot_product_attention",
     "dequantize",
     "dot_general",
     "einsum",

@@ -22,6 +22,8 @@ KERNELS = {
     # fp8jax.kernels.grouped_gemm: the group tables come first, the operands last.
     "fp8jax_grouped_gemm": (-2, -1),
     "fp8jax_grouped_gemm_wgrad": (-2, -1),
+    # fp8jax.kernels.attention: Q and K (QKᵀ; the kernel's PV runs on the same FP8 tensor cores).
+    "fp8jax_attention_fwd": (0, 1),
 }
 
 _NAME = re.compile(r'\bname = "([^"]*)"')
