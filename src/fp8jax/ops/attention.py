@@ -2,8 +2,8 @@
 
 ``fp8jax.dot_product_attention`` takes ``jax.nn.dot_product_attention``'s
 layout, (batch, seq, heads, head_dim), with grouped keys and values (GQA).
-Q, K and V are quantized to E4M3 with one current scale per 128 rows and
-head (:data:`fp8jax.kernels.attention.BLOCK`), then
+Q, K and V are quantized to E4M3 with one current power-of-two scale per
+128 rows and head (:data:`fp8jax.kernels.attention.BLOCK`), then
 :func:`fp8jax.kernels.attention.forward` runs the flash-attention forward
 (the Mosaic GPU kernel on a Hopper GPU, its exact XLA twin elsewhere) and
 saves the base-2 logsumexp.
@@ -29,7 +29,6 @@ from jax import lax
 
 from fp8jax.kernels import attention as kernel
 
-E4M3_MAX = 448.0
 IMPLEMENTATIONS = (None, "xla")
 
 
@@ -133,13 +132,20 @@ def _validate(q, k, v, causal, recipe, implementation) -> None:
 def quantize_blocks(x):
     """``x`` (B, T, H, D) in E4M3 and its f32 scales (B, H, T // 128): one per 128 rows and head.
 
-    ``x ≈ x8 * scale``; ``scale = amax / 448`` (1 for an all-zero block).
+    ``x ≈ x8 * scale``, ``scale`` the smallest power of two with ``amax / scale
+    <= 448``: dividing by it is exact, so the one rounding is the cast's,
+    round to nearest even. A scale that is not a power of two leaves many
+    BF16 inputs within an f32 unit of an E4M3 tie, where the order of the
+    division's arithmetic decides the rounding (docs: the op's module).
     """
     batch, t, heads, d = x.shape
     blocks = x.astype(jnp.float32).reshape(batch, t // kernel.BLOCK, kernel.BLOCK, heads, d)
     amax = jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    x8 = jnp.clip(blocks / scale, -E4M3_MAX, E4M3_MAX).astype(kernel.FP8).reshape(x.shape)
+    # amax = m 2**e with m in [0.5, 1), and 448 = 0.875 * 2**9: no rounding anywhere.
+    mantissa, exponent = jnp.frexp(amax)
+    exponent = jnp.where(mantissa <= 0.875, exponent - 9, exponent - 8)
+    scale = jnp.ldexp(jnp.ones_like(amax), exponent)
+    x8 = (blocks / scale).astype(kernel.FP8).reshape(x.shape)
     return x8, jnp.transpose(scale[:, :, 0, :, 0], (0, 2, 1))
 
 
