@@ -252,6 +252,14 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
 
             load(j, slot)
 
+        # Observe the last blocks' consumption too, so that every barrier phase is
+        # waited for before the CTA's barriers go (the interpreter checks this).
+        @pl.loop(lax.max(steps - stages, 0), steps)
+        def _drain(j):
+            slot = lax.rem(j, jnp.array(stages, j.dtype))
+            plgpu.barrier_wait(k_done.at[slot])
+            plgpu.barrier_wait(v_done.at[slot])
+
 
 def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
                    stages: int = STAGES, interpret=None):  # fmt: skip

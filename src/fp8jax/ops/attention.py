@@ -154,22 +154,32 @@ def _expand(scale, times: int):
     return jnp.repeat(scale, times, axis=-1)
 
 
-def _forward(q, k, v, config: _Config):
-    """The quantized operands and the kernel's (or twin's) output and base-2 logsumexp."""
+def kernel_operands(q, k, v, scale: float):
+    """The forward kernel's operands from Q, K, V: quantized, V transposed, scales expanded.
+
+    Returns the operands of :func:`fp8jax.kernels.attention.forward` and the
+    ``(x8, scale)`` pairs of Q, K and V for the backward.
+    """
     (q8, qs), (k8, ks), (v8, vs) = quantize_blocks(q), quantize_blocks(k), quantize_blocks(v)
     vt8 = jnp.transpose(v8, (0, 2, 3, 1))  # keys minor: PV's FP8 wgmma takes V K-major
     d = q.shape[-1]
     operands = (
         q8, k8, vt8,
-        _expand(qs * (config.scale * kernel.LOG2E), kernel.BLOCK),
+        _expand(qs * (scale * kernel.LOG2E), kernel.BLOCK),
         _expand(ks, kernel.BLOCK),
         jnp.broadcast_to((vs / kernel.P_SCALE)[..., None], (*vs.shape, d)),
     )  # fmt: skip
+    return operands, ((q8, qs), (k8, ks), (v8, vs))
+
+
+def _forward(q, k, v, config: _Config):
+    """The quantized operands and the kernel's (or twin's) output and base-2 logsumexp."""
+    operands, quantized = kernel_operands(q, k, v, config.scale)
     if config.xla_only:
         out, lse2 = kernel.xla_forward(*operands, causal=config.causal)
     else:
         out, lse2 = kernel.forward(*operands, causal=config.causal)
-    return out, lse2, ((q8, qs), (k8, ks), (v8, vs))
+    return out, lse2, quantized
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -1,0 +1,73 @@
+"""The FP8 attention forward kernel: in Mosaic GPU's interpreter against its XLA twin, and
+compiled deviceless for the H200 (FP8 wgmma in its code, one FP8 GEMM in the report)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.kernels import attention as kernel
+from fp8jax.ops import attention as op
+
+
+def _operands(tq, tk, heads, kv_heads, d):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (1, tq, heads, d)).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (1, tk, kv_heads, d)).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (1, tk, kv_heads, d)).astype(jnp.bfloat16)
+    return op.kernel_operands(q, k, v, d**-0.5)[0]
+
+
+# Interpretation is slow (a Python callback per shared-memory access): one CTA
+# under causality, and a GQA pair of CTAs over three key blocks, more blocks
+# than the two shared-memory slots, so slots are reused after their consumption.
+@pytest.mark.parametrize(
+    "tq, tk, heads, kv_heads, d, causal",
+    [(128, 128, 1, 1, 64, True), (128, 384, 2, 1, 64, False)],
+    ids=["causal-one-block", "gqa-three-blocks"],
+)
+def test_kernel_in_interpret_mode_matches_its_xla_twin(tq, tk, heads, kv_heads, d, causal):
+    """Same FP8 products, same f32 softmax steps: the output bitwise, the logsumexp to f32 order."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    operands = _operands(tq, tk, heads, kv_heads, d)
+    out, lse = kernel.mosaic_forward(*operands, causal=causal, interpret=InterpretGPUParams())
+    want_out, want_lse = kernel.xla_forward(*operands, causal=causal)
+    np.testing.assert_array_equal(out, want_out)
+    # lse = m + log2(l): the same f32 operations, which XLA may fuse in another order.
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2.0**-16)
+
+
+def test_kernel_takes_whole_blocks_and_its_head_dims():
+    assert kernel.fits((1, 512, 8, 128), (1, 512, 2, 128))
+    assert kernel.fits((1, 128, 8, 64), (1, 384, 2, 64))
+    assert not kernel.fits((1, 512, 8, 96), (1, 512, 2, 96))
+    assert not kernel.fits((1, 192, 8, 128), (1, 512, 2, 128))  # a CTA takes 128 queries
+    assert not kernel.fits((1, 512, 8, 128), (1, 448, 2, 128))
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("d", [64, 128])
+def test_deviceless_attention_is_one_fp8_wgmma_kernel(d):
+    """The op's forward compiles for the H200 to the Mosaic GPU kernel on FP8 tensor cores."""
+    from fp8jax import verify
+
+    q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
+    fn = functools.partial(fp8jax.dot_product_attention, causal=True)
+    hlo = verify.compile_for(fn, q, kv, kv, target="h200")
+    report = verify.gemm_report(hlo)
+    kernels = [g for g in report.gemms if g.target == kernel.KERNEL_NAME]
+    assert [(g.backend, g.lhs_shape, g.rhs_shape) for g in kernels] == [
+        ("pallas-fp8", (1, 512, 4, d), (1, 512, 2, d))
+    ], str(report)
+    # QKᵀ: 64 query rows by a 128-key block; PV: 64 rows by head_dim columns;
+    # both E4M3 x E4M3 into f32, 32 of K an instruction.
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", hlo))
+    assert shapes == {"128", str(d)}, shapes
