@@ -1,4 +1,4 @@
-"""TransformerLayer(attention_implementation="fp8"): Linen and NNX route to fp8jax's FP8 attention."""
+"""TransformerLayer(attention_implementation="fp8"): Linen and NNX use fp8jax's FP8 attention."""
 
 import flax_reference as ref
 import jax

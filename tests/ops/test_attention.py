@@ -2,8 +2,9 @@
 
 The reference (numpy, f32, nothing from fp8jax) quantizes Q, K and V as the
 op specifies (one power-of-two scale per 128 rows and head, the smallest
-that maps amax to at most 448, round to nearest even E4M3), then runs exact softmax attention on the dequantized values.
-What the op does beyond that is derived into per-element budgets:
+that maps amax to at most 448, round to nearest even E4M3), then runs
+exact softmax attention on the dequantized values. What the op does beyond
+that is derived into per-element budgets:
 
 * **Forward.** The op quantizes P = exp(s - m) in [0, 1] to E4M3 at scale
   2**8 before PV. A normal E4M3 value is within a relative 2**-4 of its
@@ -48,7 +49,7 @@ SLACK = 2.0**-16
 
 
 def fake_quant(x):
-    """Per (128 rows, head) block: a power-of-two scale, round to nearest E4M3; dequantized (f32)."""
+    """Per (128 rows, head) block: a power-of-two scale, round to nearest E4M3; as f32."""
     x = np.asarray(x, np.float32)
     b, t, h, d = x.shape
     blocks = x.reshape(b, t // BLOCK, BLOCK, h, d)
@@ -177,7 +178,7 @@ def test_forward_and_backward_within_derived_budgets(shape, kv_heads, causal, ca
 
 def test_first_rows_under_causality_see_only_the_past():
     """Row 0 attends to key 0 alone: its output is v[0] up to V's E4M3 rounding and P's."""
-    q, k, v, g = inputs((1, 256, 2, 64), 1)
+    q, k, v, _ = inputs((1, 256, 2, 64), 1)
     out = fp8jax.dot_product_attention(q, k, v, causal=True)
     v0 = fake_quant(v)[0, 0, 0]
     # p = 1 exactly: 256 is a power of two in E4M3, so only the BF16 output rounds.
@@ -222,18 +223,26 @@ def test_the_budget_catches_a_wrong_gqa_mapping():
     assert np.any(np.abs(np.asarray(swapped, np.float64)[:, :, [0, 2, 1, 3]] - ref) > budget)
 
 
+REFUSALS = {
+    "head-dim-96": ((1, 128, 2, 96), (1, 128, 2, 96), {}, ValueError,
+                    r"head_dim must be one of \(64, 128\).*got 96"),
+    "seq-200": ((1, 200, 2, 64), (1, 256, 2, 64), {}, ValueError,
+                "q_seq must be a multiple of 128.*got 200"),
+    "kv-heads-2-of-3": ((1, 128, 3, 64), (1, 128, 2, 64), {}, ValueError,
+                        r"kv_heads \(2\) must divide heads \(3\)"),
+    "causal-cross": ((1, 128, 2, 64), (1, 256, 2, 64), {"causal": True}, ValueError,
+                     "causal needs q_seq == kv_seq"),
+    "3-d": ((128, 2, 64), (1, 128, 2, 64), {}, ValueError, "q must be 4-D"),
+    "recipe": ((1, 128, 2, 64), (1, 128, 2, 64), {"recipe": fp8jax.BlockScaling()}, TypeError,
+               "recipe must be None"),
+    "cudnn": ((1, 128, 2, 64), (1, 128, 2, 64), {"implementation": "cudnn"}, ValueError,
+              "implementation must be one of"),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "q_shape, k_shape, kwargs, error, match",
-    [
-        ((1, 128, 2, 96), (1, 128, 2, 96), {}, ValueError, r"head_dim must be one of \(64, 128\).*got 96"),
-        ((1, 200, 2, 64), (1, 256, 2, 64), {}, ValueError, "q_seq must be a multiple of 128.*got 200"),
-        ((1, 128, 3, 64), (1, 128, 2, 64), {}, ValueError, r"kv_heads \(2\) must divide heads \(3\)"),
-        ((1, 128, 2, 64), (1, 256, 2, 64), {"causal": True}, ValueError, "causal needs q_seq == kv_seq"),
-        ((128, 2, 64), (1, 128, 2, 64), {}, ValueError, "q must be 4-D"),
-        ((1, 128, 2, 64), (1, 128, 2, 64), {"recipe": fp8jax.BlockScaling()}, TypeError, "recipe must be None"),
-        ((1, 128, 2, 64), (1, 128, 2, 64), {"implementation": "cudnn"}, ValueError, "implementation must be one of"),
-    ],
-)  # fmt: skip
+    "q_shape, k_shape, kwargs, error, match", REFUSALS.values(), ids=REFUSALS.keys()
+)
 def test_unsupported_arguments_are_refused_by_name(q_shape, k_shape, kwargs, error, match):
     q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
     with pytest.raises(error, match=match):

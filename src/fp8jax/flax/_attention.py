@@ -1,4 +1,4 @@
-"""The attention core both APIs share: split the fused QKV, rotate, attend (BF16, or FP8 opted in)."""
+"""The attention core both APIs share: split the fused QKV, rotate, attend (BF16, or FP8)."""
 
 from __future__ import annotations
 

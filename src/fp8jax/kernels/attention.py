@@ -293,19 +293,20 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
             *[plgpu.Barrier(num_barriers=stages)] * 4,  # K, Vᵀ, their scales: loaded
             *[plgpu.Barrier(num_arrivals=2, num_barriers=stages)] * 2,  # K, Vᵀ: consumed
         )
+        body = functools.partial(_kernel, causal=causal, stages=stages, group=heads // kv_heads,
+                                 interpreted=interpret is not None)  # fmt: skip
         pl.run_scoped(
-            lambda *scoped: _kernel(*refs, (scoped[:9], scoped[9:]), causal=causal,
-                                    stages=stages, group=heads // kv_heads,
-                                    interpreted=interpret is not None),  # fmt: skip
+            lambda *scoped: body(*refs, (scoped[:9], scoped[9:])),
             *scratch,
             *barriers,
             collective_axes="wg",
         )
 
+    out_type = (jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
+                jax.ShapeDtypeStruct((batch, heads, tq), jnp.float32))  # fmt: skip
     kernel = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
-                  jax.ShapeDtypeStruct((batch, heads, tq), jnp.float32)),  # fmt: skip
+        out_type=out_type,
         grid=(heads, tq // CTA_ROWS, batch),
         grid_names=("heads", "q", "batch"),
         num_threads=3,  # two compute warpgroups and the memory one

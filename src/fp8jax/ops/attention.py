@@ -99,9 +99,7 @@ def _validate(q, k, v, causal, recipe, implementation) -> None:
                 f"got shape {jnp.shape(x)}."
             )
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(
-                f"dot_product_attention: {name} must be floating point, got {x.dtype}."
-            )
+            raise TypeError(f"dot_product_attention: {name} must be floating point, got {x.dtype}.")
     batch, tq, heads, d = q.shape
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
         raise ValueError(
