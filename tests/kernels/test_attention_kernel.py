@@ -54,9 +54,16 @@ def test_kernel_takes_whole_blocks_and_its_head_dims():
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("d", [64, 128])
-def test_deviceless_attention_is_one_fp8_wgmma_kernel(d):
-    """The op's forward compiles for the H200 to the Mosaic GPU kernel on FP8 tensor cores."""
+def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, tmp_path, monkeypatch):
+    """The op's forward compiles for the H200 to the Mosaic GPU kernel on FP8 tensor cores.
+
+    The compiling child inherits the environment, in which Mosaic GPU's
+    compiler writes ptxas's report: the kernel keeps everything in registers.
+    """
     from fp8jax import verify
+
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
 
     q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
@@ -71,3 +78,7 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d):
     # both E4M3 x E4M3 into f32, 32 of K an instruction.
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", hlo))
     assert shapes == {"128", str(d)}, shapes
+    (ptxas,) = [p.read_text() for p in tmp_path.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
+    assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
+    # Within the 232 registers a compute warpgroup asks for (setmaxnreg).
+    assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
