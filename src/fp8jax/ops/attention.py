@@ -8,13 +8,14 @@ Q, K and V are quantized to E4M3 with one current power-of-two scale per
 (the Mosaic GPU kernel on a Hopper GPU, its exact XLA twin elsewhere) and
 saves the base-2 logsumexp.
 
-The backward recomputes P block by block from the saved FP8 Q and K and the
-logsumexp (FlashAttention's), never forming a Tq x Tk array, and takes
-dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K and dK = dSᵀ Q with BF16 operands and f32
-sums, in XLA. The quantization is straight-through: the gradients are those
-of attention on the dequantized Q, K and V. dS keeps 16 bits because most of
-FP8 attention's backward error lives there (SageAttention's training
-papers); an FP8 dV and its kernel are future work.
+The backward (:mod:`fp8jax.kernels.attention_backward`: two Mosaic GPU
+kernels, or their XLA twin) recomputes P block by block from the saved FP8
+Q and K and the logsumexp (FlashAttention's), never forming a Tq x Tk
+array, and takes dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K and dK = dSᵀ Q with BF16
+operands and f32 sums. The quantization is straight-through: the gradients
+are those of attention on the dequantized Q, K and V. dS keeps 16 bits
+because most of FP8 attention's backward error lives there (SageAttention's
+training papers); an FP8 dV is future work.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from fp8jax.kernels import attention as kernel
+from fp8jax.kernels import attention_backward as backward_kernels
 
 IMPLEMENTATIONS = (None, "xla")
 
@@ -190,69 +191,25 @@ def _attention_fwd(q, k, v, config: _Config):
     return out, (quantized, out, lse2)
 
 
-def _grouped(x, kv_heads: int):
-    """(B, T, H, D) -> (B, Hkv, G, T, D): each kv head's group of query heads."""
-    batch, t, heads, d = x.shape
-    return jnp.transpose(x.reshape(batch, t, kv_heads, heads // kv_heads, d), (0, 2, 3, 1, 4))
-
-
 def _dequantized(x8, scale):
-    """(B, T, H, D) E4M3 with (B, H, T // 128) scales -> f32 values."""
+    """(B, T, H, D) E4M3 with (B, H, T // 128) scales -> BF16 values (exact products in f32)."""
     rows = jnp.transpose(_expand(scale, kernel.BLOCK), (0, 2, 1))[..., None]
-    return x8.astype(jnp.float32) * rows
+    return (x8.astype(jnp.float32) * rows).astype(jnp.bfloat16)
 
 
 def _attention_bwd(config: _Config, residuals, g):
     ((q8, qs), (k8, ks), (v8, vs)), out, lse2 = residuals
-    dtypes = config.dtypes
-    batch, tq, heads, d = q8.shape
-    kv_heads, tk = k8.shape[2], k8.shape[1]
-    blocks, bf16 = tk // kernel.BLOCK, jnp.bfloat16
-
-    def blocked(x):  # (B, Tk, Hkv, D) -> (blocks, B, Hkv, BLOCK, D)
-        return jnp.transpose(x.reshape(batch, blocks, kernel.BLOCK, kv_heads, d), (1, 0, 3, 2, 4))
-
-    q = _grouped(_dequantized(q8, qs), kv_heads).astype(bf16)
-    # The forward's own scores: the same FP8 product and scales, in base-2 units.
-    q8_grouped = _grouped(q8, kv_heads)
-    q_rows = _grouped(jnp.transpose(_expand(qs, kernel.BLOCK), (0, 2, 1))[..., None], kv_heads)
-    q_rows = q_rows * (config.scale * kernel.LOG2E)
-    k_cols = jnp.moveaxis(ks, 2, 0)[..., None, None, None]  # (blocks, B, Hkv, 1, 1, 1)
-    do = _grouped(g.astype(jnp.float32), kv_heads)
-    delta = jnp.sum(do * _grouped(out.astype(jnp.float32), kv_heads), axis=-1, keepdims=True)
-    do = do.astype(bf16)
-    lse = lse2.reshape(batch, kv_heads, heads // kv_heads, tq, 1)
-    k8_blocks = blocked(k8)
-    k_blocks = blocked(_dequantized(k8, ks)).astype(bf16)
-    v_blocks = blocked(_dequantized(v8, vs)).astype(bf16)
-    rows = lax.broadcasted_iota(jnp.int32, (tq, kernel.BLOCK), 0)
-    cols = lax.broadcasted_iota(jnp.int32, (tq, kernel.BLOCK), 1)
-
-    def dot(spec, a, b):
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-    def step(dq, xs):
-        j, kb8, kscale, kb, vb = xs
-        s = dot("bhgqd,bhkd->bhgqk", q8_grouped, kb8) * q_rows * kscale
-        p = jnp.exp2(s - lse)
-        if config.causal:
-            p = jnp.where(rows >= cols + j * kernel.BLOCK, p, 0.0)
-        dv = dot("bhgqk,bhgqd->bhkd", p.astype(bf16), do)
-        dp = dot("bhgqd,bhkd->bhgqk", do, vb)
-        ds = (p * (dp - delta) * config.scale).astype(bf16)
-        dq = dq + dot("bhgqk,bhkd->bhgqd", ds, kb)
-        dk = dot("bhgqk,bhgqd->bhkd", ds, q)
-        return dq, (dk, dv)
-
-    dq0 = jnp.zeros((batch, kv_heads, heads // kv_heads, tq, d), jnp.float32)
-    xs = (jnp.arange(blocks, dtype=jnp.int32), k8_blocks, k_cols, k_blocks, v_blocks)
-    dq, (dk, dv) = lax.scan(step, dq0, xs)
-    dq = jnp.transpose(dq, (0, 3, 1, 2, 4)).reshape(batch, tq, heads, d)
-
-    def unblocked(x):  # (blocks, B, Hkv, BLOCK, D) -> (B, Tk, Hkv, D)
-        return jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(batch, tk, kv_heads, d)
-
-    return dq.astype(dtypes[0]), unblocked(dk).astype(dtypes[1]), unblocked(dv).astype(dtypes[2])
+    delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    operands = (
+        q8, k8,
+        _expand(qs * (config.scale * kernel.LOG2E), kernel.BLOCK),
+        _expand(ks, kernel.BLOCK),
+        _dequantized(q8, qs), _dequantized(k8, ks), _dequantized(v8, vs),
+        g.astype(jnp.bfloat16), lse2, jnp.transpose(delta, (0, 2, 1)),
+    )  # fmt: skip
+    run = backward_kernels.xla_backward if config.xla_only else backward_kernels.backward
+    grads = run(*operands, causal=config.causal, scale=config.scale)
+    return tuple(x.astype(dtype) for x, dtype in zip(grads, config.dtypes, strict=True))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
