@@ -257,8 +257,8 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
 
             return source
 
-        sources = [rows_source(q8_ref), rows_source(q_ref), rows_source(do_ref),
-                   vector_source(qs_ref), vector_source(lse_ref), vector_source(delta_ref)]  # fmt: skip
+        sources = [*map(rows_source, (q8_ref, q_ref, do_ref)),
+                   *map(vector_source, (qs_ref, lse_ref, delta_ref))]  # fmt: skip
         rings = [q8_r, q_r, do_r, qs_r, lse_r, dl_r]
         _stream(plgpu, pl, steps, stages, sources, rings, loaded, done)
 
