@@ -137,14 +137,19 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     def laid_out(x, layout):
         return x if interpreted else plgpu.layout_cast(x, layout)
 
-    def mma(a_smem, bt_smem, shape):
-        """``a . btᵀ`` in f32, both operands K-major in shared memory: FP8 wgmma."""
+    def mma(a_smem, bt_smem, shape, issued=lambda: None):
+        """``a . btᵀ`` in f32, both operands K-major in shared memory: FP8 wgmma.
+
+        ``issued`` runs between issuing the MMA and waiting for it.
+        """
         if interpreted:  # the interpreter's wgmma takes no transposed operand
+            issued()
             return lax.dot_general(a_smem[...], bt_smem[...], (((1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)  # fmt: skip
 
         def product(ref):
             plgpu.wgmma(ref, a_smem, plgpu.transpose_ref(bt_smem, (1, 0)))
+            issued()
             return ref[...]  # waits for the MMA
 
         return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
@@ -157,7 +162,14 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     (q_smem2, p_smem2, o_smem2, qs_smem2, lse_smem2, k_smem, vt_smem, ks_smem, vs_smem), bars = (
         scoped
     )
-    q_bars, k_bars, vt_bars, ks_bars, vs_bars, k_done, v_done = bars
+    q_bars, k_bars, vt_bars, ks_bars, vs_bars, k_done, v_done, turn = bars
+
+    def take_turn():
+        # FlashAttention-3's ping-pong: the two compute warpgroups alternate on
+        # the tensor cores, one's softmax running under the other's MMAs.
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
     d = q_ref.shape[-1]
     kv_blocks = k_ref.shape[1] // BLOCK
     batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
@@ -192,7 +204,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             slot = lax.rem(j, jnp.array(stages, j.dtype))
             plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_wait(ks_bars.at[slot])
-            s = mma(q_smem, k_smem.at[slot], (WG_ROWS, BLOCK))
+            s = mma(q_smem, k_smem.at[slot], (WG_ROWS, BLOCK), issued=take_turn)
             ks = load(ks_smem.at[slot], col_layout)
             shape = (WG_ROWS, BLOCK)
             s = s * lax.broadcast_in_dim(qs, shape, [0]) * lax.broadcast_in_dim(ks, shape, [1])
@@ -205,8 +217,10 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             l = l * alpha + p.sum(axis=1)
             p_smem[...] = (p * P_SCALE).astype(FP8)
             plgpu.commit_smem()
+            plgpu.barrier_arrive(turn)  # this softmax is done
             plgpu.barrier_wait(vt_bars.at[slot])
             plgpu.barrier_wait(vs_bars.at[slot])
+            plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's
             pv = mma(p_smem, vt_smem.at[slot], (WG_ROWS, d))
             vs = load(vs_smem.at[slot], col_layout)
             plgpu.barrier_arrive(v_done.at[slot])
@@ -214,11 +228,13 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
                    + pv * lax.broadcast_in_dim(vs, (WG_ROWS, d), [1]))  # fmt: skip
             return acc, m_new, l
 
+        pl.when(wg == 1)(take_turn)  # warpgroup 0 goes first
         if causal:
             carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
             acc, m, l = kv_step(steps - 1, carry, masked=True)
         else:
             acc, m, l = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
+        pl.when(wg == 0)(take_turn)  # as many turns as warpgroup 1
         o_smem[...] = (acc / lax.broadcast_in_dim(l, (WG_ROWS, d), [0])).astype(o_smem.dtype)
         lse_smem[...] = m + jnp.log2(l)
         plgpu.commit_smem()
@@ -292,6 +308,7 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
             plgpu.Barrier(num_barriers=4),  # Q and its scales, per warpgroup
             *[plgpu.Barrier(num_barriers=stages)] * 4,  # K, Vᵀ, their scales: loaded
             *[plgpu.Barrier(num_arrivals=2, num_barriers=stages)] * 2,  # K, Vᵀ: consumed
+            plgpu.Barrier(num_arrivals=2),  # whose turn on the tensor cores
         )
         body = functools.partial(_kernel, causal=causal, stages=stages, group=heads // kv_heads,
                                  interpreted=interpret is not None)  # fmt: skip
