@@ -155,3 +155,24 @@ def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(tmp_path,
     for name in (attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
         (ptxas,) = [p.read_text() for p in tmp_path.glob(f"{name}*.ptxas")]
         assert "0 bytes spill stores" in ptxas, ptxas  # head_dim 64; 128 spills 96 B in dkv
+
+
+def test_under_data_parallelism_each_device_attends_its_batch_rows():
+    """A declared dp mesh puts both kernels in shard_map over the batch, with the same values."""
+    import fp8jax.sharding as fs
+    from fp8jax import kernels
+
+    shape = (8, 128, 2, 64)
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, k, v, g = (jax.random.normal(key, shape).astype(jnp.bfloat16) for key in keys)
+
+    def step(q, k, v, g):
+        out, vjp = jax.vjp(functools.partial(fp8jax.dot_product_attention, causal=True), q, k, v)
+        return out, vjp(g)
+
+    alone = jax.jit(step)(q, k, v, g)
+    with jax.set_mesh(fs.make_mesh(dp=8)), kernels.data_parallel("dp"):
+        assert str(jax.make_jaxpr(step)(q, k, v, g)).count("shard_map") == 2
+        split = jax.jit(step)(q, k, v, g)
+    for a, b in zip(jax.tree.leaves(split), jax.tree.leaves(alone), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -63,13 +63,19 @@ def fits(q_shape, k_shape) -> bool:
 
 def forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
     """``(out bf16 (B, Tq, H, D), lse2 f32 (B, H, Tq))``: the kernel on NVIDIA GPUs, else XLA."""
-    where = dispatch.placement(lambda shards: shards == 1 and fits(q8.shape, k8.shape))
+    where = dispatch.placement(lambda shards: fits_shards(q8.shape, k8.shape, shards))
     xla = functools.partial(xla_forward, causal=causal)
     operands = (q8, k8, vt8, q_scale, k_scale, v_scale)
     if where is None:
         return xla(*operands)
     pallas = functools.partial(mosaic_forward, causal=causal)
-    return dispatch.on_each_device(pallas, xla, operands, 0, ("rows", "rows"))
+    # Every operand and result leads with the batch, which data parallelism splits.
+    return dispatch.on_each_device(pallas, xla, operands, len(operands), ("rows", "rows"), where)
+
+
+def fits_shards(q_shape, k_shape, shards: int) -> bool:
+    """:func:`fits`, on each device's share of the batch when ``shards`` devices split it."""
+    return q_shape[0] % shards == 0 and fits(q_shape, k_shape)
 
 
 def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):

@@ -48,11 +48,12 @@ def backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal: bool
     """
     operands = (q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta)
     xla = functools.partial(xla_backward, causal=causal, scale=scale)
-    where = dispatch.placement(lambda shards: shards == 1 and fwd.fits(q8.shape, k8.shape))
+    where = dispatch.placement(lambda shards: fwd.fits_shards(q8.shape, k8.shape, shards))
     if where is None:
         return xla(*operands)
     pallas = functools.partial(mosaic_backward, causal=causal, scale=scale)
-    return dispatch.on_each_device(pallas, xla, operands, 0, ("rows", "rows", "rows"))
+    layouts = ("rows", "rows", "rows")  # all lead with the batch, split by data parallelism
+    return dispatch.on_each_device(pallas, xla, operands, len(operands), layouts, where)
 
 
 def _grouped(x, kv_heads: int):
