@@ -41,7 +41,10 @@ VARIANTS = {
     "bf16": {"precision": "bf16"},
     "fp8jax_current": {"precision": "fp8", "recipe": "current"},
     "fp8jax_delayed": {"precision": "fp8", "recipe": "delayed"},
+    # Opt-in (--variants): fp8jax.dot_product_attention as the attention core.
+    "fp8jax_current_fp8_attention": {"precision": "fp8", "recipe": "current", "attention": "fp8"},
 }
+DEFAULT_VARIANTS = [name for name, v in VARIANTS.items() if "attention" not in v]
 
 
 def step_and_args(preset: str, variant: str, *, mesh_text: str | None = None,
@@ -55,6 +58,7 @@ def step_and_args(preset: str, variant: str, *, mesh_text: str | None = None,
         out="unused", config=preset, mesh=mesh_text, **VARIANTS[variant], **overrides
     )
     config = resolve(options)
+    attention = VARIANTS[variant].get("attention", attention)
     axes = mesh_lib.parse_mesh(mesh_text)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
     with jax.numpy_dtype_promotion("standard"):  # as fp8jax train: optax mixes int32 and f32
@@ -108,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default="medium")
     parser.add_argument("--mesh", default=None, help="e.g. fsdp=2; default one GPU")
     parser.add_argument("--attention", default="auto", help="auto (cuDNN on a GPU), xla, cudnn")
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's")

@@ -31,7 +31,7 @@ from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl
 from fp8jax.training.run_dir import RunDir
 
 VERIFY_TARGETS = ("h100", "h200", "live")
-ATTENTION = ("auto", "xla", "cudnn")
+ATTENTION = ("auto", "xla", "cudnn", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
