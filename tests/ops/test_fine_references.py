@@ -1,4 +1,4 @@
-"""RowwiseScaling, BlockScaling, MXFP8Scaling and per-expert ragged_dot against fake-quant references.
+"""The row, block and MX recipes and per-expert ragged_dot against fake-quant references.
 
 The references (tests/fine_references.py) quantize each group of each GEMM
 operand on ``ml_dtypes`` casts, so the op must match them to within f32
