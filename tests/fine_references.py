@@ -161,3 +161,55 @@ def ragged_dot(lhs, rhs, group_sizes, g, *, forward="e4m3", backward="e5m2", mar
     rows = max(int(np.max(group_sizes, initial=0)), 1)
     return {"y": (y, gemm_slack(y_mag, k)), "d_lhs": (d_lhs, gemm_slack(d_lhs_mag, n)),
             "d_rhs": (d_rhs, gemm_slack(d_rhs_mag, rows))}  # fmt: skip
+
+
+def _norm_and_vjp(x, gamma, beta):
+    """The textbook LayerNorm in f32 (``references.norm``) over rows of ``x``, and its VJP."""
+    import jax
+    import jax.numpy as jnp
+
+    from references import norm
+
+    return jax.vjp(lambda x, g, b: norm(x, g, b), *(jnp.asarray(v, jnp.float32)
+                                                      for v in (x, gamma, beta)))  # fmt: skip
+
+
+def layernorm_dense(x, gamma, beta, kernel, g, *, pad_to=1, **recipe):
+    """``(y, {"x", "gamma", "beta", "kernel"})``: LayerNorm, then :func:`dense` (2-D ``x``)."""
+    normed, norm_vjp = _norm_and_vjp(x, gamma, beta)
+    out = _padded_dense(np.asarray(normed), kernel, g, pad_to, **recipe)
+    dx, dgamma, dbeta = norm_vjp(np.asarray(out["dx"], np.float32))
+    grads = {"x": dx, "gamma": dgamma, "beta": dbeta, "kernel": out["dw"]}
+    return out["y"], {k: np.asarray(v, np.float64) for k, v in grads.items()}
+
+
+def layernorm_mlp(x, gamma, beta, k1, k2, g, activation, *, pad_to=1, **recipe):
+    """``(y, grads)``: LayerNorm, :func:`dense`, the gated ``activation`` of ``(m, 2, ffn)``
+    pre-activations (f32 ``jnp``), :func:`dense`; ``k1`` (hidden, 2 * ffn) interleaved as the
+    pre-activation's last two axes."""
+    import jax
+    import jax.numpy as jnp
+
+    normed, norm_vjp = _norm_and_vjp(x, gamma, beta)
+    normed = np.asarray(normed)
+    zeros = np.zeros((x.shape[0], k1.shape[1]), np.float32)
+    pre = _padded_dense(normed, k1, zeros, pad_to, **recipe)["y"].astype(np.float32)
+    h, act_vjp = jax.vjp(activation, jnp.asarray(pre.reshape(x.shape[0], 2, -1)))
+    second = _padded_dense(np.asarray(h), k2, g, pad_to, **recipe)
+    (dpre,) = act_vjp(jnp.asarray(second["dx"], jnp.float32))
+    first = _padded_dense(normed, k1, np.asarray(dpre).reshape(zeros.shape), pad_to, **recipe)
+    dx, dgamma, dbeta = norm_vjp(np.asarray(first["dx"], np.float32))
+    grads = {"x": dx, "gamma": dgamma, "beta": dbeta, "kernel_1": first["dw"],
+             "kernel_2": second["dw"]}  # fmt: skip
+    return second["y"], {k: np.asarray(v, np.float64) for k, v in grads.items()}
+
+
+def _padded_dense(x, w, g, pad_to, **recipe):
+    """:func:`dense`'s values (no slack) on operands zero-padded to multiples of ``pad_to``."""
+    m, k = x.shape
+    n = w.shape[1]
+    up = lambda v: -v % pad_to  # noqa: E731
+    out = dense(np.pad(x, ((0, up(m)), (0, up(k)))), np.pad(w, ((0, up(k)), (0, up(n)))),
+                np.pad(g, ((0, up(m)), (0, up(n)))), **recipe)  # fmt: skip
+    crop = {"y": (m, n), "dx": (m, k), "dw": (k, n)}
+    return {name: v[: crop[name][0], : crop[name][1]] for name, (v, _) in out.items()}
