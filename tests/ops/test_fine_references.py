@@ -233,3 +233,42 @@ def test_ragged_dot_matches_per_expert_fake_quant_reference(recipe, path):
     # The empty expert and the rows past the groups: exactly zero.
     assert not np.asarray(d_rhs[1]).any()
     assert not np.asarray(y[22:]).any() and not np.asarray(d_lhs[22:]).any()
+
+
+def test_permuted_ragged_dot_matches_the_gathered_reference():
+    """Top-2 routing: rows gathered by slot, results scattered back, gradients summed per token."""
+    lhs, rhs, g = _ragged_operands(seed=1)
+    tokens, repeats = 12, 2
+    lhs = lhs[:tokens]
+    rng = np.random.default_rng(0)
+    # Each token's two experts, distinct; expert 1 gets none (an empty group).
+    experts = np.stack([rng.choice([0, 2, 3, 4], 2, replace=False) for _ in range(tokens)])
+    slots_expert = experts.reshape(-1)
+    order = np.argsort(slots_expert, kind="stable").astype(np.int32)
+    sizes = np.bincount(slots_expert, minlength=len(SIZES)).astype(np.int32)
+    g = g[: tokens * repeats]
+
+    @jax.jit
+    def run(lhs, rhs, g):
+        slots = jnp.asarray(order)
+
+        def f(a, b):
+            return fp8jax.permuted_ragged_dot(a, b, jnp.asarray(sizes), lhs_slots=slots,
+                                              repeats=repeats, out_slots=slots)  # fmt: skip
+
+        y, vjp = jax.vjp(f, lhs, rhs)
+        return y, *vjp(g)
+
+    y, d_lhs, d_rhs = run(lhs, rhs, g)
+    want = fine.ragged_dot(lhs[order // repeats], rhs, sizes, g[order])
+    (wy, sy), (wd, sd), (wr, sr) = want.values()
+    scattered = np.zeros_like(wy), np.zeros_like(sy)
+    scattered[0][order], scattered[1][order] = wy, sy
+    assert_close(y, scattered[0], scattered[1], "permuted_ragged_dot y")
+    per_token, slack = np.zeros(lhs.shape), np.zeros(lhs.shape)
+    np.add.at(per_token, order // repeats, wd)
+    np.add.at(slack, order // repeats, sd)
+    # The two slots' gradients are summed in f32: one rounding more.
+    assert_close(d_lhs, per_token, slack + 2.0**-24 * np.abs(per_token), "d_lhs")
+    assert_close(d_rhs, wr, sr, "d_rhs")
+    assert not np.asarray(d_rhs[1]).any()

@@ -94,3 +94,18 @@ def test_layernorm_mlp_kernels_match_fake_quant_reference(interpret, activations
     if isinstance(recipe, fp8jax.DelayedScaling):  # the backward kernel needs the scale first
         kernels.add("activation_cast._pallas_gradient")
     assert kernels <= set(interpret), interpret
+
+
+# Without the fixture: the XLA twins of the kernels (kernel-tile shapes) and
+# XLA's own path (shapes off the tiles), under the recipes test_recipe_references.py
+# does not run the fused ops with.
+TWIN_CASES = [(a, r, s) for a in (("gelu",), ("silu", "linear"))
+              for r in ("delayed-most-recent-margin2", "current-margin2")
+              for s in ("kernel-tiles", "xla-path")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("activations", "name", "shape"), TWIN_CASES,
+                         ids=["/".join(a) + f"-{r}-{s}" for a, r, s in TWIN_CASES])  # fmt: skip
+def test_layernorm_mlp_twins_match_fake_quant_reference(activations, name, shape):
+    rr._mlp_case(activations, RECIPES[name], rr.SHAPES[shape], rr.F32, rr.FUSED_RTOL,
+                 rr.STATE_RTOL, seed=5)  # fmt: skip
