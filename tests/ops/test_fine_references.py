@@ -272,3 +272,44 @@ def test_permuted_ragged_dot_matches_the_gathered_reference():
     assert_close(d_lhs, per_token, slack + 2.0**-24 * np.abs(per_token), "d_lhs")
     assert_close(d_rhs, wr, sr, "d_rhs")
     assert not np.asarray(d_rhs[1]).any()
+
+
+# --- every scale, bit for bit ------------------------------------------------------------
+
+
+def test_every_group_scale_is_the_references():
+    """The scales the row, tile, block and expert casts take: exactly the reference's.
+
+    The values above already move with any scale of the wrong size; this pins
+    each scale down to the bit, power-of-two rounding and margin included.
+    """
+    from fp8jax import fine_quantize as fq
+    from fp8jax.ops import ragged_dot as ragged_ops
+
+    x, w, _ = operands(256, 256, 256)
+    x3 = jnp.asarray(x)[None]
+    e4m3, e5m2 = fp8jax.E4M3, fp8jax.E5M2
+    cases = {
+        "rows": (jax.jit(fq.quantize_rows, static_argnums=(1, 2))(x3, e5m2, 1)[1][0],
+                 fine.group_amax(x, (1, None)), "e5m2", 1, False),
+        "tiles": (jax.jit(fq.quantize_tiles, static_argnums=(1, 2, 3, 4))(x3, e4m3, 128, 2,
+                                                                          True)[1][0],
+                  fine.group_amax(x, (1, 128)), "e4m3", 2, True),
+        "mx": (jax.jit(fq.quantize_tiles, static_argnums=(1, 2, 3, 4))(x3, e4m3, 32, 0,
+                                                                       True)[1][0],
+               fine.group_amax(x, (1, 32)), "e4m3", 0, True),
+        "blocks": (jax.jit(fq.quantize_blocks, static_argnums=(1, 2, 3))(jnp.asarray(w)[None],
+                                                                         e4m3, 128, 1)[1][0],
+                   fine.group_amax(w, (128, 128)), "e4m3", 1, False),
+    }  # fmt: skip
+    for name, (scale_inv, amax, fmt, margin, pow2) in cases.items():
+        want = np.float32(1) / fine.group_scales(amax, fmt, margin, pow2)
+        np.testing.assert_array_equal(np.asarray(scale_inv).reshape(want.shape), want, name)
+    _, rhs, _ = _ragged_operands()
+    recipe = fp8jax.CurrentScaling(margin=1)
+    _, _, scale_inv = jax.jit(ragged_ops.quantize_per_expert, static_argnums=(1, 2, 3))(
+        jnp.asarray(rhs), e4m3, e5m2, recipe
+    )
+    amax = np.abs(rhs).reshape(len(SIZES), -1).max(1)
+    want = np.float32(1) / fine.group_scales(amax, "e4m3", 1)
+    np.testing.assert_array_equal(np.asarray(scale_inv), want, "experts")
