@@ -53,12 +53,10 @@ RECIPES = {
 NORM_KERNELS = {"norm_forward._pallas", "norm_backward._pallas"}
 
 
-@pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
-@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
-def test_layernorm_dense_kernels_match_fake_quant_reference(interpret, recipe, norm_type):
-    x, gamma, beta = rr._norm_inputs(norm_type, 128, 128, seed=3)
+def _layernorm_dense_case(recipe, norm_type, rows):
+    x, gamma, beta = rr._norm_inputs(norm_type, 128, rows, seed=3)
     kernel = 0.1 * jax.random.normal(jax.random.key(9), (128, 128))
-    c = jax.random.normal(jax.random.key(10), (128, 128))
+    c = jax.random.normal(jax.random.key(10), (rows, 128))
 
     def probe(r):
         return ref.layernorm_dense(x, gamma, beta, kernel, None, c, r, norm_type=norm_type)
@@ -75,6 +73,12 @@ def test_layernorm_dense_kernels_match_fake_quant_reference(interpret, recipe, n
     got = {n: g for n, g in zip(names, grads, strict=True) if g is not None}
     rr._check_relative({"y": y, **got}, {"y": want_y, **want}, rr.FUSED_RTOL, norm_type)
     rr._check_state(recipe, rec, new_state, "layernorm_dense")
+
+
+@pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
+@pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
+def test_layernorm_dense_kernels_match_fake_quant_reference(interpret, recipe, norm_type):
+    _layernorm_dense_case(recipe, norm_type, 128)
     assert NORM_KERNELS | {"cast_transpose._pallas_partials"} <= set(interpret), interpret
 
 
@@ -99,8 +103,17 @@ def test_layernorm_mlp_kernels_match_fake_quant_reference(interpret, activations
 # Without the fixture: the XLA twins of the kernels (kernel-tile shapes) and
 # XLA's own path (shapes off the tiles), under the recipes test_recipe_references.py
 # does not run the fused ops with.
+TWIN_RECIPES = ("delayed-most-recent-margin2", "current-margin2")
+
+
+@pytest.mark.parametrize("name", TWIN_RECIPES)
+@pytest.mark.parametrize("rows", [128, 48], ids=["kernel-tiles", "xla-path"])
+def test_layernorm_dense_twins_match_fake_quant_reference(name, rows):
+    _layernorm_dense_case(RECIPES[name], "layernorm", rows)
+
+
 TWIN_CASES = [(a, r, s) for a in (("gelu",), ("silu", "linear"))
-              for r in ("delayed-most-recent-margin2", "current-margin2")
+              for r in TWIN_RECIPES
               for s in ("kernel-tiles", "xla-path")]  # fmt: skip
 
 
