@@ -27,9 +27,9 @@ amax changes the next scale by the ratio of the two tensors' amaxes.
 
 Recipes plug in through one method, ``qdq(key, role, v)``, which returns the
 dequantized operand and records what the recipe observes. Per-tensor recipes
-(:class:`CurrentRef`, :class:`DelayedRef`) use one scale a tensor; a row-wise
-or block recipe would return values quantized per row or block from the same
-method and record its own statistics.
+(:class:`CurrentRef`, :class:`DelayedRef`) use one scale a tensor. The
+row-wise, block and MX recipes and per-expert ``ragged_dot`` have their own
+references, by quantization group, in ``fine_references.py``.
 """
 
 from __future__ import annotations
