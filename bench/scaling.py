@@ -30,7 +30,7 @@ from harness import (
 from jax import lax
 
 import fp8jax
-from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
+from fp8jax.fine_quantize import quantize_blocks, quantize_tiles
 from fp8jax.kernels import block_gemm
 
 BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
@@ -49,7 +49,7 @@ def operands(m, k, n, key=0):
     w = jax.random.normal(kw, (1, n, k), jnp.float32) * 0.02
     qa, sa = quantize_tiles(x, fp8jax.E4M3, 128)
     qb, sb = quantize_blocks(w, fp8jax.E4M3, 128)
-    return x, w, (qa, qb, sa, expand_blocks(sb, 128))
+    return x, w, (qa, qb, sa, block_gemm.expand_blocks(sb, 128))
 
 
 def check(m=1024, k=2048, n=768) -> dict:

@@ -129,8 +129,3 @@ def quantize_blocks(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,
     block_amax = jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
     q = quantize_with_scale(blocks, fmt, _scales(block_amax, fmt, margin, power_of_two))
     return q.data.reshape(x.shape), q.scale_inv[:, :, 0, :, 0]
-
-
-def expand_blocks(block_scale_inv: jax.Array, block: int) -> jax.Array:
-    """Block scales (B, R // block, C // block) as one per row and tile: (B, R, C // block)."""
-    return jnp.repeat(block_scale_inv, block, axis=1)

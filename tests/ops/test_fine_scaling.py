@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
+from fp8jax.fine_quantize import quantize_blocks, quantize_tiles
 from fp8jax.kernels import block_gemm
 from numerics import assert_within, gemm_error_bound
 
@@ -179,7 +179,7 @@ def _block_operands(batch, m, k, n, seed=4, fmt=fp8jax.E4M3):
     kx, kw = jax.random.split(jax.random.key(seed))
     qa, sa = quantize_tiles(jax.random.normal(kx, (batch, m, k)), fmt, B)
     qb, sb = quantize_blocks(jax.random.normal(kw, (batch, n, k)) * 0.1, fmt, B)
-    return qa, qb, sa, expand_blocks(sb, B)
+    return qa, qb, sa, block_gemm.expand_blocks(sb, B)
 
 
 def test_xla_block_matmul_is_the_scaled_sum_over_k_slices():
@@ -196,7 +196,8 @@ def test_xla_block_matmul_takes_a_weights_block_scales():
     kx, kw = jax.random.split(jax.random.key(5))
     qa, sa = quantize_tiles(jax.random.normal(kx, (1, 128, 256)), fp8jax.E4M3, B)
     qb, sb = quantize_blocks(jax.random.normal(kw, (1, 256, 256)) * 0.1, fp8jax.E4M3, B)
-    per_row = block_gemm.xla_block_matmul(qa, qb, sa, expand_blocks(sb, B), out_dtype=jnp.float32)
+    expanded = block_gemm.expand_blocks(sb, B)
+    per_row = block_gemm.xla_block_matmul(qa, qb, sa, expanded, out_dtype=jnp.float32)
     xla = block_gemm.xla_block_matmul(qa, qb, sa, sb, out_dtype=jnp.float32, b_blocks=True)
     np.testing.assert_array_equal(xla, per_row)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import norm_backward, norm_forward
+from fp8jax.kernels import norm_backward, norm_forward
 from fp8jax.verify.jaxpr_dots import jaxpr_dots
 from numerics import (
     OUTPUT_UNIT_ROUNDOFF,
@@ -605,11 +605,11 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
     # 64 x 128 tile and, for the output gradient alone (the only one with a
     # bias to sum for), column sums per 64-row tile. layernorm_dense's
     # normalized input comes, under delayed scaling, from the norm's forward
-    # kernel (fp8jax.ops.norm_forward), with the row statistics and one
+    # kernel (fp8jax.kernels.norm_forward), with the row statistics and one
     # maximum per program's rows, under both recipes (current scaling's
     # maxima-only first pass writes no FP8).
     outputs = _biased_step_outputs(op, recipe)
-    # The norm's backward kernel (fp8jax.ops.norm_backward) writes no FP8.
+    # The norm's backward kernel (fp8jax.kernels.norm_backward) writes no FP8.
     kernels = {
         frozenset(outs)
         for name, outs in outputs.items()
@@ -638,11 +638,11 @@ def test_dense_operands_come_cast_and_transposed_from_one_kernel(op, recipe):
 @pytest.mark.deviceless
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_norm_backward_is_one_kernel(recipe):
-    # fp8jax.ops.norm_backward on one GPU: x's gradient, and per-program
+    # fp8jax.kernels.norm_backward on one GPU: x's gradient, and per-program
     # (64-row) column sums for gamma and beta, from one Pallas kernel. No XLA
     # fusion writes an f32 array of x's size (the norm's products stay in
     # registers) or x's gradient. Under current scaling the norm forward's
-    # maxima-only pass (fp8jax.ops.norm_forward) is the one other kernel
+    # maxima-only pass (fp8jax.kernels.norm_forward) is the one other kernel
     # without FP8 outputs: one maximum per program's rows.
     outputs = _biased_step_outputs("layernorm_dense", recipe)
     tokens, hidden = 2 * 512, 256

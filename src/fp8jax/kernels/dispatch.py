@@ -1,8 +1,8 @@
 """The one place that decides whether a Pallas kernel runs, and where: each device's rows, or XLA.
 
 fp8jax's kernels (:mod:`fp8jax.kernels.cast_transpose`,
-:mod:`fp8jax.kernels.activation_cast`, :mod:`fp8jax.ops.norm_forward`,
-:mod:`fp8jax.ops.norm_backward`) each have an XLA twin that computes
+:mod:`fp8jax.kernels.activation_cast`, :mod:`fp8jax.kernels.norm_forward`,
+:mod:`fp8jax.kernels.norm_backward`) each have an XLA twin that computes
 the same values. Which one a traced op gets depends on four things, all
 decided here:
 

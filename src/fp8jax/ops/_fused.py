@@ -3,7 +3,7 @@
 Their static config, the norm's FP8 output and the statistics its backward
 reads. The normalized input never reaches HBM in high precision: one kernel
 computes the norm, its FP8 cast and its maxima from a single read of x
-(:mod:`fp8jax.ops.norm_forward`;
+(:mod:`fp8jax.kernels.norm_forward`;
 docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel), after a
 maxima-only pass of the same kernel under current scaling; where the kernel
 does not run it is quantized in the fusions that compute it, the amax pass
@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax import activations as activations_
-from fp8jax.ops import _partitioning, norm_forward
-from fp8jax.ops.norm import NormConfig, normalize
+from fp8jax.kernels import norm_forward
+from fp8jax.ops import _partitioning
+from fp8jax.ops.norm import NormConfig, normalize, normalize_and_cast, output_maxima
 from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
 from fp8jax.ops.quantizing import amax_for_update, current_amax_and_scale, quantize_operand
 from fp8jax.ops.split import Split
@@ -75,7 +76,7 @@ def normalize_and_quantize(
 ) -> tuple[QuantizedOperand, NormSaved]:
     """The norm's output in FP8, and what the norm's backward reads.
 
-    In one kernel where it runs (:mod:`fp8jax.ops.norm_forward`): at
+    In one kernel where it runs (:mod:`fp8jax.kernels.norm_forward`): at
     delayed scaling's stored scale (``state``, the output's ScaleState), or
     under current scaling after a first pass of the same kernel that only
     takes the output's maxima. Elsewhere XLA's passes, which fuse the norm
@@ -86,11 +87,11 @@ def normalize_and_quantize(
     row_axes = norm_forward.kernel_row_axes(x)
     if row_axes is not None:
         if state is None:
-            maxima = norm_forward.output_maxima(x, gamma, beta, config.norm, row_axes)
+            maxima = output_maxima(x, gamma, beta, config.norm, row_axes)
             amax, scale = current_amax_and_scale(maxima, fmt, recipe)
         else:
             scale = state.scale
-        q, maxima, mean, rstd = norm_forward.normalize_and_cast(
+        q, maxima, mean, rstd = normalize_and_cast(
             x, gamma, beta, config.norm, scale, fmt, row_axes
         )
         if state is not None:
@@ -127,8 +128,8 @@ def fp8_output(saved: Fp8Array | None, norm: NormSaved, config: FusedConfig, aft
     x, gamma, beta, scale, _ = lax.optimization_barrier((norm.x, norm.gamma, norm.beta,
                                                          norm.scale, after))  # fmt: skip
     fmt = config.recipe.formats.forward
-    q = norm_forward.normalize_and_cast(x, gamma, beta, config.norm, scale, fmt,
-                                        norm_forward.kernel_row_axes(x))[0]  # fmt: skip
+    q = normalize_and_cast(x, gamma, beta, config.norm, scale, fmt,
+                           norm_forward.kernel_row_axes(x))[0]  # fmt: skip
     return Fp8Array(q, inverse(scale), fmt)
 
 

@@ -29,7 +29,7 @@ from jax import lax
 from fp8jax import activations as activations_
 from fp8jax.activations import gated
 from fp8jax.kernels import activation_cast, dispatch
-from fp8jax.ops import _fused, _partitioning, fine_fused, fine_grained, gemm, norm_backward
+from fp8jax.ops import _fused, _partitioning, fine_fused, fine_grained, gemm, norm
 from fp8jax.ops._fused import FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -196,7 +196,7 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved: MlpResiduals, dpre: Qu
                                       recipe)  # fmt: skip
     dk1 = _interleave(dk1)
     db1 = None if db1 is None else _interleave(db1)
-    dx, dgamma, dbeta = norm_backward.normalize_backward(dnormed, x, mean, rstd, gamma, beta,
+    dx, dgamma, dbeta = norm.fused_normalize_backward(dnormed, x, mean, rstd, gamma, beta,
                                                         config.norm, g_residual)  # fmt: skip
     db2 = None if saved.bias_2 is None else g_q.column_sums.astype(saved.bias_2.dtype)
     new_state = None

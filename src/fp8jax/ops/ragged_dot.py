@@ -49,7 +49,6 @@ with a warning.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -68,19 +67,9 @@ from fp8jax.quantize import amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 from fp8jax.scaling import scale_from_amax
 
-# Tests set this to run the kernels in Pallas interpret mode on the CPU.
-_INTERPRET = False
-
-
-@contextlib.contextmanager
-def interpret_kernels():
-    """Runs the grouped-GEMM kernels in Pallas interpret mode inside (tests, on the CPU)."""
-    global _INTERPRET
-    before, _INTERPRET = _INTERPRET, True
-    try:
-        yield
-    finally:
-        _INTERPRET = before
+# Tests run the kernels in Pallas interpret mode on the CPU inside it: an
+# option in the jit key (fp8jax.kernels.grouped_gemm.interpret_kernels).
+interpret_kernels = gg.interpret_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +91,7 @@ def _placement(rows: int) -> tuple[str, tuple[str, ...]]:
     """
     if rows == 0:  # nothing to multiply; the kernels' row-index loads need a row
         return "xla", ()
-    if _INTERPRET:
+    if gg.interpreting():
         return "interpret", ()
     axes = dispatch.row_axes(rows_are_tokens=True)
     if axes is None or rows % dispatch.devices_along(axes):
@@ -252,7 +241,7 @@ def quantize_per_expert(
     expert_amax = jnp.max(jnp.abs(rhs.astype(jnp.float32)).reshape(rhs.shape[0], -1), axis=1)
     scale = scale_from_amax(expert_amax, forward.max, recipe.margin, fallback=1.0)
     forward_t, backward_copy = expert_cast.cast_experts(rhs, scale, forward, backward,
-                                                        interpret=_INTERPRET)  # fmt: skip
+                                                        interpret=gg.interpreting())  # fmt: skip
     return forward_t, backward_copy, 1.0 / scale
 
 
