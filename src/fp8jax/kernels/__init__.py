@@ -21,8 +21,6 @@ from fp8jax.kernels.dispatch import (
     decide,
     enabled,
     is_local,
-    placement,
-    row_axes,
     set_pallas,
     use_pallas,
 )
@@ -36,8 +34,6 @@ __all__ = [
     "decide",
     "enabled",
     "is_local",
-    "placement",
-    "row_axes",
     "set_pallas",
     "use_pallas",
 ]

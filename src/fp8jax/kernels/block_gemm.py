@@ -73,12 +73,12 @@ def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, *,
         block (docs/design.md#the-block-scaled-gemm-kernel).
     """
     out_dtype = jnp.dtype(out_dtype)
-    where = dispatch.placement(
+    placement = dispatch.decide(
         lambda shards: shards == 1 and fits(a.shape, b.shape, a.dtype, b.dtype),
         rows_are_tokens=False,
     )
     xla = functools.partial(xla_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
-    if where is None:
+    if not placement.kernel:
         return xla(a, b, a_scale_inv, b_scale_inv)
     pallas = functools.partial(mosaic_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
     return dispatch.on_each_device(pallas, xla, (a, b, a_scale_inv, b_scale_inv), 0, ("rows",))

@@ -218,13 +218,12 @@ def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_a
     return dx, dgamma, dbeta
 
 
-def kernel_row_axes(x, kernel_fits=fits) -> tuple[str, ...] | None:
-    """The mesh axes splitting a norm kernel's rows for the norm input ``x``; None: XLA's path.
+def decide(x, kernel_fits=fits) -> dispatch.Placement:
+    """Where a norm kernel runs for the norm input ``x``: :func:`fp8jax.kernels.dispatch.decide`.
 
-    ``kernel_fits``: the kernel's ``fits``; this module's by default. The
-    decision is :func:`fp8jax.kernels.dispatch.placement`'s.
+    ``kernel_fits``: the kernel's ``fits``; this module's by default.
     """
     if x.size == 0:  # an empty x fills no tile
-        return None
+        return dispatch.XLA
     matrix = (x.size // x.shape[-1], x.shape[-1])
-    return dispatch.placement(lambda shards: kernel_fits(matrix, shards))
+    return dispatch.decide(lambda shards: kernel_fits(matrix, shards))

@@ -148,9 +148,9 @@ def _xla(x, gamma, beta, scale, *, fmt, centred, epsilon):
     return (q, rstd, maxima) if mean is None else (q, mean, rstd, maxima)
 
 
-def kernel_row_axes(x) -> tuple[str, ...] | None:
-    """The mesh axes splitting the kernel's rows for the norm input ``x``; None: XLA's path."""
-    return norm_backward.kernel_row_axes(x, fits)
+def decide(x) -> dispatch.Placement:
+    """Where the kernel runs for the norm input ``x``: :func:`fp8jax.kernels.dispatch.decide`."""
+    return norm_backward.decide(x, fits)
 
 
 def row_maxima(matrix, gamma, beta, *, centred: bool, epsilon: float, row_axes=()) -> jax.Array:
@@ -174,7 +174,7 @@ def cast_rows(matrix, gamma, beta, scale, fmt: Fp8Format, *, centred: bool, epsi
 
     Returns the kernel's outputs: ``(q, mean, rstd, maxima)``, without
     ``mean`` uncentred; ``maxima`` one per ROWS_PER_PROGRAM rows. Arguments
-    as for :func:`row_maxima`; ``row_axes`` from :func:`kernel_row_axes`.
+    as for :func:`row_maxima`; ``row_axes``: :func:`decide`'s.
     """
     kwargs = {"fmt": fmt, "centred": centred, "epsilon": epsilon}
     return dispatch.on_each_device(

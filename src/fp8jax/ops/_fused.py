@@ -84,15 +84,15 @@ def normalize_and_quantize(
     reaches HBM in high precision.
     """
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    row_axes = norm_forward.kernel_row_axes(x)
-    if row_axes is not None:
+    placement = norm_forward.decide(x)
+    if placement.kernel:
         if state is None:
-            maxima = output_maxima(x, gamma, beta, config.norm, row_axes)
+            maxima = output_maxima(x, gamma, beta, config.norm, placement.row_axes)
             amax, scale = current_amax_and_scale(maxima, fmt, recipe)
         else:
             scale = state.scale
         q, maxima, mean, rstd = normalize_and_cast(
-            x, gamma, beta, config.norm, scale, fmt, row_axes
+            x, gamma, beta, config.norm, scale, fmt, placement.row_axes
         )
         if state is not None:
             amax = amax_for_update(maxima, recipe)
@@ -129,7 +129,7 @@ def fp8_output(saved: Fp8Array | None, norm: NormSaved, config: FusedConfig, aft
                                                          norm.scale, after))  # fmt: skip
     fmt = config.recipe.formats.forward
     q = normalize_and_cast(x, gamma, beta, config.norm, scale, fmt,
-                           norm_forward.kernel_row_axes(x))[0]  # fmt: skip
+                           norm_forward.decide(x).row_axes)[0]  # fmt: skip
     return Fp8Array(q, inverse(scale), fmt)
 
 

@@ -107,11 +107,11 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, resid
 def fused_normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):
     """:func:`normalize_backward` for the fused ops: in one kernel pass where it runs.
 
-    Where :func:`fp8jax.kernels.norm_backward.kernel_row_axes` places the
-    kernel, it reads ``dy``, ``x`` and ``residual`` once; else XLA's passes.
+    Where :func:`fp8jax.kernels.norm_backward.decide` places the kernel, it
+    reads ``dy``, ``x`` and ``residual`` once; else XLA's passes.
     """
-    row_axes = norm_backward.kernel_row_axes(x)
-    if row_axes is None:
+    placement = norm_backward.decide(x)
+    if not placement.kernel:
         # dx and the residual's gradient are summed in f32 and rounded once, as in the kernel.
         return normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)
 
@@ -121,7 +121,7 @@ def fused_normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig,
     gamma_32 = effective_gamma(gamma, config, 2)
     dx, dgamma, dbeta = norm_backward.norm_backward(
         rows(dy), rows(x), rows(mean), rows(rstd), gamma_32, beta is not None,
-        rows(residual), row_axes,
+        rows(residual), placement.row_axes,
     )  # fmt: skip
     dbeta = None if beta is None else dbeta.astype(beta.dtype)
     return dx.reshape(x.shape), dgamma.astype(gamma.dtype), dbeta
@@ -157,8 +157,8 @@ def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format
       scale: the f32 scale of the output: delayed scaling's stored one, or
         current scaling's from :func:`output_maxima`.
       fmt: the FP8 format of the output.
-      row_axes: from :func:`fp8jax.kernels.norm_forward.kernel_row_axes`,
-        which must not be None.
+      row_axes: the ``row_axes`` of :func:`fp8jax.kernels.norm_forward.decide`'s
+        placement, which must be the kernel's.
 
     Returns:
       ``(q, maxima, mean, rstd)``: the FP8 data in ``x``'s shape; f32 maxima
