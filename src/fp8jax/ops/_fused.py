@@ -19,19 +19,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax import activations as activations_
 from fp8jax.kernels import norm_forward
 from fp8jax.ops import _partitioning
 from fp8jax.ops.norm import NormConfig, normalize, normalize_and_cast, output_maxima
 from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
 from fp8jax.ops.quantizing import amax_for_update, current_amax_and_scale, quantize_operand
 from fp8jax.ops.split import Split
-from fp8jax.quantize import Fp8Array, check_high_precision
+from fp8jax.quantize import Fp8Array
 from fp8jax.recipes import Recipe
 from fp8jax.scaling import ScaleState
-
-# XLA's formula of each activation, by name (fp8jax.activations.REGISTRY).
-ACTIVATIONS = {name: a.xla for name, a in activations_.REGISTRY.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,17 +127,3 @@ def fp8_output(saved: Fp8Array | None, norm: NormSaved, config: FusedConfig, aft
     q = normalize_and_cast(x, gamma, beta, config.norm, scale, fmt,
                            norm_forward.decide(x).row_axes)[0]  # fmt: skip
     return Fp8Array(q, inverse(scale), fmt)
-
-
-def contract_last(lhs_ndim: int):
-    """Dimension numbers contracting lhs's last axis against the kernel's first."""
-    return (((lhs_ndim - 1,), (0,)), ((), ()))
-
-
-def check_bias(name: str, bias, shape: tuple[int, ...]) -> None:
-    """Raises unless ``bias`` is None or a high-precision array of ``shape``."""
-    if bias is None:
-        return
-    check_high_precision(name, bias)
-    if tuple(bias.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(bias.shape)}.")

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import _fused, _partitioning, fine_fused, fine_grained, gemm, norm
+from fp8jax.ops import _fused, _partitioning, dimensions, fine_fused, fine_grained, gemm, norm
 from fp8jax.ops._fused import FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -54,7 +54,7 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     normed, norm = _fused.normalize_and_quantize(x, gamma, beta, state and state.x, config)
     kernel_q = quantize_operand(kernel, recipe.formats.forward, state and state.kernel, recipe,
                                 rows_ndim=1, transpose=True)  # fmt: skip
-    y = gemm.scaled_dot(normed.fp8, kernel_q, _fused.contract_last(x.ndim), config.x_dtype,
+    y = gemm.scaled_dot(normed.fp8, kernel_q, dimensions.contract_last(x.ndim), config.x_dtype,
                         recipe.forward_precision)  # fmt: skip
     y = split_output_with_bias(y, bias, kernel.ndim - 1, config.split)
     if config.return_normalized:
@@ -77,7 +77,7 @@ def _ln_dense_bwd(config: FusedConfig, saved: LnDenseResiduals, cotangent):
                            column_sums=config.bias_dtype is not None)  # fmt: skip
     normed = _fused.fp8_output(saved.normed, saved.norm, config, g_q.fp8.data)
     d_normed, d_kernel = gemm.backward_dots(
-        _fused.contract_last(x.ndim), x.ndim, Fp8Layout(normed), saved.kernel, g_q,
+        dimensions.contract_last(x.ndim), x.ndim, Fp8Layout(normed), saved.kernel, g_q,
         x.dtype, config.kernel_dtypes[0], recipe,
     )  # fmt: skip
     if g_normed is not None:
