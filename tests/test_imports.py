@@ -142,7 +142,7 @@ BELOW_KERNELS = ("fp8jax.kernels", "fp8jax.formats", "fp8jax.recipes", "fp8jax.s
 def test_kernels_import_only_the_layers_below_them(name):
     # The dispatcher decides for the ops, and the kernels serve them: neither
     # may depend on the ops or on anything that imports the kernels
-    # (fp8jax.fine_quantize, a kernel's caller, once was).
+    # (block_gemm once imported the fine-grained quantizers, a kernel's caller).
     above = sorted(m for m in GRAPH[name] if m.startswith("fp8jax") and not any(
         m == b or m.startswith(b + ".") for b in BELOW_KERNELS))  # fmt: skip
     assert not above, f"{name} imports {above}, which are not below the kernels"

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from fp8jax.kernels.block_gemm import BLOCK
 from fp8jax.ops import _partitioning, blockwise, mx, rowwise
-from fp8jax.recipes import BlockScaling, MXFP8Scaling, RowwiseScaling
+from fp8jax.recipes import PER_TENSOR, BlockScaling, MXFP8Scaling, RowwiseScaling
 
 
 def dot_general(lhs, rhs, dims, recipe, out_dtype) -> jax.Array:
@@ -88,7 +88,7 @@ def _product(a, b, recipe, out_dtype) -> jax.Array:
 
 def is_fine(recipe) -> bool:
     """Whether ``recipe`` scales finer than per tensor (its GEMMs run here)."""
-    return isinstance(recipe, RowwiseScaling | BlockScaling | MXFP8Scaling)
+    return recipe.granularity("x") != PER_TENSOR
 
 
 def dot(lhs, rhs, bias, dims, recipe, out_dtype, split=None):
