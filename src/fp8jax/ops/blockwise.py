@@ -15,28 +15,17 @@ forward saves the weight's FP8 blocks and ``a`` quantized along M.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul
 from fp8jax.ops import _partitioning
+from fp8jax.ops.fine_config import FineDotConfig
 from fp8jax.ops.fine_quantize import quantize_blocks, quantize_tiles_both_ways
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import BlockScaling
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockDotConfig:
-    recipe: BlockScaling
-    out_dtype: np.dtype
-    a_dtype: np.dtype
-    b_dtype: np.dtype
-    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
-    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def _tiles_both_ways(x, fmt, recipe: BlockScaling):
@@ -44,12 +33,12 @@ def _tiles_both_ways(x, fmt, recipe: BlockScaling):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def block_dot(a, b, config: BlockDotConfig):
+def block_dot(a, b, config: FineDotConfig):
     """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N) with block scales, FP8 both ways."""
     return _block_dot_fwd(a, b, config)[0]
 
 
-def _block_dot_fwd(a, b, config: BlockDotConfig):
+def _block_dot_fwd(a, b, config: FineDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     # qa (B, M, K), scales (B, M, K / 128); its transposed copy (B, K, M) for
     # the wgrad, which contracts M.
@@ -60,7 +49,7 @@ def _block_dot_fwd(a, b, config: BlockDotConfig):
     return y, (qa.transposed, qb.fp8)
 
 
-def _block_dot_bwd(config: BlockDotConfig, residuals, g):
+def _block_dot_bwd(config: FineDotConfig, residuals, g):
     a_t, b = residuals
     recipe, fmt = config.recipe, config.recipe.formats.backward
     # qg (B, M, N) for the dgrad, which contracts N; its transposed copy (B, N, M) for the wgrad.

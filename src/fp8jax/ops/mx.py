@@ -22,16 +22,15 @@ nothing is dequantized before a GEMM (docs/design.md#mxfp8-for-blackwell).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from fp8jax.kernels.block_gemm import xla_block_matmul
 from fp8jax.ops import _partitioning
+from fp8jax.ops.fine_config import FineDotConfig
 from fp8jax.ops.fine_quantize import quantize_tiles
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import MXFP8Scaling
@@ -39,16 +38,6 @@ from fp8jax.recipes import MXFP8Scaling
 BLOCK = MXFP8Scaling.BLOCK
 # The compute capability whose GPUs multiply MX blocks in FP8 (Blackwell).
 BLACKWELL = 10
-
-
-@dataclasses.dataclass(frozen=True)
-class MXDotConfig:
-    recipe: MXFP8Scaling
-    out_dtype: np.dtype
-    a_dtype: np.dtype
-    b_dtype: np.dtype
-    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
-    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def check_devices(devices=None, advice: str = "Use fp8jax.BlockScaling() on Hopper.") -> None:
@@ -89,12 +78,12 @@ def _gemm(qa, qb, sa, sb, out_dtype) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def mx_dot(a, b, config: MXDotConfig):
+def mx_dot(a, b, config: FineDotConfig):
     """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N) in MX blocks, FP8 both ways."""
     return _mx_dot_fwd(a, b, config)[0]
 
 
-def _mx_dot_fwd(a, b, config: MXDotConfig):
+def _mx_dot_fwd(a, b, config: FineDotConfig):
     check_devices()
     fmt = config.recipe.formats.forward
     qa, qb = _blocks(a, fmt), _blocks(b, fmt)
@@ -103,7 +92,7 @@ def _mx_dot_fwd(a, b, config: MXDotConfig):
     return y, (_blocks(jnp.swapaxes(a, 1, 2), fmt), _blocks(jnp.swapaxes(b, 1, 2), fmt))
 
 
-def _mx_dot_bwd(config: MXDotConfig, residuals, g):
+def _mx_dot_bwd(config: FineDotConfig, residuals, g):
     a_t, b_t = residuals
     fmt = config.recipe.formats.backward
     qg, qg_t = _blocks(g, fmt), _blocks(jnp.swapaxes(g, 1, 2), fmt)

@@ -18,7 +18,6 @@ column. The forward saves ``a`` and ``b`` only in those FP8 layouts.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -27,19 +26,10 @@ import numpy as np
 from jax import lax
 
 from fp8jax.ops import _partitioning
+from fp8jax.ops.fine_config import FineDotConfig
 from fp8jax.ops.fine_quantize import quantize_rows_and_columns
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import RowwiseScaling
-
-
-@dataclasses.dataclass(frozen=True)
-class RowDotConfig:
-    recipe: RowwiseScaling
-    out_dtype: np.dtype
-    a_dtype: np.dtype
-    b_dtype: np.dtype
-    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
-    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def gemm_dtype(out_dtype) -> np.dtype:
@@ -83,12 +73,12 @@ def _column_reduction(recipe: RowwiseScaling):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def row_dot(a, b, config: RowDotConfig):
+def row_dot(a, b, config: FineDotConfig):
     """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N), both scaled per row, FP8 both ways."""
     return _row_dot_fwd(a, b, config)[0]
 
 
-def _row_dot_fwd(a, b, config: RowDotConfig):
+def _row_dot_fwd(a, b, config: FineDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     # Each operand is cast twice from the array in its own dtype: XLA kept
     # the producer's f32 value for both casts otherwise
@@ -105,7 +95,7 @@ def _row_dot_fwd(a, b, config: RowDotConfig):
     return y, (qa.transposed, qb.transposed)
 
 
-def _row_dot_bwd(config: RowDotConfig, residuals, g):
+def _row_dot_bwd(config: FineDotConfig, residuals, g):
     a_t, b_t = residuals  # FP8 copies quantized along M and N
     recipe, fmt = config.recipe, config.recipe.formats.backward
     g = lax.optimization_barrier(g)
