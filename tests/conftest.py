@@ -134,7 +134,7 @@ def one_device():
 
     With several GPUs visible and no mesh, the ops cannot tell a one-device
     ``jit`` from a sharded one and keep XLA's cast (kernels.dispatch.is_local);
-    on 2 H200s the kernel assertions of tests/ops/test_fused.py then failed (run 8A).
+    on 2 H200s the kernel assertions of tests/ops/test_layernorm_dense.py then failed (run 8A).
     """
     with jax.set_mesh(jax.make_mesh((1,), ("one",), devices=jax.devices()[:1])) as mesh:
         yield mesh

@@ -67,7 +67,7 @@ def gelu(x):
     (docs/design.md#gelu-through-erf has the measurement). ``erfc`` is
     more accurate only in the negative tail, where ``1 + erf`` cancels: in
     f32 this form stays within 1.1e-6 of the exact value over [-12, 12],
-    under a thousandth of bf16's spacing at 1, 2**-7 (tests/ops/test_fused.py).
+    under a thousandth of bf16's spacing at 1, 2**-7 (tests/ops/test_layernorm_mlp.py).
     """
     return x * (1 + lax.erf(x * _SQRT_HALF)) * 0.5
 
