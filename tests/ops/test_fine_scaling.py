@@ -18,8 +18,8 @@ import pytest
 
 import fine_references as fine
 import fp8jax
-from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
 from fp8jax.kernels import block_gemm
+from fp8jax.ops.fine_quantize import quantize_blocks, quantize_tiles
 from numerics import assert_within, gemm_error_bound
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -178,9 +178,9 @@ def test_outlier_channels_halve_per_tensor_error(outlier_data):
 
 def _block_operands(batch, m, k, n, seed=4, fmt=fp8jax.E4M3):
     kx, kw = jax.random.split(jax.random.key(seed))
-    qa, sa = quantize_tiles(jax.random.normal(kx, (batch, m, k)), fmt, B)
-    qb, sb = quantize_blocks(jax.random.normal(kw, (batch, n, k)) * 0.1, fmt, B)
-    return qa, qb, sa, expand_blocks(sb, B)
+    a = quantize_tiles(jax.random.normal(kx, (batch, m, k)), fmt, B)
+    b = quantize_blocks(jax.random.normal(kw, (batch, n, k)) * 0.1, fmt, B)
+    return a.data, b.data, a.scale_inv, block_gemm.expand_blocks(b.scale_inv, B)
 
 
 def test_xla_block_matmul_is_the_scaled_sum_over_k_slices():
@@ -195,9 +195,11 @@ def test_xla_block_matmul_is_the_scaled_sum_over_k_slices():
 def test_xla_block_matmul_takes_a_weights_block_scales():
     # b_blocks: b's scales one per 128 x 128 block, the same sums as repeated per row.
     kx, kw = jax.random.split(jax.random.key(5))
-    qa, sa = quantize_tiles(jax.random.normal(kx, (1, 128, 256)), fp8jax.E4M3, B)
-    qb, sb = quantize_blocks(jax.random.normal(kw, (1, 256, 256)) * 0.1, fp8jax.E4M3, B)
-    per_row = block_gemm.xla_block_matmul(qa, qb, sa, expand_blocks(sb, B), out_dtype=jnp.float32)
+    a = quantize_tiles(jax.random.normal(kx, (1, 128, 256)), fp8jax.E4M3, B)
+    b = quantize_blocks(jax.random.normal(kw, (1, 256, 256)) * 0.1, fp8jax.E4M3, B)
+    qa, sa, qb, sb = a.data, a.scale_inv, b.data, b.scale_inv
+    expanded = block_gemm.expand_blocks(sb, B)
+    per_row = block_gemm.xla_block_matmul(qa, qb, sa, expanded, out_dtype=jnp.float32)
     xla = block_gemm.xla_block_matmul(qa, qb, sa, sb, out_dtype=jnp.float32, b_blocks=True)
     np.testing.assert_array_equal(xla, per_row)
 

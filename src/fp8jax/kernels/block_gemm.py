@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.fine_quantize import expand_blocks
 from fp8jax.kernels import dispatch
 
 BLOCK = 128  # the K slice each scale covers
@@ -155,16 +154,21 @@ def block_scaled_matmul(a, b, a_scale_inv, b_scale_inv, out_dtype, *, b_blocks: 
         block (docs/design.md#the-block-scaled-gemm-kernel).
     """
     out_dtype = jnp.dtype(out_dtype)
-    where = dispatch.placement(
+    placement = dispatch.decide(
         lambda shards: shards == 1 and fits(a.shape, b.shape, a.dtype, b.dtype),
         rows_are_tokens=False,
     )
     xla = functools.partial(xla_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks)
-    if where is None:
+    if not placement.kernel:
         return xla(a, b, a_scale_inv, b_scale_inv)
     pallas = functools.partial(mosaic_block_matmul, out_dtype=out_dtype, b_blocks=b_blocks,
                                config=kernel)  # fmt: skip
     return dispatch.on_each_device(pallas, xla, (a, b, a_scale_inv, b_scale_inv), 0, ("rows",))
+
+
+def expand_blocks(block_scale_inv: jax.Array, block: int) -> jax.Array:
+    """Block scales (B, R // block, C // block) as one per row and tile: (B, R, C // block)."""
+    return jnp.repeat(block_scale_inv, block, axis=1)
 
 
 def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=False,

@@ -12,9 +12,9 @@ XLA's passes at the transformer layer's shape on the H200
 (docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel).
 
 The statistics are the two-pass ones :func:`fp8jax.ops.norm.normalize`
-computes (the same code runs on each row), not ``E[x^2] - E[x]^2``, whose
-f32 cancellation loses the variance of rows whose mean is large against
-their spread.
+computes (the same code, :mod:`fp8jax.kernels.norm_rows`, runs on each
+row), not ``E[x^2] - E[x]^2``, whose f32 cancellation loses the variance
+of rows whose mean is large against their spread.
 
 Under current scaling the scale depends on the amax of the whole output,
 so the cast cannot share the pass: the same kernel runs twice, first
@@ -22,7 +22,7 @@ without the cast, writing only the maxima from which the scale comes
 (:func:`output_maxima`), then with it; two reads of ``x`` where XLA's
 passes make three or four (docs/design.md#the-norms-forward-under-current-scaling).
 The kernel's shape rules and its placement under a mesh are the backward's
-(:mod:`fp8jax.ops.norm_backward`). Off NVIDIA GPUs, and with the kernels
+(:mod:`fp8jax.kernels.norm_backward`). Off NVIDIA GPUs, and with the kernels
 off (:mod:`fp8jax.kernels`), XLA runs the same arithmetic, its sums in its own
 order (at the transformer layer's shape the FP8 bytes came out equal).
 """
@@ -36,9 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax.formats import Fp8Format
-from fp8jax.kernels import cast_transpose, dispatch
-from fp8jax.ops import norm, norm_backward
-from fp8jax.ops.norm import NormConfig
+from fp8jax.kernels import cast_transpose, dispatch, norm_backward, norm_rows
 from fp8jax.quantize import quantize_with_scale
 
 # Rows a program normalizes, how many of them at a time, and its warps: the
@@ -52,7 +50,7 @@ def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
     """Whether the kernel takes a (rows, hidden) norm input split over ``row_shards`` devices.
 
     Its hidden sizes are the backward kernel's
-    (:func:`fp8jax.ops.norm_backward.hidden_fits`).
+    (:func:`fp8jax.kernels.norm_backward.hidden_fits`).
     """
     rows, hidden = shape
     return norm_backward.hidden_fits(hidden) and rows % (row_shards * ROWS_PER_PROGRAM) == 0
@@ -81,13 +79,13 @@ def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float
                                        ROWS_PER_STEP)  # fmt: skip
 
     # The next rows' load is issued before this step's statistics, so that
-    # its latency overlaps them (as in fp8jax.ops.norm_backward).
+    # its latency overlaps them (as in fp8jax.kernels.norm_backward).
     def step(i, carry):
         amax, x = carry
         ahead = load(i + 1)
         rows = pl.ds(i * ROWS_PER_STEP, ROWS_PER_STEP)
-        y, mean, rstd = norm.normalize_rows(x.astype(jnp.float32), gamma, beta, centred, epsilon,
-                                            width)  # fmt: skip
+        y, mean, rstd = norm_rows.normalize_rows(x.astype(jnp.float32), gamma, beta, centred,
+                                                 epsilon, width)  # fmt: skip
         if cast:
             q = quantize_with_scale(y, fmt, scale).data
             norm_backward.store_rows(q_ref, i * ROWS_PER_STEP, q)
@@ -141,7 +139,8 @@ def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
 
 def _xla(x, gamma, beta, scale, *, fmt, centred, epsilon):
     """:func:`_pallas`'s values from XLA, one amax per block of ROWS_PER_PROGRAM rows."""
-    y, mean, rstd = norm.normalize_rows(x.astype(jnp.float32), gamma, beta, centred, epsilon)
+    y, mean, rstd = norm_rows.normalize_rows(x.astype(jnp.float32), gamma, beta, centred,
+                                             epsilon)  # fmt: skip
     maxima = cast_transpose.tile_maxima(y, (ROWS_PER_PROGRAM, x.shape[1]))
     if fmt is None:
         return (maxima,)
@@ -149,28 +148,19 @@ def _xla(x, gamma, beta, scale, *, fmt, centred, epsilon):
     return (q, rstd, maxima) if mean is None else (q, mean, rstd, maxima)
 
 
-def kernel_row_axes(x) -> tuple[str, ...] | None:
-    """The mesh axes splitting the kernel's rows for the norm input ``x``; None: XLA's path."""
-    return norm_backward.kernel_row_axes(x, fits)
+def decide(x) -> dispatch.Placement:
+    """Where the kernel runs for the norm input ``x``: :func:`fp8jax.kernels.dispatch.decide`."""
+    return norm_backward.decide(x, fits)
 
 
-def _matrix_operands(x, gamma, beta, config: NormConfig):
-    """``x`` as (rows, hidden), the effective gamma and beta as (1, hidden), and ``centred``."""
-    centred = config.norm_type == "layernorm"
-    beta = None if beta is None else beta.astype(jnp.float32).reshape(1, -1)
-    return x.reshape(-1, x.shape[-1]), norm.effective_gamma(gamma, config, 2), beta, centred
+def row_maxima(matrix, gamma, beta, *, centred: bool, epsilon: float, row_axes=()) -> jax.Array:
+    """The maxima of the norm's f32 output magnitude on (rows, hidden) ``matrix``, alone.
 
-
-def output_maxima(x, gamma, beta, config: NormConfig, row_axes=()) -> jax.Array:
-    """The maxima of the norm's f32 output magnitude, one per ROWS_PER_PROGRAM rows, alone.
-
-    Current scaling's first pass: the kernel reads ``x`` and writes nothing
-    else, and the scale from these maxima's maximum goes to
-    :func:`normalize_and_cast`, which computes the same values again and
-    casts them. Arguments as for :func:`normalize_and_cast`.
+    One per ROWS_PER_PROGRAM rows: current scaling's first pass, whose
+    scale goes to :func:`cast_rows`. ``gamma`` is the effective (1, hidden)
+    f32 scale, ``beta`` (1, hidden) f32 or None.
     """
-    matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
-    kwargs = {"fmt": None, "centred": centred, "epsilon": config.epsilon}
+    kwargs = {"fmt": None, "centred": centred, "epsilon": epsilon}
     (maxima,) = dispatch.on_each_device(
         functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
         (matrix, gamma, beta, None), 1, ("rows",), tuple(row_axes),
@@ -178,33 +168,17 @@ def output_maxima(x, gamma, beta, config: NormConfig, row_axes=()) -> jax.Array:
     return maxima
 
 
-def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format, row_axes=()):
-    """:func:`fp8jax.ops.norm.normalize`'s output cast to ``fmt`` at ``scale``, in one pass.
+def cast_rows(matrix, gamma, beta, scale, fmt: Fp8Format, *, centred: bool, epsilon: float,
+              row_axes=()):  # fmt: skip
+    """The norm of (rows, hidden) ``matrix`` cast to ``fmt`` at ``scale``, in one pass.
 
-    Args:
-      x: the norm's input, (..., hidden).
-      gamma, beta: as for ``normalize`` (beta None for RMSNorm or none).
-      config: the norm's settings.
-      scale: the f32 scale of the output: delayed scaling's stored one, or
-        current scaling's from :func:`output_maxima`.
-      fmt: the FP8 format of the output.
-      row_axes: from :func:`kernel_row_axes`, which must not be None.
-
-    Returns:
-      ``(q, maxima, mean, rstd)``: the FP8 data in ``x``'s shape; f32 maxima
-      of the f32 output's magnitude, one per ROWS_PER_PROGRAM rows, whose
-      maximum is its amax (of this device's rows, inside ``shard_map``); the
-      statistics as ``normalize`` returns them (``mean`` None for RMSNorm).
+    Returns the kernel's outputs: ``(q, mean, rstd, maxima)``, without
+    ``mean`` uncentred; ``maxima`` one per ROWS_PER_PROGRAM rows. Arguments
+    as for :func:`row_maxima`; ``row_axes``: :func:`decide`'s.
     """
-    matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
-    kwargs = {"fmt": fmt, "centred": centred, "epsilon": config.epsilon}
-    outputs = dispatch.on_each_device(
+    kwargs = {"fmt": fmt, "centred": centred, "epsilon": epsilon}
+    return dispatch.on_each_device(
         functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
         (matrix, gamma, beta, scale.astype(jnp.float32)), 1,
         ("rows",) * (4 if centred else 3), tuple(row_axes),
     )  # fmt: skip
-    q, *stats, maxima = outputs
-    stats_shape = (*x.shape[:-1], 1)
-    mean = stats.pop(0).reshape(stats_shape) if centred else None
-    rstd = stats[0].reshape(stats_shape)
-    return q.reshape(x.shape), maxima, mean, rstd

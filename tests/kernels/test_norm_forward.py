@@ -1,4 +1,4 @@
-"""fp8jax.ops.norm_forward: the norm's forward and FP8 cast in one pass, against f64."""
+"""fp8jax.kernels.norm_forward: the norm's forward and FP8 cast in one pass, against f64."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import norm_backward, norm_forward
+from fp8jax.kernels import norm_backward, norm_forward
+from fp8jax.ops import norm
 from fp8jax.ops.norm import NormConfig
 
 ROWS, HIDDEN = 2 * norm_forward.ROWS_PER_PROGRAM, 256
@@ -120,15 +121,12 @@ def test_normalize_and_cast_matches_the_norm_and_quantize(norm_type, zero_center
     # The public entry (here XLA's path, on the CPU) on a (2, rows/2, hidden)
     # input: the same bytes as quantize_with_scale of fp8jax.ops.norm's own
     # normalize, and its statistics.
-    from fp8jax.ops import norm
     from fp8jax.quantize import quantize_with_scale
 
     x, gamma, beta = _inputs(norm_type, seed=1)
     x = x.reshape(2, ROWS // 2, HIDDEN)
     config = NormConfig(norm_type, zero_centered_gamma)
-    q, maxima, mean, rstd = norm_forward.normalize_and_cast(
-        x, gamma, beta, config, jnp.float32(SCALE), FMT
-    )
+    q, maxima, mean, rstd = norm.normalize_and_cast(x, gamma, beta, config, jnp.float32(SCALE), FMT)
     y, want_mean, want_rstd = norm.normalize(x, gamma, beta, config)
     np.testing.assert_array_equal(q, quantize_with_scale(y, FMT, jnp.float32(SCALE)).data)
     # One maximum per ROWS_PER_PROGRAM rows.
@@ -267,7 +265,7 @@ def test_live_kernel_matches_the_f64_forward(norm_type, hidden):
     device = jax.devices()[0]
     assert device.platform == "gpu"
     x, gamma, beta = jax.device_put(_inputs(norm_type, hidden=hidden), device)
-    step = jax.jit(norm_forward.normalize_and_cast, static_argnums=(3, 5))
+    step = jax.jit(norm.normalize_and_cast, static_argnums=(3, 5))
     args = (x, gamma, beta, NormConfig(norm_type), jnp.float32(SCALE), FMT)
     assert "fp8jax_norm_forward" in step.lower(*args).as_text()
     q, maxima, mean, rstd = step(*args)

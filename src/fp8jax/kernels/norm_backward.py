@@ -34,9 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.kernels import dispatch
-from fp8jax.ops import norm
-from fp8jax.ops.norm import NormConfig
+from fp8jax.kernels import dispatch, norm_rows
 
 # 64 rows a program and 4 warps (128 threads, 32 elements of a 4096-wide row
 # each) were the fastest of 18 shapes on the H200: 16-64 rows, 4-16 warps,
@@ -92,7 +90,7 @@ def _padded_block(ref, start, count: int, width: int):
 
 
 def true_width(hidden: int) -> int | None:
-    """``width`` for :func:`fp8jax.ops.norm.normalize_rows` on rows of ``hidden`` in a kernel."""
+    """``width`` for :func:`.norm_rows.normalize_rows` on a kernel's rows of ``hidden``."""
     return None if padded_width(hidden) == hidden else hidden
 
 
@@ -103,8 +101,8 @@ def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
 
 
 def _row_gradients(dy, x, mean, rstd, gamma, width=None):
-    """:func:`fp8jax.ops.norm.row_gradients` of a block of rows in any float dtype."""
-    return norm.row_gradients(dy.astype(jnp.float32), x.astype(jnp.float32), mean, rstd, gamma,
+    """:func:`fp8jax.kernels.norm_rows.row_gradients` of a block of rows in any float dtype."""
+    return norm_rows.row_gradients(dy.astype(jnp.float32), x.astype(jnp.float32), mean, rstd, gamma,
                               width)  # fmt: skip
 
 
@@ -220,35 +218,12 @@ def norm_backward(dy, x, mean, rstd, gamma, has_beta: bool, residual=None, row_a
     return dx, dgamma, dbeta
 
 
-def kernel_row_axes(x, kernel_fits=fits) -> tuple[str, ...] | None:
-    """The mesh axes splitting a norm kernel's rows for the norm input ``x``; None: XLA's path.
+def decide(x, kernel_fits=fits) -> dispatch.Placement:
+    """Where a norm kernel runs for the norm input ``x``: :func:`fp8jax.kernels.dispatch.decide`.
 
-    ``kernel_fits``: the kernel's ``fits``; this module's by default. The
-    decision is :func:`fp8jax.kernels.dispatch.placement`'s.
+    ``kernel_fits``: the kernel's ``fits``; this module's by default.
     """
     if x.size == 0:  # an empty x fills no tile
-        return None
+        return dispatch.XLA
     matrix = (x.size // x.shape[-1], x.shape[-1])
-    return dispatch.placement(lambda shards: kernel_fits(matrix, shards))
-
-
-def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):
-    """:func:`fp8jax.ops.norm.normalize_backward`, with ``residual`` added to ``dx``.
-
-    In the kernel where it runs (:func:`kernel_row_axes`), else XLA's passes.
-    """
-    row_axes = kernel_row_axes(x)
-    if row_axes is None:
-        # dx and the residual's gradient are summed in f32 and rounded once, as in the kernel.
-        return norm.normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)
-
-    def rows(v):
-        return None if v is None else v.reshape(-1, v.shape[-1])
-
-    effective_gamma = norm.effective_gamma(gamma, config, 2)
-    dx, dgamma, dbeta = norm_backward(
-        rows(dy), rows(x), rows(mean), rows(rstd), effective_gamma, beta is not None,
-        rows(residual), row_axes,
-    )  # fmt: skip
-    dbeta = None if beta is None else dbeta.astype(beta.dtype)
-    return dx.reshape(x.shape), dgamma.astype(gamma.dtype), dbeta
+    return dispatch.decide(lambda shards: kernel_fits(matrix, shards))

@@ -1,11 +1,12 @@
-"""fp8jax.ops.norm_backward: the one-pass norm backward (interpret mode, XLA, live) against f64."""
+"""fp8jax.kernels.norm_backward: the one-pass norm backward (interpret, XLA, live) against f64."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fp8jax.ops import norm, norm_backward
+from fp8jax.kernels import norm_backward
+from fp8jax.ops import norm
 from fp8jax.ops.norm import NormConfig
 
 ROWS, HIDDEN = 2 * norm_backward.ROWS_PER_PROGRAM, 256
@@ -91,7 +92,7 @@ def test_normalize_backward_matches_the_norms_own(norm_type, with_residual, zero
     x, dy = x.reshape(2, ROWS // 2, HIDDEN), dy.reshape(2, ROWS // 2, HIDDEN)
     config = NormConfig(norm_type, zero_centered_gamma)
     _, mean, rstd = norm.normalize(x, gamma, beta, config)
-    got = norm_backward.normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)
+    got = norm.fused_normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)
     want = norm.normalize_backward(dy, x, mean, rstd, gamma, beta, config)
     want_dx = want[0].astype(jnp.float32)
     if residual is not None:
@@ -125,7 +126,7 @@ def test_xla_fallback_rounds_dx_once_with_the_residual(norm_type):
     beta = jnp.zeros((hidden,)) if norm_type == "layernorm" else None
     config = NormConfig(norm_type)
     _, mean, rstd = norm.normalize(x, gamma, beta, config)
-    dx = norm_backward.normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)[0]
+    dx = norm.fused_normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)[0]
     want = _reference(norm_type, x, dy, residual, gamma)[0]
     error = np.abs(np.asarray(dx, np.float64) - want)
     bound = 2.0**-8 * np.abs(want) + 1e-4
@@ -162,7 +163,7 @@ def test_live_kernel_matches_the_f64_backward(norm_type, with_residual, hidden):
     residual = residual if with_residual else None
     config = NormConfig(norm_type)
     mean, rstd = _statistics(x, gamma, beta, norm_type)
-    step = jax.jit(norm_backward.normalize_backward, static_argnums=(6,))
+    step = jax.jit(norm.fused_normalize_backward, static_argnums=(6,))
     hlo = step.lower(dy, x, mean, rstd, gamma, beta, config, residual).as_text()
     assert "fp8jax_norm_backward" in hlo
     dx, dgamma, dbeta = step(dy, x, mean, rstd, gamma, beta, config, residual)
