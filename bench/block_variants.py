@@ -35,9 +35,9 @@ from harness import add_compile_cache_argument, add_heat_argument, dump, measure
 from jax import lax
 
 import fp8jax
-from fp8jax.fine_quantize import quantize_blocks, quantize_tiles
 from fp8jax.kernels import block_gemm
 from fp8jax.kernels.block_gemm import KernelConfig
+from fp8jax.ops.fine_quantize import quantize_blocks, quantize_tiles
 
 BF16 = jnp.bfloat16
 NT = (((1,), (1,)), ((), ()))  # a (M, K) . b (N, K)^T

@@ -283,7 +283,7 @@ def test_every_group_scale_is_the_references():
     The values above already move with any scale of the wrong size; this pins
     each scale down to the bit, power-of-two rounding and margin included.
     """
-    from fp8jax import fine_quantize as fq
+    from fp8jax.ops import fine_quantize as fq
     from fp8jax.ops import ragged_dot as ragged_ops
 
     x, w, _ = operands(256, 256, 256)

@@ -63,14 +63,16 @@ def fits(q_shape, k_shape) -> bool:
 
 def forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
     """``(out bf16 (B, Tq, H, D), lse2 f32 (B, H, Tq))``: the kernel on NVIDIA GPUs, else XLA."""
-    where = dispatch.placement(lambda shards: fits_shards(q8.shape, k8.shape, shards))
+    placement = dispatch.decide(lambda shards: fits_shards(q8.shape, k8.shape, shards))
     xla = functools.partial(xla_forward, causal=causal)
     operands = (q8, k8, vt8, q_scale, k_scale, v_scale)
-    if where is None:
+    if not placement.kernel:
         return xla(*operands)
     pallas = functools.partial(mosaic_forward, causal=causal)
     # Every operand and result leads with the batch, which data parallelism splits.
-    return dispatch.on_each_device(pallas, xla, operands, len(operands), ("rows", "rows"), where)
+    return dispatch.on_each_device(
+        pallas, xla, operands, len(operands), ("rows", "rows"), placement.row_axes
+    )
 
 
 def fits_shards(q_shape, k_shape, shards: int) -> bool:

@@ -48,12 +48,14 @@ def backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal: bool
     """
     operands = (q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta)
     xla = functools.partial(xla_backward, causal=causal, scale=scale)
-    where = dispatch.placement(lambda shards: fwd.fits_shards(q8.shape, k8.shape, shards))
-    if where is None:
+    placement = dispatch.decide(lambda shards: fwd.fits_shards(q8.shape, k8.shape, shards))
+    if not placement.kernel:
         return xla(*operands)
     pallas = functools.partial(mosaic_backward, causal=causal, scale=scale)
     layouts = ("rows", "rows", "rows")  # all lead with the batch, split by data parallelism
-    return dispatch.on_each_device(pallas, xla, operands, len(operands), layouts, where)
+    return dispatch.on_each_device(
+        pallas, xla, operands, len(operands), layouts, placement.row_axes
+    )
 
 
 def _grouped(x, kv_heads: int):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import norm_backward, norm_forward
+from fp8jax.kernels import norm_backward, norm_forward
 
 ROWS, HIDDEN = 2 * norm_backward.ROWS_PER_PROGRAM, 256  # whole programs of both kernels
 FMT = fp8jax.E4M3
