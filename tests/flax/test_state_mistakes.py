@@ -126,3 +126,15 @@ def test_the_warning_can_be_made_an_error():
         warnings.simplefilter("error", Fp8StateNotDifferentiatedWarning)
         with pytest.raises(Fp8StateNotDifferentiatedWarning, match="never be updated"):
             nnx.jit(_plain_nnx_step)(model, optimizer)
+
+
+def test_the_warning_points_at_the_users_line():
+    # Not at jax/_src/api_util.py: the first frame outside the libraries is the model call.
+    model = NNX_MODULES["DenseGeneral"](RECIPE)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.warns(Fp8StateNotDifferentiatedWarning) as record:
+        nnx.jit(_plain_nnx_step)(model, optimizer)
+    assert record[0].filename == __file__
+    with open(__file__) as source:
+        line = source.readlines()[record[0].lineno - 1]
+    assert "model(batch[0])" in line
