@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -80,3 +81,40 @@ def test_expect_checks_the_exact_count_in_plain_text(capsys, expect, status, ver
     out = capsys.readouterr().out
     assert out.startswith("verify_programs:fp8_entry on 1 x H100\nGEMMs: 3 (3 FP8, 0 not FP8)\n")
     assert out.rstrip().endswith(verdict)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("bad_factories:nowhere", r"bad_factories:nowhere: module 'bad_factories' \(.*"
+         r"bad_factories\.py\) has no attribute 'nowhere'\."),
+        ("bad_factories:NOT_CALLABLE", r"bad_factories:NOT_CALLABLE must be a function "
+         r"mesh -> \(fn, args\), got a int \(3\)\."),
+        ("bad_factories:no_mesh_argument", r"must take one argument, the Mesh \(None without "
+         r"--mesh\); its signature is no_mesh_argument\(\)"),
+        ("bad_factories:only_the_function", r"must return \(fn, args\).*got only a function"),
+        ("bad_factories:three_things", r"got a tuple of 3: \(function, tuple, NoneType\)\."),
+        ("bad_factories:raises", r"bad_factories:raises\(mesh\) raised RuntimeError: the model "
+         r"config is missing \(.*bad_factories\.py:\d+\)"),
+    ],
+)  # fmt: skip
+def test_a_bad_factory_is_refused_in_one_line_naming_it(capsys, entry, message):
+    assert _run(entry) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"fp8jax verify: error: {entry}") and re.search(message, err), err
+
+
+@pytest.mark.deviceless
+def test_a_function_that_does_not_trace_is_refused_in_one_line_naming_the_line(capsys):
+    # The worker's traceback came back under "deviceless compile of  failed:".
+    assert _run("bad_factories:shapes_that_do_not_fit") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        "fp8jax verify: error: bad_factories:shapes_that_do_not_fit: tracing fn(*args) raised "
+        "TypeError: dot_general requires contracting dimensions to have the same shape"
+    ), err
+    assert re.search(r"\(.*bad_factories\.py:\d+\)\n$", err), err

@@ -186,7 +186,15 @@ def _compile(calls, target, devices, hosts, mesh, xla_flags) -> list[str]:
         "sys_path": sys.path,
         "jobs": jobs,
     }
-    return _run_child(payload, xla_flags)
+    return _run_child(payload, xla_flags, [_name(call.fn) for call in calls])
+
+
+def _name(fn) -> str:
+    """How a report names the compiled function: its entry string, or its qualified name."""
+    if isinstance(fn, str):
+        return fn
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name or type(fn).__name__
 
 
 def _target_config(target: str) -> str | None:
@@ -265,7 +273,7 @@ def _context_mesh(call: _Call, abstract_mesh):
     return jax.sharding.use_abstract_mesh(abstract_mesh)
 
 
-def _run_child(payload: dict[str, Any], xla_flags: str | None) -> list[str]:
+def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with tempfile.TemporaryDirectory(prefix="fp8jax-verify-") as tmp:
@@ -279,10 +287,12 @@ def _run_child(payload: dict[str, Any], xla_flags: str | None) -> list[str]:
         with open(response, "rb") as f:
             results = pickle.load(f)
     texts = []
-    for i, result in enumerate(results):
+    for i, (result, name) in enumerate(zip(results, names, strict=True)):
+        if result.get("entry"):
+            raise ValueError(result["error"])
         if "error" in result:
-            where = f"call {i} " if len(results) > 1 else ""
-            raise CompileError(f"deviceless compile of {where}failed:\n{result['error']}")
+            where = f"call {i} ({name})" if len(results) > 1 else name
+            raise CompileError(f"deviceless compile of {where} failed:\n{result['error']}")
         texts.append(result["hlo"])
     return texts
 
