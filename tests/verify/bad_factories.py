@@ -30,3 +30,11 @@ def raises(mesh):
 
 def shapes_that_do_not_fit(mesh):
     return (lambda x: x @ jnp.zeros((8, 8), jnp.bfloat16)), _ARGS
+
+
+def sleeps(mesh):
+    """Keeps the compiler child busy until the test interrupts the command."""
+    import time
+
+    time.sleep(600)
+    return _fn, _ARGS
