@@ -114,3 +114,9 @@ def test_a_folder_of_hidden_and_binary_files_says_what_was_skipped_and_why(tmp_p
         "first 8 KiB, e.g. 'model.bin') and 1 empty file (e.g. 'empty.txt'); fp8jax train "
         "needs text to read as bytes."
     )
+
+
+def test_a_device_or_pipe_is_read_as_one_file_not_as_a_folder():
+    # --data /dev/null said "the folder has no non-empty text file".
+    with pytest.raises(data.DataError, match=r"'/dev/null': the file is empty or binary"):
+        data.load_corpus("/dev/null")

@@ -144,7 +144,8 @@ def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
                 f"--data {str(path)!r} does not exist; pass a text file or a folder of text "
                 "files, or leave --data out to train on the Python standard library's source."
             )
-        files = [root] if root.is_file() else _text_files(root, hidden)
+        # Anything but a folder is read as one file: a pipe (`--data <(zcat a.gz)`) too.
+        files = _text_files(root, hidden) if root.is_dir() else [root]
     texts: list[tuple[str, bytes]] = []
     binary: list[str] = []
     empty: list[str] = []
@@ -158,8 +159,8 @@ def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
         else:
             texts.append((relative, data))
     if not texts:
-        kind = "file is empty or binary" if root.is_file() else "folder has no non-empty text file"
-        skipped = "" if root.is_file() else _skipped(hidden, binary, empty)
+        kind = "folder has no non-empty text file" if root.is_dir() else "file is empty or binary"
+        skipped = _skipped(hidden, binary, empty) if root.is_dir() else ""
         raise DataError(
             f"--data {str(root)!r}: the {kind}{skipped}; fp8jax train needs text to read as bytes."
         )
