@@ -332,8 +332,8 @@ def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str])
             results = pickle.load(f)
     texts = []
     for i, (result, name) in enumerate(zip(results, names, strict=True)):
-        if result.get("entry"):
-            raise ValueError(result["error"])
+        if result.get("entry"):  # the factory or its function: one line, no traceback
+            raise CompileError(result["error"])
         if "error" in result:
             where = f"call {i} ({name})" if len(results) > 1 else name
             raise CompileError(f"deviceless compile of {where} failed:\n{result['error']}")
