@@ -391,7 +391,10 @@ def _deviceless_reports():
 
     def step(recipe):
         def f(x, w, g):
-            y, vjp = jax.vjp(lambda x, w: fp8jax.dense(x, w, recipe=recipe), x, w)
+            def dense(x, w):  # computing in the activations' dtype, as a module does
+                return fp8jax.dense(x, w, recipe=recipe, preferred_element_type=x.dtype)
+
+            y, vjp = jax.vjp(dense, x, w)
             return y, vjp(g)
 
         return f

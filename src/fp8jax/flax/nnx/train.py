@@ -56,6 +56,7 @@ def train_step(
       >>> float(model.scales.get_value().x.scale)
       448.0
     """
+    _check_wrt(model, optimizer.wrt)
     graphdef, params, fp8_state, rest = nnx.split(model, optimizer.wrt, Fp8State, ...)
 
     def split_loss(params, fp8_state, rest, batch):
@@ -79,3 +80,19 @@ def train_step(
         optimizer.update(model, grads)
     nnx.update(model, fp8_state, rest)
     return loss
+
+
+def _check_wrt(model: nnx.Module, wrt) -> None:
+    """Raises if the optimizer's ``wrt`` takes in FP8 state, which must never reach optax."""
+    taken = [
+        "/".join(map(str, path))
+        for path, variable in nnx.to_flat_state(nnx.state(model, wrt))
+        if isinstance(variable, Fp8State)
+    ]
+    if taken:
+        raise TypeError(
+            f"train_step: the optimizer's wrt={wrt!r} includes the model's FP8 scale state "
+            f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}), which the ops "
+            "update themselves and an optimizer must never step. Optimize the parameters "
+            "only: nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
