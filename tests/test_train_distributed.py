@@ -111,8 +111,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_processes(out: pathlib.Path) -> list[tuple[str, str]]:
-    """Runs the command as processes 0 and 1; returns their (stdout, stderr)."""
+def _run_two_processes(
+    out: pathlib.Path, extra=lambda i: [], check: bool = True
+) -> list[tuple[str, str]]:
+    """Runs the command as processes 0 and 1 (``extra(i)``: more options); their (out, err)."""
     flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
     env = os.environ | {
         "JAX_PLATFORMS": "cpu",
@@ -127,7 +129,7 @@ def _run_two_processes(out: pathlib.Path) -> list[tuple[str, str]]:
     command += ["--num-processes", "2"]
     procs = [
         subprocess.Popen(
-            [*command, "--process-id", str(i)],
+            [*command, "--process-id", str(i), *extra(i)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -147,6 +149,8 @@ def _run_two_processes(out: pathlib.Path) -> list[tuple[str, str]]:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+    if not check:
+        return [(*o, p.returncode) for o, p in zip(outputs, procs, strict=True)]
     failed = [i for i, p in enumerate(procs) if p.returncode != 0]
     assert not failed, f"processes {failed} failed:\n" + "\n---\n".join(
         "".join(o)[-3000:] for o in outputs
@@ -206,3 +210,17 @@ def test_two_processes_train_like_one_and_resume_in_one(tmp_path, shared_compile
     train(_options(two, RESUMED_STEPS, resume=True), **quiet)
     train(_options(one, RESUMED_STEPS, resume=True), **quiet)  # the compile cache's program
     _assert_same_run(two, one, RESUMED_STEPS)
+
+
+def test_processes_that_read_different_text_are_refused_before_training(tmp_path):
+    texts = []
+    for i in range(2):
+        texts.append(tmp_path / f"corpus-{i}.txt")
+        texts[i].write_text(f"text of process {i}\n" * 400)
+    results = _run_two_processes(
+        tmp_path / "run", extra=lambda i: ["--data", str(texts[i])], check=False
+    )
+    for out, err, code in results:
+        assert code == 2, (out, err)
+        assert "processes [1] read a different corpus from process 0's" in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -22,6 +22,7 @@ import os
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 from fp8jax.training.errors import ConfigError
 
@@ -161,3 +162,14 @@ def check_mesh(mesh) -> None:
             f"(e.g. --mesh fsdp={total} or dp={jax.process_count()},fsdp="
             f"{total // jax.process_count()}); got {given}."
         )
+
+
+def differing_processes(digest: str) -> list[int]:
+    """The processes whose hex ``digest`` differs from process 0's; [] for one process."""
+    if jax.process_count() == 1:
+        return []
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(bytes.fromhex(digest)[:16], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    return [i for i, row in enumerate(every) if not np.array_equal(row, every[0])]

@@ -123,6 +123,15 @@ def train(
             f"--data {options.data!r} cannot be read: {e}; pass readable text files."
         ) from None
     data.check_size(corpus, config.seq_len)
+    differ = distributed.differing_processes(corpus.fingerprint)
+    if differ:  # each process would train on other batches, silently
+        raise data.DataError(
+            f"--data: processes {differ} read a different corpus from process 0's "
+            f"({corpus.source}, SHA-256 fingerprints differ); every process must read the same "
+            "text. Put it on a shared file system or at the same path on every host and pass "
+            "--data (the default, each host's Python standard library, differs between Python "
+            "builds)."
+        )
     if cache_dir is not None:  # created first: a run directory left without a run is worse
         try:
             compile_cache.enable(cache_dir)
