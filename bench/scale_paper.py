@@ -169,20 +169,44 @@ def read_collectives(hlo_text: str) -> list[Collective]:
     return found
 
 
+def _tp_local(leaf) -> tuple[int, ...]:
+    """A parameter's shape as FSDP gathers it: split by every mesh axis but ``fsdp``."""
+    shape = list(leaf.shape)
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return tuple(shape)
+    sizes = dict(sharding.mesh.shape)
+    for dim, entry in enumerate(sharding.spec):
+        for axis in entry if isinstance(entry, tuple) else (entry,) if entry else ():
+            if axis != "fsdp":
+                shape[dim] //= sizes[axis]
+    return tuple(shape)
+
+
 def param_shapes(params) -> dict[tuple[int, ...], str]:
     """Sorted-dims key -> parameter name, for each parameter and each of its layer slices.
 
-    A gathered kernel may be the transposed copy (FP8 dgrad) or one layer of
-    the stack (inside the rolled loop), so shapes match by their sorted dims.
+    ``params`` may carry shardings; a parameter's shape is then its
+    tensor-parallel shard's, the tensor FSDP gathers. A gathered kernel may be
+    the transposed copy (FP8 dgrad) or one layer of the stack (inside the
+    rolled loop), so shapes match by their sorted dims.
     """
     shapes: dict[tuple[int, ...], str] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
-        shape = tuple(leaf.shape)
+        shape = _tp_local(leaf)
         shapes.setdefault(tuple(sorted(shape)), name)
         if "blocks" in name:
             shapes.setdefault(tuple(sorted(shape[1:])), name)
     return shapes
+
+
+def label(rows: list[dict], shapes: dict[tuple[int, ...], str]) -> None:
+    """Sets each row's ``role`` and ``param`` (:func:`classify`)."""
+    for row in rows:
+        c = Collective(row["kind"], row["dtype"], tuple(row["shape"]), row["group"],
+                       row["count"], row["op_name"])  # fmt: skip
+        row["role"], row["param"] = classify(c, shapes)
 
 
 def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -192,12 +216,13 @@ def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
 def classify(c: Collective, shapes: dict[tuple[int, ...], str]) -> tuple[str, str]:
     """(role, parameter) of a collective: a weight gather, a gradient reduction or other.
 
-    Matched by the sorted dims, else by the element count (XLA may merge a
-    kernel's dims, e.g. SwiGLU's (embed, 2, mlp) reduce-scattered as (embed, 2*mlp)).
+    Matched by the sorted dims; a reduce-scatter also by the element count
+    (XLA may merge a kernel's dims, e.g. SwiGLU's (embed, 2, mlp) reduce-scattered
+    as (embed, 2*mlp)), which an activation's all-reduce could share by chance.
     """
     keys = {_squeeze(k): v for k, v in shapes.items()}
     name = keys.get(_squeeze(c.shape), "")
-    if not name and len(c.shape) > 1:
+    if not name and c.kind == "reduce-scatter" and len(c.shape) > 1:
         sizes = {math.prod(k): v for k, v in sorted(shapes.items(), reverse=True)}
         name = sizes.get(math.prod(c.shape), "")
     if name and c.kind == "all-gather":
@@ -237,7 +262,40 @@ def llama3_8b():
 def models():
     from fp8jax.training.config import PRESETS
 
-    return {"llama-3b": PRESETS["llama-3b"].model, "llama-3-8b": llama3_8b()}
+    return {
+        "llama-3b": PRESETS["llama-3b"].model,
+        "llama-3-8b": llama3_8b(),
+        "medium": PRESETS["medium"].model,  # for the check against two H200s (--check)
+    }
+
+
+# The one multi-GPU measurement: GPT medium under --mesh fsdp=2 on two H200s
+# (docs/design.md#fsdp-gathers-fp8, docs/train.md): FP8 1.03x (delayed scaling,
+# layers unrolled, 410 k against 398 k tokens/s) to 1.21x BF16 (layers rolled).
+# Its one-GPU step (BENCHMARKS.md, "Train step", h200-2026-11-30-n/: 32 x 1024
+# bytes, delayed scaling): 280,260 against 216,651 tokens/s.
+MEDIUM_ONE_GPU_MS = {"fp8": 32 * 1024 / 280_260 * 1e3, "bf16": 32 * 1024 / 216_651 * 1e3}
+MEDIUM_TWO_GPU_GAIN = (1.03, 1.21)
+
+
+def check_two_h200(result: dict) -> str:
+    """The projection for medium on two GPUs (NVLink), against what two H200s measured."""
+    steps = {}
+    for precision in ("fp8", "bf16"):
+        compute = MEDIUM_ONE_GPU_MS[precision]
+        fsdp = sum(_comm_ms(r) for r in result[precision] if r["role"] in FSDP_ROLES)
+        other = sum(_comm_ms(r) for r in result[precision] if r["role"] not in FSDP_ROLES)
+        steps[precision] = (compute, fsdp, compute + max(0.0, fsdp - MODEL["overlap"] * compute))
+        steps[precision] = (*steps[precision][:2], steps[precision][2] + other)
+    gain = steps["bf16"][2] / steps["fp8"][2]
+    one = MEDIUM_ONE_GPU_MS["bf16"] / MEDIUM_ONE_GPU_MS["fp8"]
+    return (
+        f"check: medium, fsdp=2, NVLink: FSDP traffic {steps['fp8'][1]:.2f} ms (FP8) and "
+        f"{steps['bf16'][1]:.2f} ms (BF16) under {steps['fp8'][0]:.0f} and "
+        f"{steps['bf16'][0]:.0f} ms of compute: projected gain {gain:.3f}, the one-GPU "
+        f"{one:.3f}; measured on two H200s {MEDIUM_TWO_GPU_GAIN[0]}-{MEDIUM_TWO_GPU_GAIN[1]}x. "
+        "The model has the bytes hide, so what it misses at two GPUs is not bandwidth."
+    )
 
 
 SEQ_LEN = 4096
@@ -327,9 +385,9 @@ def compile_pair(model_cfg, n: int, layout: str, seq_len: int = SEQ_LEN) -> dict
     from fp8jax import verify, xla_options
 
     axes = LAYOUTS[layout](n)
-    calls, params, mesh, config = [], None, None, None
+    calls, mesh, config = [], None, None
     for precision in ("fp8", "bf16"):
-        step, args, params, mesh, config = build_step(model_cfg, precision, axes, seq_len)
+        step, args, _, mesh, config = build_step(model_cfg, precision, axes, seq_len)
         calls.append((step, args))
     start = time.perf_counter()
     with tracing(mesh, config):
@@ -341,22 +399,28 @@ def compile_pair(model_cfg, n: int, layout: str, seq_len: int = SEQ_LEN) -> dict
             xla_flags=xla_options.as_xla_flags(),
         )
     seconds = time.perf_counter() - start
-    shapes = param_shapes(params)
     out = {"axes": axes, "compile_s": round(seconds, 1)}
     for precision, hlo in zip(("fp8", "bf16"), hlos, strict=True):
         rows = []
         for c in read_collectives(hlo):
-            role, name = classify(c, shapes)
             span = "inter" if len({d // GPUS_PER_NODE for d in c.first_group}) > 1 else "intra"
             rows.append(
                 {
                     "kind": c.kind, "dtype": c.dtype, "shape": c.shape, "group": c.group,
-                    "count": c.count, "bytes": c.step_bytes, "role": role, "param": name,
-                    "span": span, "op_name": c.op_name,
+                    "count": c.count, "bytes": c.step_bytes, "span": span, "op_name": c.op_name,
                 }
             )  # fmt: skip
         out[precision] = rows
+    relabel(out, model_cfg, seq_len)
     return out
+
+
+def relabel(result: dict, model_cfg, seq_len: int = SEQ_LEN) -> None:
+    """Names the parameter and role of every collective of ``result`` (nothing compiles)."""
+    _, (state, _), _, _, _ = build_step(model_cfg, "bf16", result["axes"], seq_len)
+    shapes = param_shapes(state.params)
+    for precision in ("fp8", "bf16"):
+        label(result[precision], shapes)
 
 
 # ----------------------------------------------------------------------------
@@ -366,14 +430,17 @@ def compile_pair(model_cfg, n: int, layout: str, seq_len: int = SEQ_LEN) -> dict
 MODEL = {
     # BENCHMARKS.md, "Train step": llama-3b, 8 x 4096 bytes a step on one H200
     # (bench/results/h200-2026-12-05/): FP8 current scaling 775.51 ms, BF16 1148.97 ms.
-    "h200_llama3b_ms_per_sequence": {"fp8": 775.51 / 8, "bf16": 1148.97 / 8},
-    "nvlink_GBps": 900.0,  # per GPU, intra-node (H100/H200 NVLink 4), stated
+    "h200_llama3b_step_ms": {"fp8": 775.51, "bf16": 1148.97},
+    "sequences_per_gpu": 8,  # that measurement's batch; every GPU keeps it (weak scaling)
+    "nvlink_GBps": 900.0,  # per GPU, within a node of 8 (NVLink 4), stated
     "internode_GBps_per_gpu": 8 * 400 / 8 / 8,  # 8 x 400 Gb/s NICs per 8-GPU node: 50 GB/s a GPU
     # FSDP gathers and gradient reductions run on their own stream under the
     # compute; at most this share of the compute time can hide them (the first
-    # gather and the last reduction cannot hide, and NCCL takes SMs).
+    # gather and the last reduction cannot hide, and NCCL takes SMs). Every other
+    # collective (TP's activation all-reduces, amax maxima) is on the critical path.
     "overlap": 0.8,
 }
+FSDP_ROLES = ("weight gather", "gradient reduction")
 
 
 def flops_per_sequence(model_cfg) -> float:
@@ -382,28 +449,45 @@ def flops_per_sequence(model_cfg) -> float:
     return mfu.flops_per_token(model_cfg, SEQ_LEN) * SEQ_LEN
 
 
-def project(result: dict, model_cfg, llama3b_cfg) -> dict:
-    """Projected ms a step for each precision: compute + collectives not hidden."""
+def _comm_ms(row: dict) -> float:
+    bw = MODEL["nvlink_GBps"] if row["span"] == "intra" else MODEL["internode_GBps_per_gpu"]
+    return row["bytes"] / (bw * 1e9) * 1e3
+
+
+def project(result: dict, flops_scale: float, bf16_gradients: bool = False) -> dict:
+    """Projected ms a step per precision: compute, plus collectives that do not hide.
+
+    The compile holds one sequence per data-parallel rank; at the modelled
+    batch (``sequences_per_gpu`` on every GPU, so ``tp`` times that per rank)
+    the weights' bytes stay and the activations' grow with the sequences.
+    ``bf16_gradients``: the FP8 step's f32 gradient reductions counted at BF16's
+    2 bytes (what a BF16 wgrad output would move).
+    """
     axes = result["axes"]
-    scale = flops_per_sequence(model_cfg) / flops_per_sequence(llama3b_cfg)
+    sequences = MODEL["sequences_per_gpu"] * axes["tp"]
     out = {}
     for precision in ("fp8", "bf16"):
-        # One sequence per data-parallel rank, split over the TP ranks (assumed perfect).
-        compute = MODEL["h200_llama3b_ms_per_sequence"][precision] * scale / axes["tp"]
-        hidden = exposed = 0.0
+        compute = MODEL["h200_llama3b_step_ms"][precision] * flops_scale
+        fsdp = exposed = 0.0
         for row in result[precision]:
-            bw = MODEL["nvlink_GBps"] if row["span"] == "intra" else MODEL["internode_GBps_per_gpu"]
-            ms = row["bytes"] / (bw * 1e9) * 1e3
-            if row["role"] in ("weight gather", "gradient reduction"):
-                hidden += ms
+            ms = _comm_ms(row)
+            if row["role"] in FSDP_ROLES:
+                if bf16_gradients and row["role"] == "gradient reduction" and row["dtype"] == "f32":
+                    ms /= 2
+                fsdp += ms
             else:
-                exposed += ms
-        step = compute + max(0.0, hidden - MODEL["overlap"] * compute) + exposed
+                exposed += ms * sequences
+        step = compute + max(0.0, fsdp - MODEL["overlap"] * compute) + exposed
         out[precision] = {
-            "compute_ms": compute, "fsdp_comm_ms": hidden, "exposed_comm_ms": exposed,
+            "compute_ms": compute, "fsdp_comm_ms": fsdp, "exposed_comm_ms": exposed,
             "step_ms": step,
         }  # fmt: skip
     out["gain"] = out["bf16"]["step_ms"] / out["fp8"]["step_ms"]
+    # The batch below which the FP8 step's FSDP traffic no longer hides under its compute.
+    per_sequence = out["fp8"]["compute_ms"] / MODEL["sequences_per_gpu"]
+    out["fp8_hides_from_sequences_per_gpu"] = out["fp8"]["fsdp_comm_ms"] / (
+        MODEL["overlap"] * per_sequence
+    )
     return out
 
 
@@ -433,54 +517,89 @@ def summarize(result: dict) -> dict:
     return out
 
 
+def _line(name, n, layout, result, s, p, p16) -> str:
+    g = lambda prec, role: s[prec].get(role, 0.0) / 1e9  # noqa: E731
+    ratio = "-" if math.isnan(s["gather_ratio"]) else f"{s['gather_ratio']:.3f}"
+    return (
+        f"{name:<11} {n:>4} {layout:<8} "
+        f"{g('fp8', 'weight gather'):>6.2f}/{g('bf16', 'weight gather'):<6.2f} {ratio:>6} "
+        f"{g('fp8', 'gradient reduction'):>6.2f}/{g('bf16', 'gradient reduction'):<6.2f} "
+        f"{g('fp8', 'other'):>6.3f}/{g('bf16', 'other'):<6.3f} {s['total_ratio']:>6.3f} | "
+        f"{p['fp8']['step_ms']:>7.1f}/{p['bf16']['step_ms']:<7.1f} {p['gain']:>6.3f} "
+        f"{p16['gain']:>8.3f} {p['fp8_hides_from_sequences_per_gpu']:>6.2f} "
+        f"{result.get('compile_s', 0):>6.1f}"
+    )
+
+
+HEADER = (
+    f"{'model':<11} {'GPUs':>4} {'layout':<8} {'gathers f8/bf':>13} {'ratio':>6} "
+    f"{'grads f8/bf':>13} {'other f8/bf':>13} {'all':>6} | "
+    f"{'step ms f8/bf':>15} {'gain':>6} {'gain*':>8} {'b_min':>6} {'comp s':>6}"
+)
+LEGEND = """\
+columns: GB each device moves a step (ring algorithms), FP8 / BF16 step:
+  gathers: the weights' all-gathers; ratio: FP8 over BF16 (target <= 0.55)
+  grads: the gradients' reduce-scatters/all-reduces; other: every other collective
+  all: FP8 over BF16, every collective
+projection (a model, not a measurement; --help and MODEL say how):
+  step ms, gain: projected step time and BF16/FP8; gain*: the same with the FP8 step's
+  gradients reduced in BF16; b_min: sequences per GPU below which the FP8 step's
+  FSDP traffic stops hiding under its compute; comp s: compile seconds (deviceless)"""
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["llama-3b", "llama-3-8b"])
     parser.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--out", help="write every row and the summary as JSON here")
+    parser.add_argument("--load", help="re-read the compiles from an --out JSON, compile nothing")
+    parser.add_argument(
+        "--check", action="store_true", help="also compile medium for 2 GPUs (fsdp=2) and "
+        "compare the projection with the two-H200 measurement",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     all_models = models()
+    loaded = {}
+    if args.load:
+        with open(args.load) as f:
+            loaded = {(r["model"], r["gpus"], r["layout"]): r for r in json.load(f)["results"]}
+    print(LEGEND)
+    print(f"assumptions: {json.dumps(MODEL)}")
+    print(HEADER, flush=True)
     results = []
-    gb = 1e9
-    print(
-        "per device per step, GB moved (ring algorithms); projection: a model, not a measurement\n"
-        f"assumptions: {json.dumps(MODEL)}"
-    )
-    header = (
-        f"{'model':<11} {'GPUs':>4} {'layout':<8} {'gathers fp8/bf16':>17} {'ratio':>6} "
-        f"{'grads fp8/bf16':>15} {'other fp8/bf16':>15} {'all ratio':>9} "
-        f"{'step ms fp8/bf16':>17} {'gain':>6} {'compile s':>9}"
-    )
-    print(header, flush=True)
     for model_name in args.models:
+        cfg = all_models[model_name]
+        scale = flops_per_sequence(cfg) / flops_per_sequence(all_models["llama-3b"])
         for n in args.sizes:
             for layout in args.layouts:
-                cfg = all_models[model_name]
-                result = compile_pair(cfg, n, layout)
-                s = summarize(result)
-                p = project(result, cfg, all_models["llama-3b"])
-                g = lambda prec, role, s=s: s[prec].get(role, 0.0) / gb  # noqa: E731
-                print(
-                    f"{model_name:<11} {n:>4} {layout:<8} "
-                    f"{g('fp8', 'weight gather'):>8.2f}/{g('bf16', 'weight gather'):<8.2f} "
-                    f"{s['gather_ratio']:>6.3f} "
-                    f"{g('fp8', 'gradient reduction'):>7.2f}/"
-                    f"{g('bf16', 'gradient reduction'):<7.2f} "
-                    f"{g('fp8', 'other'):>7.3f}/{g('bf16', 'other'):<7.3f} "
-                    f"{s['total_ratio']:>9.3f} "
-                    f"{p['fp8']['step_ms']:>8.1f}/{p['bf16']['step_ms']:<8.1f} "
-                    f"{p['gain']:>6.3f} {result['compile_s']:>9.1f}",
-                    flush=True,
-                )
+                key = (model_name, n, layout)
+                if args.load:  # rows as compiled; roles from this version of classify
+                    result = loaded[key]
+                    relabel(result, cfg)
+                else:
+                    result = compile_pair(cfg, n, layout)
+                s, p = summarize(result), project(result, scale)
+                p16 = project(result, scale, bf16_gradients=True)
+                print(_line(model_name, n, layout, result, s, p, p16), flush=True)
                 for param, (dtype, nbytes, why) in s["wide_gathers"].items():
-                    print(f"    FP8 step gathers {param} in {dtype} ({nbytes / gb:.3f} GB): {why}")
+                    print(f"    FP8 step gathers {param} in {dtype} ({nbytes / 1e9:.3f} GB): {why}")
+                keep = {k: result[k] for k in ("axes", "compile_s", "fp8", "bf16")}
                 results.append(
                     {"model": model_name, "gpus": n, "layout": layout, "summary": s,
-                     "projection": p, **result}
+                     "projection": p, "projection_bf16_gradients": p16, **keep}
                 )  # fmt: skip
-    one_gpu = MODEL["h200_llama3b_ms_per_sequence"]
-    print(f"one-GPU gain (H200, measured): {one_gpu['bf16'] / one_gpu['fp8']:.3f}")
+    ms = MODEL["h200_llama3b_step_ms"]
+    print(f"one-GPU gain (H200, measured, llama-3b): {ms['bf16'] / ms['fp8']:.3f}")
+    if args.check:
+        key = ("medium", 2, "fsdp")
+        if key in loaded:
+            medium = loaded[key]
+            relabel(medium, all_models["medium"])
+        else:
+            medium = compile_pair(all_models["medium"], 2, "fsdp")
+        results.append({"model": "medium", "gpus": 2, "layout": "fsdp", **medium})
+        print(check_two_h200(medium))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": MODEL, "results": results}, f, indent=1, default=str)
