@@ -183,7 +183,7 @@ def _tp_local(leaf) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def param_shapes(params) -> dict[tuple[int, ...], str]:
+def param_shapes(params) -> dict[tuple[int, ...], tuple[str, ...]]:
     """Sorted-dims key -> parameter name, for each parameter and each of its layer slices.
 
     ``params`` may carry shardings; a parameter's shape is then its
@@ -191,17 +191,17 @@ def param_shapes(params) -> dict[tuple[int, ...], str]:
     the transposed copy (FP8 dgrad) or one layer of the stack (inside the
     rolled loop), so shapes match by their sorted dims.
     """
-    shapes: dict[tuple[int, ...], str] = {}
+    shapes: dict[tuple[int, ...], tuple[str, ...]] = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         shape = _tp_local(leaf)
-        shapes.setdefault(tuple(sorted(shape)), name)
-        if "blocks" in name:
-            shapes.setdefault(tuple(sorted(shape[1:])), name)
+        keys = [tuple(sorted(shape))] + ([tuple(sorted(shape[1:]))] if "blocks" in name else [])
+        for key in keys:
+            shapes[key] = (*shapes.get(key, ()), name)
     return shapes
 
 
-def label(rows: list[dict], shapes: dict[tuple[int, ...], str]) -> None:
+def label(rows: list[dict], shapes: dict[tuple[int, ...], tuple[str, ...]]) -> None:
     """Sets each row's ``role`` and ``param`` (:func:`classify`)."""
     for row in rows:
         c = Collective(row["kind"], row["dtype"], tuple(row["shape"]), row["group"],
@@ -213,7 +213,16 @@ def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(d for d in shape if d != 1))
 
 
-def classify(c: Collective, shapes: dict[tuple[int, ...], str]) -> tuple[str, str]:
+def _pick(names: tuple[str, ...], op_name: str) -> str:
+    """Of parameters of one shape (embedding and LM head), those ``op_name`` names.
+
+    XLA may merge the op names of several ops into one; then every named one is kept.
+    """
+    named = [n for n in names if n.split("/")[0] in op_name] or list(names[:1])
+    return " or ".join(named)
+
+
+def classify(c: Collective, shapes: dict[tuple[int, ...], tuple[str, ...]]) -> tuple[str, str]:
     """(role, parameter) of a collective: a weight gather, a gradient reduction or other.
 
     Matched by the sorted dims; a reduce-scatter also by the element count
@@ -221,10 +230,10 @@ def classify(c: Collective, shapes: dict[tuple[int, ...], str]) -> tuple[str, st
     as (embed, 2*mlp)), which an activation's all-reduce could share by chance.
     """
     keys = {_squeeze(k): v for k, v in shapes.items()}
-    name = keys.get(_squeeze(c.shape), "")
+    name = _pick(keys.get(_squeeze(c.shape), ()), c.op_name)
     if not name and c.kind == "reduce-scatter" and len(c.shape) > 1:
         sizes = {math.prod(k): v for k, v in sorted(shapes.items(), reverse=True)}
-        name = sizes.get(math.prod(c.shape), "")
+        name = _pick(sizes.get(math.prod(c.shape), ()), c.op_name)
     if name and c.kind == "all-gather":
         return "weight gather", name
     if name and c.kind in ("reduce-scatter", "all-reduce") and len(c.shape) > 1:
@@ -235,16 +244,18 @@ def classify(c: Collective, shapes: dict[tuple[int, ...], str]) -> tuple[str, st
 # Why a weight gather of an FP8 step stays in a wide dtype, by the parameter's name.
 WHY_WIDE = {
     "embed/embedding": "the embedding is a table lookup, not a GEMM: nothing to quantize",
-    "lm_head/kernel": "the LM head's GEMM stays BF16 by design (the logits feed the loss)",
+    "lm_head/kernel": "the LM head's GEMM runs in BF16 in the FP8 step (the logits feed the loss)",
     "scale": "a norm's scale vector: elementwise math, kept in f32",
 }
 
 
 def why_wide(name: str) -> str:
-    for key, reason in WHY_WIDE.items():
-        if name.endswith(key) or (key == "scale" and name.endswith("scale")):
-            return reason
-    return "UNEXPLAINED: an FP8 GEMM's kernel should be gathered in FP8"
+    """Why the FP8 step gathers ``name`` (one parameter, or several joined by " or ") wide."""
+    reasons = []
+    for part in name.split(" or "):
+        reason = next((r for key, r in WHY_WIDE.items() if part.endswith(key)), None)
+        reasons.append(reason or "UNEXPLAINED: an FP8 GEMM's kernel should be gathered in FP8")
+    return "; ".join(dict.fromkeys(reasons))
 
 
 # ----------------------------------------------------------------------------
@@ -526,7 +537,8 @@ def _line(name, n, layout, result, s, p, p16) -> str:
         f"{g('fp8', 'gradient reduction'):>6.2f}/{g('bf16', 'gradient reduction'):<6.2f} "
         f"{g('fp8', 'other'):>6.3f}/{g('bf16', 'other'):<6.3f} {s['total_ratio']:>6.3f} | "
         f"{p['fp8']['step_ms']:>7.1f}/{p['bf16']['step_ms']:<7.1f} {p['gain']:>6.3f} "
-        f"{p16['gain']:>8.3f} {p['fp8_hides_from_sequences_per_gpu']:>6.2f} "
+        f"{p16['gain']:>6.3f} {p['fp8_hides_from_sequences_per_gpu']:>6.2f} "
+        f"{p16['fp8_hides_from_sequences_per_gpu']:>6.2f} "
         f"{result.get('compile_s', 0):>6.1f}"
     )
 
@@ -534,7 +546,7 @@ def _line(name, n, layout, result, s, p, p16) -> str:
 HEADER = (
     f"{'model':<11} {'GPUs':>4} {'layout':<8} {'gathers f8/bf':>13} {'ratio':>6} "
     f"{'grads f8/bf':>13} {'other f8/bf':>13} {'all':>6} | "
-    f"{'step ms f8/bf':>15} {'gain':>6} {'gain*':>8} {'b_min':>6} {'comp s':>6}"
+    f"{'step ms f8/bf':>15} {'gain':>6} {'gain*':>6} {'b_min':>6} {'b_min*':>6} {'comp s':>6}"
 )
 LEGEND = """\
 columns: GB each device moves a step (ring algorithms), FP8 / BF16 step:
@@ -542,9 +554,10 @@ columns: GB each device moves a step (ring algorithms), FP8 / BF16 step:
   grads: the gradients' reduce-scatters/all-reduces; other: every other collective
   all: FP8 over BF16, every collective
 projection (a model, not a measurement; --help and MODEL say how):
-  step ms, gain: projected step time and BF16/FP8; gain*: the same with the FP8 step's
-  gradients reduced in BF16; b_min: sequences per GPU below which the FP8 step's
-  FSDP traffic stops hiding under its compute; comp s: compile seconds (deviceless)"""
+  step ms, gain: projected step time and BF16/FP8 at 8 sequences per GPU; b_min: sequences
+  per GPU below which the FP8 step's FSDP traffic stops hiding under its compute (and its
+  gain falls below the one-GPU gain); gain*, b_min*: the same with the FP8 step's f32
+  gradients reduced in BF16; comp s: seconds of the deviceless compile of both steps"""
 
 
 def main(argv=None) -> int:
