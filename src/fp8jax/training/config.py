@@ -136,6 +136,10 @@ class TrainOptions:
         or ``"live"`` on this machine's GPU.
       inject_nan_at: testing only: poison the parameters before this step so
         its loss is NaN, to exercise the divergence stop.
+      coordinator_address, num_processes, process_id: join a multi-process
+        run (``jax.distributed.initialize``); left out, SLURM and Open MPI
+        launches are detected and one process runs alone otherwise
+        (:mod:`fp8jax.training.distributed`).
     """
 
     out: str
@@ -163,6 +167,9 @@ class TrainOptions:
     compile_cache: str = "auto"
     verify_target: str | None = None
     inject_nan_at: int | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
