@@ -290,16 +290,16 @@ def test_every_group_scale_is_the_references():
     x3 = jnp.asarray(x)[None]
     e4m3, e5m2 = fp8jax.E4M3, fp8jax.E5M2
     cases = {
-        "rows": (jax.jit(fq.quantize_rows, static_argnums=(1, 2))(x3, e5m2, 1)[1][0],
+        "rows": (jax.jit(fq.quantize_rows, static_argnums=(1, 2))(x3, e5m2, 1).fp8.scale_inv[0],
                  fine.group_amax(x, (1, None)), "e5m2", 1, False),
         "tiles": (jax.jit(fq.quantize_tiles, static_argnums=(1, 2, 3, 4))(x3, e4m3, 128, 2,
-                                                                          True)[1][0],
+                                                                          True).fp8.scale_inv[0],
                   fine.group_amax(x, (1, 128)), "e4m3", 2, True),
         "mx": (jax.jit(fq.quantize_tiles, static_argnums=(1, 2, 3, 4))(x3, e4m3, 32, 0,
-                                                                       True)[1][0],
+                                                                       True).fp8.scale_inv[0],
                fine.group_amax(x, (1, 32)), "e4m3", 0, True),
-        "blocks": (jax.jit(fq.quantize_blocks, static_argnums=(1, 2, 3))(jnp.asarray(w)[None],
-                                                                         e4m3, 128, 1)[1][0],
+        "blocks": (jax.jit(fq.quantize_blocks, static_argnums=(1, 2, 3))(
+                       jnp.asarray(w)[None], e4m3, 128, 1).fp8.scale_inv[0],
                    fine.group_amax(w, (128, 128)), "e4m3", 1, False),
     }  # fmt: skip
     for name, (scale_inv, amax, fmt, margin, pow2) in cases.items():

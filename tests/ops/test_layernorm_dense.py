@@ -334,7 +334,9 @@ def _qkv_loss(split: bool, recipe, state, op="layernorm_dense"):
 
     def project(x, gamma, beta, kernel, bias, **kw):
         if op == "dense":
-            return fp8jax.dense(x, kernel, bias, recipe=recipe, state=state, **kw)
+            # In x's dtype, as the Flax modules ask (f32 kernel: JAX's promotion gives f32).
+            return fp8jax.dense(x, kernel, bias, recipe=recipe, state=state,
+                                preferred_element_type=x.dtype, **kw)  # fmt: skip
         return fp8jax.layernorm_dense(x, gamma, beta, kernel, bias, recipe=recipe, state=state,
                                       **kw)  # fmt: skip
 
