@@ -28,12 +28,14 @@ import jax.numpy as jnp
 import fp8jax
 from fp8jax.flax import _common, _expert_parallel
 from fp8jax.flax._routed_experts import ACTIVATIONS, gated, route, routed_experts
+from fp8jax.ops import ragged_dot as ragged_dot_ops
 
 GATINGS = ("softmax", "sigmoid")
 EXPERT = "expert"  # the logical axis name of the experts
 
 
-def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_experts) -> None:
+def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_experts, fp8=False,
+          recipe=None) -> None:  # fmt: skip
     """Raises for bad MoE settings, naming the argument, the expected and the given."""
     _common.positive_int(owner, "num_experts", num_experts)
     _common.positive_int(owner, "top_k", top_k)
@@ -48,6 +50,8 @@ def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_expert
         )
     if not isinstance(shared_experts, int) or shared_experts < 0:
         raise ValueError(f"{owner}.shared_experts must be an int >= 0, got {shared_experts!r}.")
+    if fp8:
+        ragged_dot_ops.check_recipe(owner, recipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +91,7 @@ def block_settings(owner: str, moe, intermediate_dim: int, activations, recipe) 
             f"MLP), got {activations!r}."
         )
     check(f"{owner}.moe", moe.num_experts, moe.top_k, intermediate_dim, moe.gating, acts[0],
-          moe.shared_experts)  # fmt: skip
-    if moe.fp8 and _common.is_delayed(recipe):
-        raise ValueError(
-            f"{owner}: moe= runs the experts on fp8jax.ragged_dot, which takes CurrentScaling "
-            f"only, got recipe={recipe!r}; pass another recipe, or MoEConfig(..., fp8=False)."
-        )
+          moe.shared_experts, moe.fp8, recipe)  # fmt: skip
     return {**dataclasses.asdict(moe), "ffn": intermediate_dim, "activation": acts[0]}
 
 
@@ -112,7 +111,7 @@ def shared_ffn(x2, wi, wo, activation: str, fp8: bool, recipe):
         h = fp8jax.dense(x2, wi, contracting_dims=((1,), (0,)), recipe=recipe)
     else:
         h = jnp.einsum("th,hcf->tcf", x2, wi.astype(x2.dtype))
-    a = gated(h, activation, x2.dtype)
+    a = gated(h.reshape(-1, 2, wi.shape[-1]), activation, x2.dtype)
     return fp8jax.dense(a, wo, recipe=recipe) if fp8 else a @ wo.astype(a.dtype)
 
 

@@ -39,10 +39,11 @@ def route(x2: jax.Array, router: jax.Array, top_k: int, gating: str, axes: tuple
     gates, experts = lax.top_k(probs, top_k)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
-    mean_probs = jnp.mean(probs, axis=0)
+    # No tokens, no imbalance: max(., 1) makes the loss 0 there, not 0 / 0.
+    mean_probs = jnp.sum(probs, axis=0) / max(probs.shape[0], 1)
     if axes:  # expert parallelism: the statistics of every device's tokens
         counts, mean_probs = lax.pmean(counts, axes), lax.pmean(mean_probs, axes)
-    fraction = counts / experts.size
+    fraction = counts / max(experts.size, 1)
     aux_loss = num_experts * jnp.sum(fraction * mean_probs)
     return gates, experts, aux_loss
 
@@ -54,10 +55,8 @@ def _gemm(fp8: bool, recipe):
 
 
 def gated(h: jax.Array, activation: str, dtype) -> jax.Array:
-    """``act(gate) * up`` of ``h [rows, 2 * ffn]`` (gate, then up), computed in f32."""
-    h = h.reshape(h.shape[0], 2, -1)
-    return (ACTIVATIONS[activation](h[:, 0].astype(jnp.float32)) * h[:, 1].astype(jnp.float32)
-            ).astype(dtype)  # fmt: skip
+    """``act(gate) * up`` of ``h [rows, 2, ffn]`` (gate, then up), computed in f32."""
+    return activations_.gated(h, (activation, "linear"), axis=1).astype(dtype)
 
 
 def experts_ffn(xs, sizes, wi, wo, activation: str, fp8: bool, recipe):
@@ -67,7 +66,7 @@ def experts_ffn(xs, sizes, wi, wo, activation: str, fp8: bool, recipe):
     """
     gemm = _gemm(fp8, recipe)
     e, hidden, _, ffn = wi.shape
-    h = gemm(xs, wi.reshape(e, hidden, 2 * ffn), sizes)
+    h = gemm(xs, wi.reshape(e, hidden, 2 * ffn), sizes).reshape(-1, 2, ffn)
     return gemm(gated(h, activation, xs.dtype), wo, sizes)
 
 
@@ -88,7 +87,7 @@ def routed_experts(x2, order, top_k: int, sizes, wi, wo, activation: str, fp8: b
         return combine(experts_ffn(xs, sizes, wi, wo, activation, fp8, recipe), order, inverse)
     gemm = functools.partial(ragged_dot_ops.permuted_ragged_dot, recipe=recipe)
     h = gemm(x2, wi.reshape(e, hidden, 2 * ffn), sizes, lhs_slots=order, repeats=top_k)
-    return gemm(gated(h, activation, x2.dtype), wo, sizes, out_slots=order)
+    return gemm(gated(h.reshape(-1, 2, ffn), activation, x2.dtype), wo, sizes, out_slots=order)
 
 
 # The permutations to expert order and back, with the backward passes written as

@@ -16,7 +16,8 @@ scale per tensor: a token's values do not depend on the expert it is routed
 to, so per-group amaxes would differ little, and a single scale keeps the
 epilogue a product of two factors (tests/ops/test_ragged_dot.py checks a
 nearly dead expert, weights 1e-4 times the others, within the E4M3 budget).
-Scaling is current (each tensor's own amax); DelayedScaling is refused.
+Scaling is current (each tensor's own amax); every other recipe is refused by name
+(:func:`check_recipe`).
 
 The GEMMs (:mod:`fp8jax.kernels.grouped_gemm`,
 docs/design.md#grouped-expert-gemms): on NVIDIA GPUs a Pallas Triton
@@ -65,7 +66,7 @@ from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import amax, check_high_precision, quantize_with_scale
-from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
+from fp8jax.recipes import CurrentScaling, DelayedScaling, Recipe, RowwiseScaling, resolve_recipe
 from fp8jax.scaling import scale_from_amax
 
 # Tests set this to run the kernels in Pallas interpret mode on the CPU.
@@ -399,13 +400,37 @@ def ragged_dot(
     return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), (None, None), config)
 
 
-def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1) -> RaggedConfig:
+def check_recipe(owner: str, recipe) -> Recipe:
+    """``recipe`` resolved, or an error naming ``owner`` where the expert GEMMs cannot take it.
+
+    The grouped GEMMs scale per tensor (activations, gradients) and per
+    expert (weights), freshly from each tensor's amax: CurrentScaling only.
+    """
     recipe = resolve_recipe(recipe)
-    if isinstance(recipe, DelayedScaling) or state is not None:
+    if isinstance(recipe, CurrentScaling):
+        return recipe
+    name = type(recipe).__name__
+    if isinstance(recipe, DelayedScaling):
+        why = "per-expert delayed scaling would need a scale state per expert"
+    elif isinstance(recipe, RowwiseScaling):
+        why = ("the grouped GEMMs scale each expert's weights and the tokens per tensor; they "
+               "have no per-row scales, and running them per tensor would silently drop the "
+               "rowwise recipe")  # fmt: skip
+    else:
+        why = "block-scaled expert GEMMs are not implemented"
+    raise ValueError(
+        f"{owner}: the expert GEMMs take CurrentScaling only (or recipe=None); "
+        f"{why}. Got recipe={name}. Pass CurrentScaling, or run the experts in BF16 (fp8=False "
+        "on the MoE block)."
+    )
+
+
+def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1) -> RaggedConfig:
+    recipe = check_recipe("fp8jax.ragged_dot", recipe)
+    if state is not None:
         raise ValueError(
             "fp8jax.ragged_dot supports CurrentScaling only (state=None): per-expert delayed "
-            f"scaling would need a state per expert; got recipe {type(recipe).__name__} and "
-            f"state {type(state).__name__}."
+            f"scaling would need a state per expert; got state {type(state).__name__}."
         )
     out_dtype = lhs.dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
     if not jnp.issubdtype(out_dtype, jnp.floating) or is_fp8(out_dtype):

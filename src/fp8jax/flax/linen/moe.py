@@ -78,7 +78,7 @@ class MoEBlock(nn.Module):
 
     def __post_init__(self):
         _moe.check(type(self).__name__, self.num_experts, self.top_k, self.ffn, self.gating,
-                   self.activation, self.shared_experts)  # fmt: skip
+                   self.activation, self.shared_experts, self.fp8, self.recipe)  # fmt: skip
         super().__post_init__()
 
     @nn.compact

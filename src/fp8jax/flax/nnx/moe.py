@@ -59,7 +59,7 @@ class MoEBlock(nnx.Module):
     ):
         owner = type(self).__name__
         hidden = _common.positive_int(owner, "in_features", in_features)
-        _moe.check(owner, num_experts, top_k, ffn, gating, activation, shared_experts)
+        _moe.check(owner, num_experts, top_k, ffn, gating, activation, shared_experts, fp8, recipe)
         e, pd = num_experts, param_dtype
         init = _common.fan_in_init(kernel_init, 1)
         per_expert = _moe.expert_init(init)
