@@ -18,9 +18,9 @@ from flax import nnx
 
 import fp8jax
 from fp8jax import verify
-from fp8jax.flax import _routed_experts
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
+from fp8jax.ops import moe as moe_ops
 from numerics import assert_within, gemm_error_bound
 
 T, H, F, E, K = 48, 64, 128, 4, 2
@@ -183,9 +183,9 @@ def test_permutations_backward_are_gathers_equal_to_the_transposed_takes():
         return jnp.take(x, order // k, axis=0)
 
     pairs = [
-        (lambda x: _routed_experts.dispatch(x, order, inverse, k), take_dispatch, x2),
+        (lambda x: moe_ops.dispatch(x, order, inverse, k), take_dispatch, x2),
         (
-            lambda y: _routed_experts.combine(y, order, inverse),
+            lambda y: moe_ops.combine(y, order, inverse),
             lambda y: jnp.take(y, inverse, axis=0),
             ys,
         ),

@@ -93,6 +93,9 @@ class RaggedConfig:
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
     repeats: int = 1  # slots per row of lhs (permuted_ragged_dot's top_k)
+    # Inside shard_map: (axis of rhs [g, k, n], the mesh axes splitting it)
+    # for FSDP-sharded weights gathered in FP8; () for whole weights.
+    rhs_gather: tuple = ()
 
 
 def _placement(rows: int) -> tuple[str, tuple[str, ...]]:
@@ -239,7 +242,7 @@ def _grouped_wgrad(a, b, group_sizes, scale_inv, out_dtype, read_a=None, read_b=
 
 
 def quantize_per_expert(
-    rhs: jax.Array, forward: Fp8Format, backward: Fp8Format, recipe
+    rhs: jax.Array, forward: Fp8Format, backward: Fp8Format, recipe, gather: tuple = ()
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``rhs [g, k, n]`` cast for both of its GEMMs, each expert at its own scale.
 
@@ -249,11 +252,22 @@ def quantize_per_expert(
     per kernel dot), both rounded once from ``rhs`` at the same scale, from
     one read of ``rhs`` (:func:`fp8jax.kernels.expert_cast.cast_experts`;
     docs/design.md#grouped-expert-gemms).
+
+    ``gather``: inside ``shard_map``, ``(axis, mesh axes)`` splitting ``rhs``
+    (FSDP): each device casts its shard at the whole expert's scale (the amax
+    max-reduced over the axes), then the FP8 copies are all-gathered, so the
+    weights cross devices in FP8 (docs/design.md#grouped-expert-gemms).
     """
     expert_amax = jnp.max(jnp.abs(rhs.astype(jnp.float32)).reshape(rhs.shape[0], -1), axis=1)
+    if gather:
+        expert_amax = jax.lax.pmax(expert_amax, gather[1])
     scale = scale_from_amax(expert_amax, forward.max, recipe.margin, fallback=1.0)
     forward_t, backward_copy = expert_cast.cast_experts(rhs, scale, forward, backward,
                                                         interpret=_INTERPRET)  # fmt: skip
+    if gather:
+        axis, axes = gather
+        forward_t = jax.lax.all_gather(forward_t, axes, axis=3 - axis, tiled=True)  # [g, n, k]
+        backward_copy = jax.lax.all_gather(backward_copy, axes, axis=axis, tiled=True)
     return forward_t, backward_copy, 1.0 / scale
 
 
@@ -285,7 +299,8 @@ def _read_rows(slots, repeats: int):
 def _fwd(lhs, rhs, group_sizes, slots, config: RaggedConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     lhs_q, lhs_si = _quantize_tensor(lhs, fmt, recipe)
-    rhs_t, rhs_b, rhs_si = quantize_per_expert(rhs, fmt, recipe.formats.backward, recipe)
+    rhs_t, rhs_b, rhs_si = quantize_per_expert(rhs, fmt, recipe.formats.backward, recipe,
+                                               config.rhs_gather)  # fmt: skip
     read = _read_rows(slots, config.repeats)
     y = _grouped(lhs_q, rhs_t, group_sizes, lhs_si, rhs_si, config.out_dtype, read, slots[1])
     return y, (lhs_q, lhs_si, rhs_b, rhs_si, group_sizes, slots)
@@ -307,6 +322,9 @@ def _bwd(config: RaggedConfig, residuals, g):
     read = _read_rows(slots, config.repeats)
     d_rhs = _grouped_wgrad(as_format(lhs_q, fmt), g_q, group_sizes, lhs_si * g_si,
                            config.rhs_dtype, read, out_slots)  # fmt: skip
+    if config.rhs_gather:  # each device keeps the summed gradient of its shard
+        axis, axes = config.rhs_gather
+        d_rhs = jax.lax.psum_scatter(d_rhs, axes, scatter_dimension=axis, tiled=True)
     d_ints = jax.tree.map(lambda i: np.zeros(i.shape, jax.dtypes.float0), (group_sizes, slots))
     return d_lhs, d_rhs, *d_ints
 
@@ -425,7 +443,14 @@ def check_recipe(owner: str, recipe) -> Recipe:
     )
 
 
-def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1) -> RaggedConfig:
+def reduced_over(recipe: Recipe, axes: tuple[str, ...]) -> Recipe:
+    """``recipe`` with ``axes`` added to its ``amax_reduction_axes`` (inside ``shard_map``)."""
+    reduce = tuple(dict.fromkeys((*recipe.amax_reduction_axes, *axes)))
+    return dataclasses.replace(recipe, amax_reduction_axes=reduce)
+
+
+def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1,
+            rhs_gather: tuple = ()) -> RaggedConfig:  # fmt: skip
     recipe = check_recipe("fp8jax.ragged_dot", recipe)
     if state is not None:
         raise ValueError(
@@ -439,7 +464,7 @@ def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1) -
             f"or float32), got {out_dtype}."
         )
     return RaggedConfig(recipe, jnp.dtype(out_dtype), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                        repeats)  # fmt: skip
+                        repeats, rhs_gather)  # fmt: skip
 
 
 def _check_slots(name: str, slots, rows: int) -> None:
@@ -511,15 +536,37 @@ def permuted_ragged_dot(
       ...                            out_slots=order).shape
       (8, 32)
     """
+    return sharded_permuted_ragged_dot(lhs, rhs, group_sizes, lhs_slots=lhs_slots,
+                                       repeats=repeats, out_slots=out_slots, recipe=recipe,
+                                       preferred_element_type=preferred_element_type)  # fmt: skip
+
+
+def sharded_permuted_ragged_dot(lhs, rhs, group_sizes, *, lhs_slots=None, repeats: int = 1,
+                                out_slots=None, recipe=None, preferred_element_type=None,
+                                rhs_gather: tuple = (1, ())):  # fmt: skip
+    """:func:`permuted_ragged_dot`, with ``rhs`` split over mesh axes inside ``shard_map``.
+
+    ``rhs_gather``: ``(axis of rhs, mesh axes)``: ``rhs`` is this device's
+    shard along that axis, quantized here and all-gathered in FP8; its
+    gradient is reduce-scattered back (:func:`quantize_per_expert`). No
+    axes: :func:`permuted_ragged_dot` itself.
+    """
+    gather = rhs_gather if rhs_gather[1] else ()
+    if gather:
+        shape = list(rhs.shape)
+        shape[gather[0]] *= jax.lax.axis_size(gather[1])
+        rhs_shape = jax.ShapeDtypeStruct(tuple(shape), rhs.dtype)
+    else:
+        rhs_shape = rhs
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}.")
     if lhs_slots is None and repeats != 1:
         raise ValueError(f"repeats={repeats} needs lhs_slots (the slots to gather), got None.")
     rows = lhs.shape[0] * repeats if lhs.ndim == 2 else 0
-    _check(lhs, rhs, group_sizes, rows, "lhs_slots")
+    _check(lhs, rhs_shape, group_sizes, rows, "lhs_slots")
     for name, slots in (("lhs_slots", lhs_slots), ("out_slots", out_slots)):
         if slots is not None:
             _check_slots(name, slots, rows)
-    config = _config(lhs, rhs, recipe, None, preferred_element_type, repeats)
+    config = _config(lhs, rhs, recipe, None, preferred_element_type, repeats, gather)
     as_int = [None if i is None else i.astype(jnp.int32) for i in (lhs_slots, out_slots)]
     return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), tuple(as_int), config)

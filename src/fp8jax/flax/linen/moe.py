@@ -20,10 +20,16 @@ class MoEBlock(nn.Module):
     """Router, top-k, experts on ``fp8jax.ragged_dot``, optional shared experts.
 
     No token is dropped (no capacity factor): the grouped GEMMs take any
-    number of tokens per expert. The auxiliary load-balancing loss (1 when
-    balanced, see :mod:`fp8jax.flax._moe`) is sown as ``"aux_loss"`` in the
-    ``"intermediates"`` collection; add it to the training loss with a
-    coefficient (0.01 is common).
+    number of tokens per expert. The math is :func:`fp8jax.moe_mlp`. The
+    auxiliary load-balancing loss (1 when balanced) is sown as
+    ``"aux_loss"`` in the ``"intermediates"`` collection (add it to the
+    training loss with a coefficient; 0.01 is common), each expert's share
+    of the routed slots as ``"expert_load"`` in ``"moe_stats"`` (where that
+    collection is mutable).
+
+    Under data parallelism and FSDP (no expert axis) each device routes its
+    own tokens and runs every expert on them; FSDP-split weights are
+    gathered in FP8 (:func:`fp8jax.flax._expert_parallel.local`).
 
     Parameters: ``router`` ``(hidden, num_experts)`` (used in f32),
     ``wi`` ``(num_experts, hidden, 2, ffn)`` (gate, up), ``wo``
@@ -96,9 +102,11 @@ class MoEBlock(nn.Module):
             width = self.shared_experts * ffn
             shared_wi = param(self, "shared_wi", init, (hidden, 2, width), pd, (EMBED, ACT, MLP))
             shared_wo = param(self, "shared_wo", init, (width, hidden), pd, (MLP, EMBED))
-        y, aux_loss = _moe.moe(
+        y, stats = _moe.moe(
             x, router, wi, wo, shared_wi, shared_wo, top_k=self.top_k, gating=self.gating,
             activation=self.activation, fp8=self.fp8, recipe=self.recipe,
         )  # fmt: skip
-        self.sow("intermediates", "aux_loss", aux_loss)
+        self.sow("intermediates", "aux_loss", stats.aux_loss)
+        # Its own collection: code that sums "intermediates" as losses stays right.
+        self.sow("moe_stats", "expert_load", stats.expert_load)
         return y

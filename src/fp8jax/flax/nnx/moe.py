@@ -17,12 +17,17 @@ class AuxLoss(nnx.Variable):
     """The last call's auxiliary load-balancing loss (not a parameter)."""
 
 
+class ExpertLoad(nnx.Variable):
+    """The last call's share of the routed slots per expert (not a parameter)."""
+
+
 class MoEBlock(nnx.Module):
     """Router, top-k, experts on ``fp8jax.ragged_dot``, shared experts; the NNX twin of Linen's.
 
     No token is dropped (no capacity factor). The call returns the output;
     the auxiliary load-balancing loss of the call is in ``self.aux_loss``
-    (an :class:`AuxLoss` variable; 1 when balanced). Expert parallelism
+    (an :class:`AuxLoss` variable; 1 when balanced), each expert's share of
+    the routed slots in ``self.expert_load`` (an :class:`ExpertLoad`). Expert parallelism
     (``ShardingConfig(ep=...)``) as in the Linen block.
 
     Args:
@@ -72,16 +77,18 @@ class MoEBlock(nnx.Module):
         self.shared_wo = param(init, rngs, (width, hidden), pd, (MLP, EMBED),
                                enabled=shared_experts > 0)  # fmt: skip
         self.aux_loss = AuxLoss(jnp.zeros((), jnp.float32))
+        self.expert_load = ExpertLoad(jnp.zeros((e,), jnp.float32))
         self.in_features, self.top_k, self.gating = hidden, top_k, gating
         self.activation, self.fp8, self.dtype, self.recipe = activation, fp8, dtype, recipe
 
     def __call__(self, x: jax.Array) -> jax.Array:
         _common.in_features(type(self).__name__, x, (-1,), (self.in_features,))
         x = x.astype(self.dtype or x.dtype)
-        y, aux_loss = _moe.moe(
+        y, stats = _moe.moe(
             x, self.router[...], self.wi[...], self.wo[...], value_of(self.shared_wi),
             value_of(self.shared_wo), top_k=self.top_k, gating=self.gating,
             activation=self.activation, fp8=self.fp8, recipe=self.recipe,
         )  # fmt: skip
-        self.aux_loss.set_value(aux_loss)
+        self.aux_loss.set_value(stats.aux_loss)
+        self.expert_load.set_value(stats.expert_load)
         return y
