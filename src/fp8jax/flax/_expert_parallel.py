@@ -27,7 +27,13 @@ e / ep)`` rows (a token's ``top_k`` experts are distinct, so it sends at most
 ``min(top_k, e / ep)`` rows to one device). Rows past those received are
 zeros; the grouped GEMMs skip them (group sizes), but they are quantized,
 re-sorted and held in memory: with balanced routing the buffer is
-``ep * min(top_k, e / ep) / top_k`` times the rows actually received.
+``ep * min(top_k, e / ep) / top_k`` times the rows actually received. With
+a ``capacity_factor`` (:func:`fp8jax.moe_mlp`'s rule over the tokens of the
+expert axis' devices, in device order) each expert takes at most
+``capacity`` rows, so the buffer is ``e / ep * capacity`` rows: the
+capacity factor times the balanced share (:func:`receive_rows`); the
+senders keep the slots the rule keeps (each device's place in an expert's
+order comes from an ``all_gather`` of the per-expert counts).
 
 The exchange has its own ``custom_vjp`` (:func:`exchange`): its backward is the
 same exchange with the plan reversed (:meth:`Plan.reversed`), which the
@@ -210,7 +216,7 @@ def local_layout(x2, wi) -> LocalLayout | None:
 
 
 def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, activation: str,
-          fp8: bool, recipe):  # fmt: skip
+          fp8: bool, recipe, capacity_factor: float | None = None):  # fmt: skip
     """The routed experts with every device routing its own tokens: ``(y [t, hidden], stats)``.
 
     One ``shard_map`` over the token axes: each device routes its rows,
@@ -227,7 +233,8 @@ def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, ac
         logits = jnp.dot(x2.astype(jnp.float32), router.astype(jnp.float32))
         return moe_ops.moe_mlp(x2, logits, wi, wo, top_k=top_k, gating=gating,
                                activation=activation, fp8=fp8, recipe=recipe,
-                               token_axes=tokens, gather_axes=gather)  # fmt: skip
+                               capacity_factor=capacity_factor, token_axes=tokens,
+                               gather_axes=gather)  # fmt: skip
 
     on = gather or None
     rows = P(tokens, None)
@@ -375,8 +382,20 @@ def _check(owner, where: Layout, x2, wi) -> None:
         )
 
 
+def receive_rows(tokens: int, peers: int, experts_here: int, top_k: int, cap: int | None) -> int:
+    """The receive buffer's rows on each device: the worst case, or the capacity's bound.
+
+    ``tokens``: each device's. Dropless, every token of every peer may send
+    ``min(top_k, experts_here)`` rows here; with a capacity ``cap`` per
+    expert, each local expert takes at most ``cap`` rows in all.
+    """
+    worst = peers * tokens * min(top_k, experts_here)
+    return worst if cap is None else min(worst, experts_here * cap)
+
+
 def routed(x2, router, wi, wo, where: Layout, *, top_k: int, gating: str, activation: str,
-           fp8: bool, recipe, owner: str = "MoEBlock"):  # fmt: skip
+           fp8: bool, recipe, capacity_factor: float | None = None,
+           owner: str = "MoEBlock"):  # fmt: skip
     """The routed experts on tokens ``x2 [t, hidden]``, expert-parallel: ``(y [t, hidden], stats)``.
 
     ``y`` is the gate-weighted sum of each token's experts, in ``x2.dtype``;
@@ -391,17 +410,24 @@ def routed(x2, router, wi, wo, where: Layout, *, top_k: int, gating: str, activa
     def local(x2, router, wi, wo):
         t, hidden = x2.shape
         experts_here = wi.shape[0]
-        chunk = t * min(top_k, experts_here)  # the most rows one device sends another
+        # The capacity counts the tokens of the devices that share these experts
+        # (the expert axis), in device order: one device's rule on their tokens.
+        cap = moe_ops.capacity(t * peers, top_k, router.shape[-1], capacity_factor)
+        rows = receive_rows(t, peers, experts_here, top_k, cap)
+        chunk = min(t * min(top_k, experts_here), rows)  # the most rows one device sends another
         logits = jnp.dot(x2.astype(jnp.float32), router.astype(jnp.float32))
         gates, experts, stats = moe_ops.route(logits, top_k, gating, axes=tokens)
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
+        # Sorted by expert, each expert's kept slots first (capacity): the plan
+        # sends only those, so at most ``rows`` arrive.
+        order, expert_sizes, dropped = moe_ops.sort_by_expert(
+            experts.reshape(-1), router.shape[-1], cap, (axis,)
+        )
+        stats = stats._replace(dropped=lax.pmean(dropped, tokens))
         inverse = ragged_dot_ops.inverse_permutation(order)
-        expert_sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
         exchange_plan, received = plan(expert_sizes, axis, peers)
         xs = moe_ops.dispatch(x2, order, inverse, top_k)
-        buffer = exchange(xs, exchange_plan, peers * chunk, axis, chunk)
-        local_order, sizes = _local_order(received, peers * chunk)
+        buffer = exchange(xs, exchange_plan, rows, axis, chunk)
+        local_order, sizes = _local_order(received, rows)
         # The received rows to local-expert order and back: in FP8 the grouped
         # GEMMs read and write them by index (no re-sorted copies).
         ys = moe_ops.routed_experts(buffer, local_order, 1, sizes, wi, wo, activation, fp8, recipe)

@@ -47,6 +47,11 @@ def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_expert
         ragged_dot_ops.check_recipe(owner, recipe)
 
 
+def check_capacity(owner: str, capacity_factor) -> None:
+    """Raises unless ``capacity_factor`` is None or a finite number > 0."""
+    moe_ops.check_capacity_factor(owner, capacity_factor)
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """A TransformerLayer's feed-forward as a Mixture of Experts: ``moe=MoEConfig(8, 2)``.
@@ -56,7 +61,7 @@ class MoEConfig:
     ``activations`` (``(act, "linear")``), in the layer's dtypes and recipe.
 
     Attributes:
-      num_experts, top_k, gating, shared_experts: as in ``MoEBlock``.
+      num_experts, top_k, gating, shared_experts, capacity_factor: as in ``MoEBlock``.
       fp8: the experts' GEMMs in FP8; False runs them with ``lax.ragged_dot``
         in the compute dtype (a baseline), the attention staying FP8.
     """
@@ -67,6 +72,7 @@ class MoEConfig:
     gating: str = "softmax"
     shared_experts: int = 0
     fp8: bool = True
+    capacity_factor: float | None = None
 
 
 def block_settings(owner: str, moe, intermediate_dim: int, activations, recipe) -> dict:
@@ -85,6 +91,7 @@ def block_settings(owner: str, moe, intermediate_dim: int, activations, recipe) 
         )
     check(f"{owner}.moe", moe.num_experts, moe.top_k, intermediate_dim, moe.gating, acts[0],
           moe.shared_experts, moe.fp8, recipe)  # fmt: skip
+    check_capacity(f"{owner}.moe", moe.capacity_factor)
     return {**dataclasses.asdict(moe), "ffn": intermediate_dim, "activation": acts[0]}
 
 
@@ -109,7 +116,7 @@ def shared_ffn(x2, wi, wo, activation: str, fp8: bool, recipe):
 
 
 def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, activation: str,
-        fp8: bool, recipe):  # fmt: skip
+        fp8: bool, recipe, capacity_factor: float | None = None):  # fmt: skip
     """The block on ``x [..., hidden]``: ``(y, stats)``, ``y`` shaped and typed like ``x``.
 
     ``stats``: :class:`fp8jax.ops.moe.MoEStats`. Expert-parallel
@@ -119,7 +126,8 @@ def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, act
     """
     shape, hidden = x.shape, x.shape[-1]
     x2 = x.reshape(-1, hidden)
-    settings = dict(top_k=top_k, gating=gating, activation=activation, fp8=fp8, recipe=recipe)
+    settings = dict(top_k=top_k, gating=gating, activation=activation, fp8=fp8, recipe=recipe,
+                    capacity_factor=capacity_factor)  # fmt: skip
     if (where := _expert_parallel.layout()) is not None:
         y, stats = _expert_parallel.routed(x2, router, wi, wo, where, **settings)
     elif (here := _expert_parallel.local_layout(x2, wi)) is not None:

@@ -4,9 +4,14 @@ Router logits -> top-k -> the ``(token, slot)`` pairs sorted by expert
 (argsort) -> gated experts on FP8 grouped GEMMs (:func:`fp8jax.ragged_dot`,
 one scale per expert) -> back to token order, weighted by the gates.
 
-No token is dropped: every token reaches its ``top_k`` experts whatever the
-load, because the grouped GEMMs take any group sizes (no capacity, no
-padding). The auxiliary load-balancing loss is Switch Transformer's:
+By default no token is dropped: every token reaches its ``top_k`` experts
+whatever the load, because the grouped GEMMs take any group sizes (no
+capacity, no padding). With a ``capacity_factor`` each expert takes at most
+``capacity = ceil(capacity_factor * tokens * top_k / experts)`` slots, the
+first in token order (a token's slots in rank order); a dropped slot adds
+nothing to its token's output (its gate is not renormalized). Under expert
+parallelism this bounds each device's receive buffer
+(:mod:`fp8jax.flax._expert_parallel`). The auxiliary load-balancing loss is Switch Transformer's:
 ``num_experts * sum_e f_e * p_e``, ``f_e`` the share of routed slots that go
 to expert ``e`` and ``p_e`` its mean gate probability; 1 when balanced.
 
@@ -25,6 +30,7 @@ for its MoE blocks under data parallelism and FSDP.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -46,12 +52,14 @@ class MoEStats(NamedTuple):
     Attributes:
       aux_loss: the load-balancing loss (1 when balanced); add it to the loss times a weight.
       expert_load: ``[num_experts]``, each expert's share of the routed slots (sums to 1;
-        0 everywhere without tokens). The load balance is ``max / mean``, i.e.
-        ``num_experts * max(expert_load)``.
+        0 everywhere without tokens), counted before any capacity drops them. The
+        load balance is ``max / mean``, i.e. ``num_experts * max(expert_load)``.
+      dropped: the share of slots dropped by the capacity (0 without one).
     """
 
     aux_loss: jax.Array
     expert_load: jax.Array
+    dropped: jax.Array
 
 
 def route(logits: jax.Array, top_k: int, gating: str, axes: tuple[str, ...] = ()):
@@ -75,7 +83,50 @@ def route(logits: jax.Array, top_k: int, gating: str, axes: tuple[str, ...] = ()
     if axes:  # the statistics of every device's tokens
         counts, mean_probs = lax.pmean(counts, axes), lax.pmean(mean_probs, axes)
     load = counts / max(experts.size, 1)
-    return gates, experts, MoEStats(num_experts * jnp.sum(load * mean_probs), load)
+    aux_loss = num_experts * jnp.sum(load * mean_probs)
+    return gates, experts, MoEStats(aux_loss, load, jnp.zeros((), jnp.float32))
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None):
+    """Each expert's slots for ``tokens`` tokens (all devices' that share the experts), or None."""
+    if capacity_factor is None:
+        return None
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def sort_by_expert(flat: jax.Array, num_experts: int, cap: int | None = None,
+                   axes: tuple[str, ...] = ()):  # fmt: skip
+    """``(order, sizes, dropped)``: the slots ``flat [m]`` (their experts) sorted by expert.
+
+    ``order`` sorts the slots by expert, stably (each expert's slots in slot
+    order), ``sizes [e]`` counts them. With a capacity ``cap``, each
+    expert's first ``cap`` slots come first, sorted, and its others after
+    every kept one (the grouped GEMMs skip rows past ``sum(sizes)``);
+    ``sizes`` counts the kept. ``axes``: inside ``shard_map``, the mesh axes
+    splitting the tokens in order; the capacity then counts the slots of
+    the devices before this one first, as one device holding all tokens
+    would. ``dropped``: the share of slots dropped, over all of them (f32).
+    """
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    if cap is None:
+        return order, sizes, jnp.zeros((), jnp.float32)
+    before = jnp.zeros_like(sizes)
+    if axes:  # the slots each expert got on the devices before this one
+        everyone = lax.all_gather(sizes, axes)  # [devices, e], in device order
+        me = lax.axis_index(axes)
+        earlier = jnp.arange(everyone.shape[0])[:, None] < me
+        before = jnp.sum(jnp.where(earlier, everyone, 0), axis=0)
+    sorted_experts = flat[order]
+    starts = jnp.cumsum(sizes) - sizes
+    rank = jnp.arange(flat.size, dtype=jnp.int32) - starts[sorted_experts]
+    keep = before[sorted_experts] + rank < cap
+    order = order[jnp.argsort(jnp.where(keep, sorted_experts, num_experts), stable=True)]
+    kept = jnp.clip(cap - before, 0, sizes).astype(jnp.int32)
+    dropped = (flat.size - jnp.sum(kept)).astype(jnp.float32) / max(flat.size, 1)
+    if axes:
+        dropped = lax.pmean(dropped, axes)
+    return order, kept, dropped
 
 
 def gated(h: jax.Array, activation: str, dtype) -> jax.Array:
@@ -125,6 +176,18 @@ def routed_experts(x2, order, top_k: int, sizes, wi, wo, activation: str, fp8: b
     return gemm(a, wo, sizes, out_slots=order, rhs_gather=(2, gather_axes))
 
 
+def check_capacity_factor(owner: str, capacity_factor) -> None:
+    """Raises unless ``capacity_factor`` is None or a finite number > 0."""
+    if capacity_factor is None:
+        return
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+            or not 0 < capacity_factor < math.inf):  # fmt: skip
+        raise ValueError(
+            f"{owner}: capacity_factor must be None (dropless) or a finite number > 0 "
+            f"(1.25 is common), got {capacity_factor!r}."
+        )
+
+
 def _check(x, logits, wi, wo, top_k, gating, activation, fp8, recipe, gather_axes) -> None:
     """Raises for bad operands or settings, naming the argument, the expected and the given."""
     if x.ndim != 2:
@@ -171,6 +234,7 @@ def moe_mlp(
     activation: str = "silu",
     fp8: bool = True,
     recipe=None,
+    capacity_factor: float | None = None,
     token_axes: tuple[str, ...] = (),
     gather_axes: tuple[str, ...] = (),
 ) -> tuple[jax.Array, MoEStats]:
@@ -181,7 +245,8 @@ def moe_mlp(
     output is their gated MLPs' outputs weighted by those probabilities
     (renormalized over the ``top_k``). The experts run on FP8 grouped GEMMs
     (:func:`fp8jax.ragged_dot`), or in ``x``'s dtype with
-    ``lax.ragged_dot`` when ``fp8`` is False. Dropless: every slot is computed.
+    ``lax.ragged_dot`` when ``fp8`` is False. Dropless by default: every
+    slot is computed.
 
     Args:
       x: ``[tokens, hidden]`` high-precision tokens.
@@ -195,6 +260,9 @@ def moe_mlp(
       fp8: FP8 expert GEMMs; False runs them in ``x.dtype`` (a baseline).
       recipe: :class:`~fp8jax.CurrentScaling` (the default); the only recipe the
         expert GEMMs take.
+      capacity_factor: None (dropless), or a number > 0: each expert takes at
+        most ``ceil(capacity_factor * tokens * top_k / experts)`` slots, the
+        first in token order, counting every device's tokens (``token_axes``).
       token_axes: inside ``shard_map``, the mesh axes splitting the tokens;
         the statistics and the amaxes then cover every device's tokens.
       gather_axes: inside ``shard_map``, the mesh axes splitting ``wi``'s and
@@ -202,11 +270,12 @@ def moe_mlp(
 
     Returns:
       ``(y, stats)``: ``y [tokens, hidden]`` in ``x.dtype``, and the
-      :class:`MoEStats` (load-balancing loss, each expert's share of the slots).
+      :class:`MoEStats` (load-balancing loss, each expert's share of the
+      slots, the share dropped).
 
     Raises:
-      ValueError: for wrong shapes, a bad ``top_k``, gating or activation, or a
-        recipe other than CurrentScaling.
+      ValueError: for wrong shapes, a bad ``top_k``, gating, activation or
+        capacity factor, or a recipe other than CurrentScaling.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -224,13 +293,19 @@ def moe_mlp(
         recipe = ragged_dot_ops.check_recipe("fp8jax.moe_mlp", recipe)
         if token_axes:
             recipe = ragged_dot_ops.reduced_over(recipe, token_axes)
+    check_capacity_factor("fp8jax.moe_mlp", capacity_factor)
     gates, experts, stats = route(logits, top_k, gating, token_axes)
-    flat = experts.reshape(-1)
-    # Sort the (token, slot) pairs by expert; stable, so each expert's tokens
-    # keep their order.
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.zeros((wi.shape[0],), jnp.int32).at[flat].add(1)
+    tokens = x.shape[0] * (lax.axis_size(token_axes) if token_axes else 1)
+    cap = capacity(tokens, top_k, wi.shape[0], capacity_factor)
+    order, sizes, dropped = sort_by_expert(experts.reshape(-1), wi.shape[0], cap, token_axes)
+    stats = stats._replace(dropped=dropped)
     ys = routed_experts(x, order, top_k, sizes, wi, wo, activation, fp8, recipe, gather_axes)
+    if cap is not None:
+        # A dropped slot's output is 0 already; masking it also zeroes its
+        # gradient, so the gradient's FP8 scale (its amax) covers the kept
+        # slots only, as where the dropped ones are never sent (expert parallelism).
+        kept = ragged_dot_ops.inverse_permutation(order) < jnp.sum(sizes)
+        ys = jnp.where(kept[:, None], ys, jnp.zeros((), ys.dtype))
     per_slot = ys.reshape(-1, top_k, x.shape[-1])
     y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x.dtype)
     return y, stats
