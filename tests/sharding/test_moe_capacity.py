@@ -31,7 +31,9 @@ def skewed():
 
 
 @pytest.mark.parametrize(
-    "sizes,config", [({"ep": 8}, EP), ({"fsdp": 8}, fs.ShardingConfig())], ids=["ep8", "fsdp8_local"]
+    "sizes,config",
+    [({"ep": 8}, EP), ({"fsdp": 8}, fs.ShardingConfig())],
+    ids=["ep8", "fsdp8_local"],
 )
 def test_capacity_gives_the_single_device_values_and_drops(skewed, sizes, config):
     x, params = skewed
