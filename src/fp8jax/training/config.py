@@ -54,9 +54,10 @@ class Preset:
 # Sequences per step of the Llama presets (docs/train.md#llama-presets).
 LLAMA_1B_BATCH = 16
 LLAMA_3B_BATCH = 8
-# Sequences per step of the MoE presets: estimates (bench/train_memory.py), not measured.
+# Sequences per step of the MoE presets: guesses from bench/train_memory.py's upper bound
+# (3 and 1 sequences), which gave 1 where 8 fit for llama-3b; not measured on a GPU.
 MIXTRAL_BATCH = 16
-DEEPSEEK_BATCH = 16
+DEEPSEEK_BATCH = 8
 
 PRESETS = {
     # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
