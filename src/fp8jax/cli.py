@@ -219,6 +219,14 @@ def _add_train(sub) -> None:
         "or for this machine's GPU (live) and count its FP8 GEMMs",
     )
     p.add_argument("--no-progress", action="store_true", help="print lines instead of a bar")
+    # Several processes (docs/scaling.md); SLURM and Open MPI launches need none of these.
+    p.add_argument(
+        "--coordinator-address",
+        help="host:port of process 0, for a multi-process run outside SLURM/Open MPI "
+        "(default: JAX_COORDINATOR_ADDRESS)",
+    )
+    p.add_argument("--num-processes", type=int, help="processes in the run (with --process-id)")
+    p.add_argument("--process-id", type=int, help="this process's number, 0 to N-1")
     # Testing aid, documented in docs/train.md: NaN parameters before step N.
     p.add_argument("--inject-nan-at", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=_train)

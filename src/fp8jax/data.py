@@ -198,11 +198,21 @@ def _windows(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray
     return stream[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
 
 
-def train_batch(stream: np.ndarray, step: int, *, batch_size: int, seq_len: int, seed: int):
+def train_batch(
+    stream: np.ndarray,
+    step: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    rows: slice | None = None,
+):
     """The training batch of ``step``: ``batch_size`` random windows of ``seq_len + 1`` bytes.
 
     Returns int32 ``(batch_size, seq_len + 1)``; inputs are ``[:, :-1]``,
     targets ``[:, 1:]``. The same ``(seed, step)`` always gives the same batch.
+    ``rows`` reads only those rows of it (one process's share in a
+    multi-process run): the same rows as the whole batch's, however it is split.
 
     Example:
       >>> import numpy as np
@@ -214,11 +224,17 @@ def train_batch(stream: np.ndarray, step: int, *, batch_size: int, seq_len: int,
     """
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, stream.size - seq_len, size=batch_size)
-    return _windows(stream, starts, seq_len)
+    return _windows(stream, starts if rows is None else starts[rows], seq_len)
 
 
-def validation_batches(stream: np.ndarray, *, batches: int, batch_size: int, seq_len: int):
-    """``batches`` fixed batches of windows spread evenly over the validation stream."""
+def validation_batches(
+    stream: np.ndarray, *, batches: int, batch_size: int, seq_len: int, rows: slice | None = None
+):
+    """``batches`` fixed batches of windows spread evenly over the validation stream.
+
+    ``rows`` keeps only those rows of each batch, as for :func:`train_batch`.
+    """
     n = batches * batch_size
     starts = np.linspace(0, stream.size - seq_len - 1, n).astype(np.int64)
-    return _windows(stream, starts, seq_len).reshape(batches, batch_size, seq_len + 1)
+    starts = starts.reshape(batches, batch_size)[:, rows if rows is not None else slice(None)]
+    return _windows(stream, starts.reshape(-1), seq_len).reshape(batches, -1, seq_len + 1)

@@ -172,6 +172,10 @@ class TrainOptions:
         its loss is NaN, to exercise the divergence stop.
       moe_aux_weight: MoE presets: the load-balancing loss's weight in the
         training loss (default :data:`MOE_AUX_WEIGHT`).
+      coordinator_address, num_processes, process_id: join a multi-process
+        run (``jax.distributed.initialize``); left out, SLURM and Open MPI
+        launches are detected and one process runs alone otherwise
+        (:mod:`fp8jax.training.distributed`).
     """
 
     out: str
@@ -200,6 +204,9 @@ class TrainOptions:
     verify_target: str | None = None
     inject_nan_at: int | None = None
     moe_aux_weight: float | None = None
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

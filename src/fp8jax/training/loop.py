@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from fp8jax import compile_cache, data
 from fp8jax.ops import mx
-from fp8jax.training import gemm_count, mfu, summary
+from fp8jax.training import distributed, gemm_count, mfu, summary
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training.config import OLD_RUN_DEFAULTS, RunConfig, TrainOptions, resolve
 from fp8jax.training.errors import ConfigError, DivergedError, RunDirError
@@ -102,14 +102,19 @@ def train(
         anything is written, for bad options, data or run directories.
       DivergedError: the loss became NaN/Inf; the last good checkpoint is kept.
     """
+    # Several processes meet before anything starts JAX's backends (_check_options does).
+    launch = distributed.plan(options.coordinator_address, options.num_processes,
+                              options.process_id)  # fmt: skip
+    distributed.initialize(launch)
     # Every check comes before the first file is written (the run directory, the cache).
     _check_options(options)
     config = resolve(options)
-    run = RunDir(options.out)
+    run = RunDir(options.out, writer=distributed.is_writer())
     run.check_usable()
     cache_dir = _compile_cache_dir(options.compile_cache)
     axes = mesh_lib.parse_mesh(options.mesh)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
+    distributed.check_mesh(mesh)
     _check_recipe_devices(config, mesh)
     try:
         corpus = data.load_corpus(options.data)
@@ -118,6 +123,15 @@ def train(
             f"--data {options.data!r} cannot be read: {e}; pass readable text files."
         ) from None
     data.check_size(corpus, config.seq_len)
+    differ = distributed.differing_processes(corpus.fingerprint)
+    if differ:  # each process would train on other batches, silently
+        raise data.DataError(
+            f"--data: processes {differ} read a different corpus from process 0's "
+            f"({corpus.source}, SHA-256 fingerprints differ); every process must read the same "
+            "text. Put it on a shared file system or at the same path on every host and pass "
+            "--data (the default, each host's Python standard library, differs between Python "
+            "builds)."
+        )
     if cache_dir is not None:  # created first: a run directory left without a run is worse
         try:
             compile_cache.enable(cache_dir)
@@ -136,6 +150,8 @@ def train(
     else:
         run.start(record)
     say = say or tqdm.write
+    if not distributed.is_writer():  # process 0 speaks for the run
+        say, progress = (lambda _: None), False
     if cache_dir is not None:
         say(f"compile cache: {cache_dir}")
     # Optax's AdamW mixes its int32 step count with f32: standard promotion.
@@ -191,8 +207,9 @@ class _Loop:
         c = self.config
         self.window = Window(c.batch_size * c.seq_len)
         self.val = data.validation_batches(
-            corpus.validation, batches=c.eval_batches, batch_size=c.batch_size, seq_len=c.seq_len
-        )
+            corpus.validation, batches=c.eval_batches, batch_size=c.batch_size,
+            seq_len=c.seq_len, rows=program.rows,
+        )  # fmt: skip
         self.pending: list[tuple[int, jax.Array]] = []
         self.last_train = self.last_val = self.compile_s = None
         self.load_balance = self.dropped = None
@@ -207,8 +224,9 @@ class _Loop:
         """The batch that step ``step`` (1-based) trains on."""
         c = self.config
         tokens = data.train_batch(
-            self.corpus.train, step - 1, batch_size=c.batch_size, seq_len=c.seq_len, seed=c.seed
-        )
+            self.corpus.train, step - 1, batch_size=c.batch_size, seq_len=c.seq_len, seed=c.seed,
+            rows=self.program.rows,
+        )  # fmt: skip
         return self.program.put(tokens)
 
     def check_pending(self) -> None:

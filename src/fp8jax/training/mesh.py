@@ -100,3 +100,17 @@ def sharding_context(mesh: Mesh | None):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def process_rows(sharding: NamedSharding, batch_size: int) -> slice:
+    """The rows of a ``(batch_size, ...)`` batch that this process's devices hold.
+
+    The mesh lists each process's devices together, so they hold one
+    contiguous block of rows, which is all a process loads.
+    """
+    index = sharding.addressable_devices_indices_map((batch_size, 1))
+    spans = sorted({s[0].indices(batch_size)[:2] for s in index.values()})
+    start, stop = spans[0][0], spans[-1][1]
+    covered = sum(b - a for a, b in spans)
+    assert covered == stop - start, f"this process's batch rows are not contiguous: {spans}"
+    return slice(start, stop)

@@ -74,10 +74,14 @@ class TrainProgram:
             self.loss, tx, accumulation_steps=config.accumulation_steps, recipe=delayed
         )
         out_shardings, self.batch_sharding = None, None
+        # The rows of every batch this process loads: all of them, unless the mesh
+        # spans several processes (fp8jax.training.distributed).
+        self.rows = slice(0, config.batch_size)
         if mesh is not None and materialize:
             state_shardings = jax.tree.map(lambda a: a.sharding, self.initial_state)
             out_shardings = (state_shardings, mesh_lib.replicated(mesh))
             self.batch_sharding = mesh_lib.batch_sharding(mesh)
+            self.rows = mesh_lib.process_rows(self.batch_sharding, config.batch_size)
         # fp8jax owns this jit, so it compiles with its own options: the FP8 GEMMs
         # go to cuBLASLt without minutes of Triton autotuning
         # (docs/design.md#first-compile-time).
@@ -136,6 +140,8 @@ class TrainProgram:
         return mesh_lib.sharding_context(self.mesh)
 
     def put(self, batch: np.ndarray):
+        """The global batch array from this process's rows of it (:attr:`rows`)."""
         if self.batch_sharding is None:
             return jnp.asarray(batch)
-        return jax.device_put(batch, self.batch_sharding)
+        shape = (self.config.batch_size, *batch.shape[1:])
+        return jax.make_array_from_process_local_data(self.batch_sharding, batch, shape)

@@ -154,8 +154,14 @@ def _quiet_orbax() -> Iterator[None]:
 class RunDir:
     """The files of one run; see the module docstring for the layout."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, writer: bool = True):
+        """``writer=False``: every check and checkpoint, but no config, metrics or summary.
+
+        In a multi-process run every process saves and restores checkpoints
+        (orbax coordinates them) and only process 0 writes the other files.
+        """
         self.path = pathlib.Path(path)
+        self.writer = writer
         self.config_path = self.path / "config.json"
         self.metrics_path = self.path / "metrics.jsonl"
         self.summary_path = self.path / "summary.json"
@@ -211,6 +217,8 @@ class RunDir:
                 f"{self.path} already holds a run (metrics or checkpoints); pass --resume to "
                 "continue it, or choose another --out. Nothing was changed."
             )
+        if not self.writer:
+            return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             write_json_atomic(self.config_path, config)
@@ -311,10 +319,14 @@ class RunDir:
 
     def resumed(self, config: dict, step: int) -> None:
         """Records a resumed session's config and drops the metrics logged after ``step``."""
+        if not self.writer:
+            return
         write_json_atomic(self.config_path, config)
         self.truncate_metrics(step)
 
     def append_metrics(self, record: dict) -> None:
+        if not self.writer:
+            return
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
@@ -327,6 +339,8 @@ class RunDir:
         _write_atomic(self.metrics_path, kept)
 
     def write_summary(self, summary: dict) -> None:
+        if not self.writer:
+            return
         write_json_atomic(self.summary_path, summary)
 
 
