@@ -12,6 +12,11 @@ the peak memory of the compiled step (``compiled.memory_analysis()``). With
 kernels down by class (all-gather time per GPU under FSDP, among others).
 
     PYTHONPATH=src:bench python bench/gpt.py --config llama-1b [--mesh fsdp=2] [--out F]
+
+The MoE presets (mixtral, deepseek) take current scaling only, and their MFU
+counts active parameters (fp8jax.training.mfu):
+
+    PYTHONPATH=src:bench python bench/gpt.py --config mixtral --variants bf16 fp8jax_current
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ from harness import compiled_facts, dump, environment, time_ms
 from jax import lax
 
 import fp8jax
-from fp8jax.flax import _routed_experts
 from fp8jax.kernels import grouped_gemm as gg
+from fp8jax.ops import moe as moe_ops
 from fp8jax.ops import ragged_dot as rd
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -276,7 +276,7 @@ def capacity_moe(params, x, *, top_k: int, capacity_factor: float = CAPACITY_FAC
     p = nn.unbox(params)["params"]  # MoEBlock's parameters carry their logical axes
     t, hidden = x.shape
     e = p["router"].shape[-1]
-    gates, experts, _ = _routed_experts.route(x, p["router"], top_k, "softmax")
+    gates, experts, _ = moe_ops.route(x.astype(F32) @ p["router"].astype(F32), top_k, "softmax")
     capacity = -(-int(t * top_k * capacity_factor) // e)
     flat = experts.reshape(-1)
     onehot = jax.nn.one_hot(flat, e, dtype=jnp.int32)
@@ -343,16 +343,16 @@ def grouped_moe(params, x, *, top_k: int, gemm):
     expert GEMMs on ``gemm`` (``lax.ragged_dot``'s signature): on the GPU JAX's Mosaic GPU
     kernels (:func:`mgpu_ragged_dot`)."""
     p = nn.unbox(params)["params"]
-    gates, experts, _ = _routed_experts.route(x, p["router"], top_k, "softmax")
+    gates, experts, _ = moe_ops.route(x.astype(F32) @ p["router"].astype(F32), top_k, "softmax")
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     inverse = rd.inverse_permutation(order)
     sizes = jnp.zeros((p["router"].shape[-1],), jnp.int32).at[flat].add(1)
     e, hidden, _, ffn = p["wi"].shape
-    xs = _routed_experts.dispatch(x, order, inverse, top_k)
+    xs = moe_ops.dispatch(x, order, inverse, top_k)
     h = gemm(xs, p["wi"].reshape(e, hidden, 2 * ffn).astype(x.dtype), sizes).reshape(-1, 2, ffn)
     a = (jax.nn.silu(h[:, 0].astype(F32)) * h[:, 1].astype(F32)).astype(x.dtype)
-    ys = _routed_experts.combine(gemm(a, p["wo"].astype(x.dtype), sizes), order, inverse)
+    ys = moe_ops.combine(gemm(a, p["wo"].astype(x.dtype), sizes), order, inverse)
     y = jnp.einsum("tkh,tk->th", ys.reshape(-1, top_k, hidden).astype(F32), gates)
     return (y + _shared_experts(p, x)).astype(x.dtype)
 

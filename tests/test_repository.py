@@ -87,6 +87,7 @@ MODULES = [
     "fp8jax.ops.layernorm_dense",
     "fp8jax.ops.layernorm_mlp",
     "fp8jax.ops.ragged_dot",
+    "fp8jax.ops.moe",
     # These compile for an H100 without a GPU, or check the toolchain that does.
     pytest.param("fp8jax.verify", marks=pytest.mark.deviceless),
     pytest.param("fp8jax.verify.compilation", marks=pytest.mark.deviceless),

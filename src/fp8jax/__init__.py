@@ -10,6 +10,7 @@ from fp8jax.ops.dot_general import dot_general
 from fp8jax.ops.einsum import einsum
 from fp8jax.ops.layernorm_dense import layernorm_dense
 from fp8jax.ops.layernorm_mlp import layernorm_mlp
+from fp8jax.ops.moe import MoEStats, moe_mlp
 from fp8jax.ops.norm import layernorm
 from fp8jax.ops.ragged_dot import permuted_ragged_dot, ragged_dot
 from fp8jax.quantize import Fp8Array, dequantize, quantize
@@ -46,6 +47,7 @@ __all__ = [
     "Fp8Format",
     "MXFP8Scaling",
     "MlpScaleState",
+    "MoEStats",
     "RowwiseScaling",
     "ScaleState",
     "combine_states",
@@ -59,6 +61,7 @@ __all__ = [
     "layernorm",
     "layernorm_dense",
     "layernorm_mlp",
+    "moe_mlp",
     "permuted_ragged_dot",
     "quantize",
     "ragged_dot",

@@ -201,6 +201,11 @@ def _add_train(sub) -> None:
         type=int,
         help="micro-batches per step: gradients averaged, FP8 scale states merged by max",
     )
+    p.add_argument(
+        "--moe-aux-weight",
+        type=float,
+        help="MoE presets: the load-balancing loss's weight in the training loss (default 0.01)",
+    )
     p.add_argument("--profile", help="write a jax.profiler trace of a few steps to this directory")
     p.add_argument(
         "--compile-cache",

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import fp8jax
 from fp8jax import verify
-from fp8jax.flax import _routed_experts
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
+from fp8jax.ops import moe as moe_ops
 from numerics import assert_within, gemm_error_bound
 
 T, H, F, E, K = 48, 64, 128, 4, 2
@@ -182,9 +183,9 @@ def test_permutations_backward_are_gathers_equal_to_the_transposed_takes():
         return jnp.take(x, order // k, axis=0)
 
     pairs = [
-        (lambda x: _routed_experts.dispatch(x, order, inverse, k), take_dispatch, x2),
+        (lambda x: moe_ops.dispatch(x, order, inverse, k), take_dispatch, x2),
         (
-            lambda y: _routed_experts.combine(y, order, inverse),
+            lambda y: moe_ops.combine(y, order, inverse),
             lambda y: jnp.take(y, inverse, axis=0),
             ys,
         ),
@@ -216,3 +217,42 @@ def test_bad_settings_name_the_argument_expected_and_given(kw, match):
         fnn.MoEBlock(**settings)
     with pytest.raises(ValueError, match=match):
         fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("recipe", [fp8jax.BlockScaling(), fp8jax.MXFP8Scaling(),
+                                    fp8jax.RowwiseScaling(), fp8jax.DelayedScaling()])  # fmt: skip
+def test_recipes_the_expert_gemms_cannot_take_are_refused_at_construction(recipe):
+    # Block and MX scaling used to fail inside the op with an AttributeError,
+    # rowwise to run per-tensor scaling, bitwise CurrentScaling.
+    name = type(recipe).__name__
+    match = rf"MoEBlock: the expert GEMMs take CurrentScaling only.*Got recipe={name}"
+    with pytest.raises(ValueError, match=match):
+        _block(recipe=recipe)
+    with pytest.raises(ValueError, match=match):
+        fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, recipe=recipe, rngs=nnx.Rngs(0))
+    _block(recipe=recipe, fp8=False)  # BF16 experts take no FP8 recipe: nothing to refuse
+
+
+@pytest.mark.parametrize("shape", [(0, 8, H), (2, 0, H)])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_zero_tokens_give_the_empty_result_and_zero_gradients(shape, fp8):
+    # Used to raise ZeroDivisionError (a reshape of zero rows by -1).
+    block = _block(shared_experts=1, fp8=fp8)
+    variables = nn.meta.unbox(block.init(jax.random.key(1), jnp.ones((2, 8, H))))
+    x = jnp.zeros(shape)
+
+    def loss(variables, x):
+        y, state = block.apply(variables, x, mutable=["intermediates"])
+        return jnp.sum(y) + state["intermediates"]["aux_loss"][0], y
+
+    (value, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
+    assert y.shape == shape and value == 0
+    for g in jax.tree.leaves(grads):
+        assert not np.any(np.asarray(g)), g
+    assert grads[1].shape == shape
+    model = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, shared_experts=1, fp8=fp8,
+                          rngs=nnx.Rngs(0))  # fmt: skip
+    grads = nnx.grad(lambda m, x: jnp.sum(m(x)) + m.aux_loss[...], argnums=(0, 1))(model, x)
+    assert model(x).shape == shape and float(model.aux_loss[...]) == 0
+    for g in jax.tree.leaves(grads):
+        assert not np.any(np.asarray(g)), g

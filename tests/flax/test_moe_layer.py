@@ -296,11 +296,36 @@ def test_h100_compile_runs_every_gemm_but_the_router_and_attention_core_in_fp8()
         ),
         (
             {"recipe": fp8jax.DelayedScaling(amax_history_len=4)},
-            r"TransformerLayer: moe= runs the experts on fp8jax.ragged_dot, which takes "
-            r"CurrentScaling only, got recipe=DelayedScaling\(",
+            r"TransformerLayer.moe: the expert GEMMs take CurrentScaling only .*state per expert"
+            r".*Got recipe=DelayedScaling\.",
+        ),
+        # These three used to fail inside the op (AttributeError) or, rowwise, run per tensor.
+        (
+            {"recipe": fp8jax.BlockScaling()},
+            r"TransformerLayer.moe: the expert GEMMs take CurrentScaling only .*block-scaled "
+            r"expert GEMMs are not implemented. Got recipe=BlockScaling\.",
+        ),
+        (
+            {"recipe": fp8jax.MXFP8Scaling()},
+            r"TransformerLayer.moe: .*Got recipe=MXFP8Scaling\.",
+        ),
+        (
+            {"recipe": fp8jax.RowwiseScaling()},
+            r"TransformerLayer.moe: .*no per-row scales.*Got recipe=RowwiseScaling\.",
         ),
     ],
-    ids=["top_k", "num_experts", "gating", "shared_experts", "type", "activations", "recipe"],
+    ids=[
+        "top_k",
+        "num_experts",
+        "gating",
+        "shared_experts",
+        "type",
+        "activations",
+        "delayed",
+        "block",
+        "mx",
+        "rowwise",
+    ],
 )
 def test_bad_moe_settings_name_the_argument_expected_and_given(kw, match):
     settings = {"moe": MOE, **LAYER, **kw}

@@ -281,6 +281,26 @@ def test_delayed_scaling_and_fp8_inputs_are_refused():
         fp8jax.ragged_dot(x.astype(jnp.float8_e4m3fn), w, gs)
 
 
+@pytest.mark.parametrize(
+    "recipe,why",
+    [
+        (fp8jax.BlockScaling(), "block-scaled expert GEMMs are not implemented"),
+        (fp8jax.MXFP8Scaling(), "block-scaled expert GEMMs are not implemented"),
+        # Rowwise used to run per-tensor scaling silently (bitwise CurrentScaling).
+        (fp8jax.RowwiseScaling(), "no per-row scales"),
+    ],
+)
+def test_recipes_the_expert_gemms_cannot_take_are_refused_by_name(recipe, why):
+    x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32)
+    name = type(recipe).__name__
+    match = rf"fp8jax.ragged_dot: .*CurrentScaling.*{why}.*Got recipe={name}"
+    with pytest.raises(ValueError, match=match):
+        fp8jax.ragged_dot(x, w, gs, recipe=recipe)
+    order = jnp.arange(8, dtype=jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        fp8jax.permuted_ragged_dot(x, w, gs, lhs_slots=order, recipe=recipe)
+
+
 def _routing(t, top_k, sizes_of_experts_seed=5):
     """Slots of ``t`` tokens x ``top_k`` sent to 4 experts, expert 2 getting none:
     ``(order, sizes, inverse)``."""

@@ -18,9 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 import fp8jax.sharding as fs
 from fp8jax import verify
-from fp8jax.flax import _expert_parallel, _routed_experts
+from fp8jax.flax import _expert_parallel
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
+from fp8jax.ops import moe as moe_ops
 
 E, K, H, F = 16, 2, 64, 32
 B, S = 8, 12  # 96 tokens, 12 per device
@@ -83,7 +84,7 @@ def skewed():
 
 def test_the_skewed_routing_is_uneven_and_leaves_an_expert_empty(skewed):
     x, params = skewed
-    _, experts, _ = _routed_experts.route(x.reshape(-1, H), params["router"], K, "softmax")
+    _, experts, _ = moe_ops.route(x.reshape(-1, H) @ params["router"], K, "softmax")
     counts = np.bincount(np.asarray(experts).reshape(-1), minlength=E)
     assert counts[3] == 0 and counts.max() >= 4 * counts.sum() / E, counts
 
@@ -311,8 +312,7 @@ def test_h100_compile_under_fsdp_gathers_the_expert_weights_in_fp8():
     # The experts' (wi, wo: [E, ...]) and the shared expert's ([H, 2, F]) FP8 copies.
     assert sum(c.shape[0] == E for c in weights) >= 2, [(c.dtype, c.shape) for c in gathers]
     assert all(c.dtype.startswith("f8") for c in weights), [(c.dtype, c.shape) for c in weights]
-    # What else moves is token rows (the slots sorted by expert across all devices;
-    # docs/design.md#grouped-expert-gemms), never a weight in high precision.
+    # Never a weight in high precision (token rows stay put: test_local_routing.py).
     assert not [c for c in gathers if not c.dtype.startswith("f8") and E in c.shape[:1]]
 
 

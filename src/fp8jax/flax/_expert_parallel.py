@@ -16,7 +16,7 @@ routed experts inside ``jax.shard_map`` over the mesh, each device:
    from each peer;
 3. sends the rows with ``lax.ragged_all_to_all`` (no capacity, no token
    dropped) and runs its experts on the received rows in local-expert order
-   with :func:`fp8jax.flax._routed_experts.routed_experts` (FP8 grouped GEMMs that read
+   with :func:`fp8jax.ops.moe.routed_experts` (FP8 grouped GEMMs that read
    and write the rows by index, so the re-sort writes no copy);
 4. sends the outputs back by the reverse exchange, and weights each token's
    slots by its gates.
@@ -27,7 +27,13 @@ e / ep)`` rows (a token's ``top_k`` experts are distinct, so it sends at most
 ``min(top_k, e / ep)`` rows to one device). Rows past those received are
 zeros; the grouped GEMMs skip them (group sizes), but they are quantized,
 re-sorted and held in memory: with balanced routing the buffer is
-``ep * min(top_k, e / ep) / top_k`` times the rows actually received.
+``ep * min(top_k, e / ep) / top_k`` times the rows actually received. With
+a ``capacity_factor`` (:func:`fp8jax.moe_mlp`'s rule over the tokens of the
+expert axis' devices, in device order) each expert takes at most
+``capacity`` rows, so the buffer is ``e / ep * capacity`` rows: the
+capacity factor times the balanced share (:func:`receive_rows`); the
+senders keep the slots the rule keeps (each device's place in an expert's
+order comes from an ``all_gather`` of the per-expert counts).
 
 The exchange has its own ``custom_vjp`` (:func:`exchange`): its backward is the
 same exchange with the plan reversed (:meth:`Plan.reversed`), which the
@@ -64,7 +70,6 @@ no multi-GPU run exists.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -77,9 +82,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from fp8jax.axes import ACT, BATCH, EMBED, EXPERT, MLP
-from fp8jax.flax import _routed_experts
+from fp8jax.ops import moe as moe_ops
 from fp8jax.ops import ragged_dot as ragged_dot_ops
-from fp8jax.recipes import resolve_recipe
 
 
 class Layout(NamedTuple):
@@ -162,6 +166,86 @@ def layout(owner: str = "MoEBlock") -> Layout | None:
                 f"implemented; give {a!r} size 1."
             )
     return Layout(axis, tokens)
+
+
+class LocalLayout(NamedTuple):
+    """Local routing under data parallelism and FSDP: the token axes, the weights' hidden axes."""
+
+    token_axes: tuple[str, ...]  # every mesh axis of size > 1 splits the tokens
+    gather_axes: tuple[str, ...]  # those splitting the experts' hidden axis (FSDP)
+
+
+def local_layout(x2, wi) -> LocalLayout | None:
+    """Where each device can route its own tokens and run every expert on them, or None.
+
+    Under a mesh and rules in context whose axes of size > 1 are all ``Auto``
+    and all split the tokens (``dp``, ``fsdp``; no expert axis, see
+    :func:`layout`), with the experts whole along their expert and ffn axes
+    and ``fsdp`` at most on their hidden axis; the tokens and the hidden
+    size divisible by the devices. Otherwise None: the block runs on the
+    global arrays, as XLA partitions them.
+    """
+    from flax.core import spmd
+
+    from fp8jax import sharding
+
+    rules = spmd.get_logical_axis_rules()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not rules or mesh.empty:
+        return None
+    sizes = dict(mesh.shape)
+    split = {a for a, n in sizes.items() if n > 1}
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if not split or any(kinds[a] != AxisType.Auto for a in split):
+        return None
+
+    def spec(names):
+        return [tuple(a for a in _axes(e) if a in split)
+                for e in sharding.logical_spec(names, rules=rules, mesh=mesh)]  # fmt: skip
+
+    (tokens,) = spec((BATCH,))
+    experts, hidden, act, ffn = spec((EXPERT, EMBED, ACT, MLP))
+    (_, _, hidden_o) = spec((EXPERT, MLP, EMBED))
+    if set(tokens) != split or experts or act or ffn or hidden != hidden_o:
+        return None
+    if not set(hidden) <= set(tokens) or x2.shape[0] % math.prod(sizes[a] for a in tokens):
+        return None
+    if wi.shape[1] % math.prod(sizes[a] for a in hidden):
+        return None
+    return LocalLayout(tokens, hidden)
+
+
+def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, activation: str,
+          fp8: bool, recipe, capacity_factor: float | None = None):  # fmt: skip
+    """The routed experts with every device routing its own tokens: ``(y [t, hidden], stats)``.
+
+    One ``shard_map`` over the token axes: each device routes its rows,
+    sorts its ``(token, slot)`` pairs by expert and runs every expert on
+    them (:func:`fp8jax.moe_mlp`); no token row crosses devices. FSDP-split
+    weights enter as each device's shard and are gathered in FP8 inside;
+    BF16 experts (``fp8`` False) take them whole (gathered in their dtype,
+    as a BF16 layer's are).
+    """
+    tokens, hidden = where
+    gather = hidden if fp8 else ()
+
+    def run(x2, router, wi, wo):
+        logits = jnp.dot(x2.astype(jnp.float32), router.astype(jnp.float32))
+        return moe_ops.moe_mlp(x2, logits, wi, wo, top_k=top_k, gating=gating,
+                               activation=activation, fp8=fp8, recipe=recipe,
+                               capacity_factor=capacity_factor, token_axes=tokens,
+                               gather_axes=gather)  # fmt: skip
+
+    on = gather or None
+    rows = P(tokens, None)
+    return jax.shard_map(
+        run, in_specs=(rows, P(), P(None, on, None, None), P(None, None, on)),
+        out_specs=(rows, P()),
+        # As in routed(): the kernels' outputs are not typed by the manual axes;
+        # JAX then sums the replicated inputs' cotangents (router, the weights
+        # over the axes that do not split them) itself.
+        check_vma=False,
+    )(x2, router, wi, wo)  # fmt: skip
 
 
 class Plan(NamedTuple):
@@ -298,43 +382,59 @@ def _check(owner, where: Layout, x2, wi) -> None:
         )
 
 
+def receive_rows(tokens: int, peers: int, experts_here: int, top_k: int, cap: int | None) -> int:
+    """The receive buffer's rows on each device: the worst case, or the capacity's bound.
+
+    ``tokens``: each device's. Dropless, every token of every peer may send
+    ``min(top_k, experts_here)`` rows here; with a capacity ``cap`` per
+    expert, each local expert takes at most ``cap`` rows in all.
+    """
+    worst = peers * tokens * min(top_k, experts_here)
+    return worst if cap is None else min(worst, experts_here * cap)
+
+
 def routed(x2, router, wi, wo, where: Layout, *, top_k: int, gating: str, activation: str,
-           fp8: bool, recipe, owner: str = "MoEBlock"):  # fmt: skip
-    """The routed experts on tokens ``x2 [t, hidden]``, expert-parallel: ``(y [t, hidden], aux)``.
+           fp8: bool, recipe, capacity_factor: float | None = None,
+           owner: str = "MoEBlock"):  # fmt: skip
+    """The routed experts on tokens ``x2 [t, hidden]``, expert-parallel: ``(y [t, hidden], stats)``.
 
     ``y`` is the gate-weighted sum of each token's experts, in ``x2.dtype``;
-    ``aux`` the load-balancing loss over all tokens (as without a mesh).
+    ``stats`` (:class:`fp8jax.ops.moe.MoEStats`) over all tokens (as without a mesh).
     """
     _check(owner, where, x2, wi)
     axis, tokens = where
     peers = dict(jax.sharding.get_abstract_mesh().shape)[axis]
     if fp8:
-        recipe = resolve_recipe(recipe)
-        reduce = tuple(dict.fromkeys((*recipe.amax_reduction_axes, *tokens)))
-        recipe = dataclasses.replace(recipe, amax_reduction_axes=reduce)
+        recipe = ragged_dot_ops.reduced_over(ragged_dot_ops.check_recipe(owner, recipe), tokens)
 
     def local(x2, router, wi, wo):
         t, hidden = x2.shape
         experts_here = wi.shape[0]
-        chunk = t * min(top_k, experts_here)  # the most rows one device sends another
-        gates, experts, aux_loss = _routed_experts.route(x2, router, top_k, gating, axes=tokens)
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
+        # The capacity counts the tokens of the devices that share these experts
+        # (the expert axis), in device order: one device's rule on their tokens.
+        cap = moe_ops.capacity(t * peers, top_k, router.shape[-1], capacity_factor)
+        rows = receive_rows(t, peers, experts_here, top_k, cap)
+        chunk = min(t * min(top_k, experts_here), rows)  # the most rows one device sends another
+        logits = jnp.dot(x2.astype(jnp.float32), router.astype(jnp.float32))
+        gates, experts, stats = moe_ops.route(logits, top_k, gating, axes=tokens)
+        # Sorted by expert, each expert's kept slots first (capacity): the plan
+        # sends only those, so at most ``rows`` arrive.
+        order, expert_sizes, dropped = moe_ops.sort_by_expert(
+            experts.reshape(-1), router.shape[-1], cap, (axis,)
+        )
+        stats = stats._replace(dropped=lax.pmean(dropped, tokens))
         inverse = ragged_dot_ops.inverse_permutation(order)
-        expert_sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
         exchange_plan, received = plan(expert_sizes, axis, peers)
-        xs = _routed_experts.dispatch(x2, order, inverse, top_k)
-        buffer = exchange(xs, exchange_plan, peers * chunk, axis, chunk)
-        local_order, sizes = _local_order(received, peers * chunk)
+        xs = moe_ops.dispatch(x2, order, inverse, top_k)
+        buffer = exchange(xs, exchange_plan, rows, axis, chunk)
+        local_order, sizes = _local_order(received, rows)
         # The received rows to local-expert order and back: in FP8 the grouped
         # GEMMs read and write them by index (no re-sorted copies).
-        ys = _routed_experts.routed_experts(
-            buffer, local_order, 1, sizes, wi, wo, activation, fp8, recipe
-        )
+        ys = moe_ops.routed_experts(buffer, local_order, 1, sizes, wi, wo, activation, fp8, recipe)
         back = exchange(ys, exchange_plan.reversed(), t * top_k, axis, chunk)
-        per_slot = _routed_experts.combine(back, order, inverse).reshape(-1, top_k, hidden)
+        per_slot = moe_ops.combine(back, order, inverse).reshape(-1, top_k, hidden)
         y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x2.dtype)
-        return y, aux_loss
+        return y, stats
 
     rows = P(tokens, None)
     return jax.shard_map(

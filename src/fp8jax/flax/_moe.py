@@ -1,21 +1,13 @@
-"""The Mixture-of-Experts block's math, shared by the Linen and NNX modules.
+"""The MoE block, shared by the Linen and NNX modules: settings, sharding, shared experts.
 
-Router (high precision) -> top-k -> tokens sorted by expert (argsort) ->
-gated experts on :func:`fp8jax.ragged_dot` (FP8 GEMMs, one scale per
-expert) -> back to token order, weighted by the gates -> plus optional
-shared experts (an FP8 gated MLP on :func:`fp8jax.dense`).
-
-No token is dropped: every token reaches its ``top_k`` experts whatever the
-load, because the grouped GEMMs take any group sizes (no capacity, no
-padding to one). The auxiliary load-balancing loss is Switch Transformer's:
-``num_experts * sum_e f_e * p_e``, ``f_e`` the fraction of routed slots that
-go to expert ``e`` and ``p_e`` its mean gate probability; 1 when balanced.
-
-The routed experts on one device's tokens (routing, the permutations, the
-grouped GEMMs) are :mod:`fp8jax.flax._routed_experts`. Expert parallelism
-(experts split over a mesh axis, tokens exchanged with ``ragged_all_to_all``)
-is :mod:`fp8jax.flax._expert_parallel`; :func:`moe` takes it where the mesh
-in context asks for it.
+The routed experts are the plain-JAX op :func:`fp8jax.moe_mlp`
+(:mod:`fp8jax.ops.moe`: router logits -> top-k -> sorted by expert -> gated
+experts on FP8 grouped GEMMs -> combined; dropless, with Switch
+Transformer's load-balancing loss). The shared experts are one FP8 gated MLP
+on :func:`fp8jax.dense`. Under a mesh, :func:`moe` picks the layout:
+expert parallelism (experts split over a mesh axis, tokens exchanged with
+``ragged_all_to_all``) or local routing (data parallelism and FSDP: each
+device routes its own tokens), both :mod:`fp8jax.flax._expert_parallel`.
 """
 
 from __future__ import annotations
@@ -27,13 +19,16 @@ import jax.numpy as jnp
 
 import fp8jax
 from fp8jax.flax import _common, _expert_parallel
-from fp8jax.flax._routed_experts import ACTIVATIONS, gated, route, routed_experts
+from fp8jax.ops import moe as moe_ops
+from fp8jax.ops import ragged_dot as ragged_dot_ops
 
-GATINGS = ("softmax", "sigmoid")
+GATINGS = moe_ops.GATINGS
+ACTIVATIONS = moe_ops.ACTIVATIONS
 EXPERT = "expert"  # the logical axis name of the experts
 
 
-def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_experts) -> None:
+def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_experts, fp8=False,
+          recipe=None) -> None:  # fmt: skip
     """Raises for bad MoE settings, naming the argument, the expected and the given."""
     _common.positive_int(owner, "num_experts", num_experts)
     _common.positive_int(owner, "top_k", top_k)
@@ -48,6 +43,13 @@ def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_expert
         )
     if not isinstance(shared_experts, int) or shared_experts < 0:
         raise ValueError(f"{owner}.shared_experts must be an int >= 0, got {shared_experts!r}.")
+    if fp8:
+        ragged_dot_ops.check_recipe(owner, recipe)
+
+
+def check_capacity(owner: str, capacity_factor) -> None:
+    """Raises unless ``capacity_factor`` is None or a finite number > 0."""
+    moe_ops.check_capacity_factor(owner, capacity_factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,7 @@ class MoEConfig:
     ``activations`` (``(act, "linear")``), in the layer's dtypes and recipe.
 
     Attributes:
-      num_experts, top_k, gating, shared_experts: as in ``MoEBlock``.
+      num_experts, top_k, gating, shared_experts, capacity_factor: as in ``MoEBlock``.
       fp8: the experts' GEMMs in FP8; False runs them with ``lax.ragged_dot``
         in the compute dtype (a baseline), the attention staying FP8.
     """
@@ -70,6 +72,7 @@ class MoEConfig:
     gating: str = "softmax"
     shared_experts: int = 0
     fp8: bool = True
+    capacity_factor: float | None = None
 
 
 def block_settings(owner: str, moe, intermediate_dim: int, activations, recipe) -> dict:
@@ -87,12 +90,8 @@ def block_settings(owner: str, moe, intermediate_dim: int, activations, recipe) 
             f"MLP), got {activations!r}."
         )
     check(f"{owner}.moe", moe.num_experts, moe.top_k, intermediate_dim, moe.gating, acts[0],
-          moe.shared_experts)  # fmt: skip
-    if moe.fp8 and _common.is_delayed(recipe):
-        raise ValueError(
-            f"{owner}: moe= runs the experts on fp8jax.ragged_dot, which takes CurrentScaling "
-            f"only, got recipe={recipe!r}; pass another recipe, or MoEConfig(..., fp8=False)."
-        )
+          moe.shared_experts, moe.fp8, recipe)  # fmt: skip
+    check_capacity(f"{owner}.moe", moe.capacity_factor)
     return {**dataclasses.asdict(moe), "ffn": intermediate_dim, "activation": acts[0]}
 
 
@@ -112,36 +111,30 @@ def shared_ffn(x2, wi, wo, activation: str, fp8: bool, recipe):
         h = fp8jax.dense(x2, wi, contracting_dims=((1,), (0,)), recipe=recipe)
     else:
         h = jnp.einsum("th,hcf->tcf", x2, wi.astype(x2.dtype))
-    a = gated(h, activation, x2.dtype)
+    a = moe_ops.gated(h.reshape(-1, 2, wi.shape[-1]), activation, x2.dtype)
     return fp8jax.dense(a, wo, recipe=recipe) if fp8 else a @ wo.astype(a.dtype)
 
 
 def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, activation: str,
-        fp8: bool, recipe):  # fmt: skip
-    """The block on ``x [..., hidden]``: ``(y, aux_loss)``, ``y`` shaped and typed like ``x``.
+        fp8: bool, recipe, capacity_factor: float | None = None):  # fmt: skip
+    """The block on ``x [..., hidden]``: ``(y, stats)``, ``y`` shaped and typed like ``x``.
 
-    Expert-parallel (:mod:`fp8jax.flax._expert_parallel`) where the mesh and
-    rules in context split the experts over a mesh axis.
+    ``stats``: :class:`fp8jax.ops.moe.MoEStats`. Expert-parallel
+    (:mod:`fp8jax.flax._expert_parallel`) where the mesh and rules in context
+    split the experts over a mesh axis; with every device routing its own
+    tokens where they split only the tokens (data parallelism, FSDP).
     """
     shape, hidden = x.shape, x.shape[-1]
     x2 = x.reshape(-1, hidden)
+    settings = dict(top_k=top_k, gating=gating, activation=activation, fp8=fp8, recipe=recipe,
+                    capacity_factor=capacity_factor)  # fmt: skip
     if (where := _expert_parallel.layout()) is not None:
-        y, aux_loss = _expert_parallel.routed(
-            x2, router, wi, wo, where, top_k=top_k, gating=gating, activation=activation,
-            fp8=fp8, recipe=recipe,
-        )  # fmt: skip
-        if shared_wi is not None:
-            y = y + shared_ffn(x2, shared_wi, shared_wo, activation, fp8, recipe).astype(x.dtype)
-        return y.reshape(shape), aux_loss
-    gates, experts, aux_loss = route(x2, router, top_k, gating)
-    flat = experts.reshape(-1)
-    # Sort the (token, slot) pairs by expert; stable, so each expert's tokens
-    # keep their order.
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.zeros((router.shape[-1],), jnp.int32).at[flat].add(1)
-    ys = routed_experts(x2, order, top_k, sizes, wi, wo, activation, fp8, recipe)
-    per_slot = ys.reshape(-1, top_k, hidden)
-    y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x.dtype)
+        y, stats = _expert_parallel.routed(x2, router, wi, wo, where, **settings)
+    elif (here := _expert_parallel.local_layout(x2, wi)) is not None:
+        y, stats = _expert_parallel.local(x2, router, wi, wo, here, **settings)
+    else:
+        logits = jnp.dot(x2.astype(jnp.float32), router.astype(jnp.float32))
+        y, stats = moe_ops.moe_mlp(x2, logits, wi, wo, **settings)
     if shared_wi is not None:
         y = y + shared_ffn(x2, shared_wi, shared_wo, activation, fp8, recipe).astype(x.dtype)
-    return y.reshape(shape), aux_loss
+    return y.reshape(shape), stats

@@ -21,10 +21,13 @@ import jax.numpy as jnp
 
 import fp8jax
 from fp8jax.activations import gated
-from fp8jax.flax import _attention, _common
+from fp8jax.flax import _attention, _common, _moe
 from fp8jax.flax._common import ACT, EMBED, HEADS, KV, MLP, QKV, RESIDUAL
+from fp8jax.flax._moe import MoEConfig
 from fp8jax.flax.linen._base import param
 from fp8jax.flax.linen.dense import default_kernel_init
+from fp8jax.flax.linen.moe import MoEBlock
+from fp8jax.flax.linen.norm import LayerNorm
 from fp8jax.ops.gemm import add_bias
 from fp8jax.sharding import constrain
 
@@ -191,6 +194,7 @@ class Bf16TransformerLayer(nn.Module):
     use_bias: bool = True
     attention_implementation: str | None = None
     param_dtype: Any = jnp.float32
+    moe: MoEConfig | None = None  # its fp8 is ignored: the experts run in BF16
 
     @nn.compact
     def __call__(self, x):
@@ -214,6 +218,14 @@ class Bf16TransformerLayer(nn.Module):
             name="attention",
         )(x)
         h = constrain(x + a, RESIDUAL)
+        if self.moe is not None:
+            # The FP8 layer's MoE branch and parameter names, with BF16 experts.
+            moe = dataclasses.replace(self.moe, fp8=False)
+            block = _moe.block_settings(owner, moe, self.intermediate_dim, self.activations, None)
+            normed = LayerNorm(name="moe_norm", **norm)(h)
+            m = MoEBlock(**block, dtype=jnp.bfloat16, param_dtype=self.param_dtype,
+                         name="moe")(normed)  # fmt: skip
+            return constrain(h + m, RESIDUAL)
         m = _Mlp(
             intermediate_dim=self.intermediate_dim,
             activations=_common.activations(owner, self.activations),

@@ -23,6 +23,7 @@ import optax
 from fp8jax.flax import FP8_COLLECTION
 from fp8jax.flax import linen as fnn
 from fp8jax.flax._common import BATCH, EMBED, LENGTH, RESIDUAL
+from fp8jax.flax._moe import MoEConfig
 from fp8jax.models.bf16_layer import Bf16TransformerLayer
 from fp8jax.recipes import Recipe
 from fp8jax.sharding import constrain
@@ -77,6 +78,15 @@ class GptConfig:
       ffn: SwiGLU inner width (about 8/3 of hidden).
       kv_heads: key/value heads (GQA); None means heads.
       vocab_size: 256 for bytes.
+      experts: routed experts per MoE layer; 0 (the default) makes every
+        layer's feed-forward a dense SwiGLU MLP. Otherwise each layer after
+        the first ``dense_layers`` is a :class:`fp8jax.flax.linen.MoEBlock`
+        (router in f32, SwiGLU experts ``expert_ffn`` wide).
+      top_k: experts per token.
+      expert_ffn: each expert's inner width; None means ``ffn``.
+      shared_experts: always-on experts per MoE layer, each ``expert_ffn`` wide.
+      dense_layers: the first layers keep a dense MLP ``ffn`` wide (DeepSeek's first layer).
+      capacity_factor: None (dropless) or the MoE blocks' capacity factor.
     """
 
     hidden: int
@@ -85,6 +95,12 @@ class GptConfig:
     ffn: int
     kv_heads: int | None = None
     vocab_size: int = 256
+    experts: int = 0
+    top_k: int = 2
+    expert_ffn: int | None = None
+    shared_experts: int = 0
+    dense_layers: int = 0
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         for field in ("hidden", "layers", "heads", "ffn", "vocab_size"):
@@ -96,14 +112,38 @@ class GptConfig:
                 f"GptConfig.heads={self.heads} must divide hidden={self.hidden} into an even "
                 "head_dim (RoPE rotates pairs of features)."
             )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"GptConfig.top_k must be in [1, experts={self.experts}], got {self.top_k!r}."
+            )
+        if not 0 <= self.dense_layers <= self.layers:
+            raise ValueError(
+                f"GptConfig.dense_layers must be in [0, layers={self.layers}], got "
+                f"{self.dense_layers!r}."
+            )
 
-    def num_params(self) -> int:
-        """Parameters, embedding and LM head included."""
-        h, f, v = self.hidden, self.ffn, self.vocab_size
-        d, kv = h // self.heads, self.kv_heads or self.heads
-        qkv = h * (self.heads + 2 * kv) * d
-        block = qkv + self.heads * d * h + 3 * h * f + 2 * h
-        return self.layers * block + 2 * v * h + h
+    @property
+    def moe_layers(self) -> int:
+        """Layers whose feed-forward is an MoE block."""
+        return self.layers - self.dense_layers if self.experts else 0
+
+    def _layer_params(self, moe: bool, active: bool) -> int:
+        h, f, d = self.hidden, self.ffn, self.hidden // self.heads
+        kv = self.kv_heads or self.heads
+        attention = h * (self.heads + 2 * kv) * d + self.heads * d * h + 2 * h
+        if not moe:
+            return attention + 3 * h * f
+        fe = self.expert_ffn or f
+        routed = self.top_k if active else self.experts
+        return attention + 3 * h * fe * (routed + self.shared_experts) + h * self.experts
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameters, embedding and LM head included; ``active``: those one token uses
+        (its ``top_k`` routed experts, not all of them)."""
+        dense = self.layers - self.moe_layers
+        blocks = dense * self._layer_params(False, active)
+        blocks += self.moe_layers * self._layer_params(True, active)
+        return blocks + 2 * self.vocab_size * self.hidden + self.hidden
 
 
 class _Block(nn.Module):
@@ -210,11 +250,20 @@ class Gpt(nn.Module):
             # Inside the scan no common-subexpression pass can undo the
             # recompute, so no optimization barrier is needed (prevent_cse).
             block = nn.remat(_Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        for i in range(c.dense_layers if c.experts else 0):  # before the scan over MoE layers
+            h, _ = block(self.precision, kwargs, name=f"dense_{i}")(h, None)
+        if c.experts:
+            fp8 = self.precision == "fp8"
+            moe = MoEConfig(c.experts, c.top_k, shared_experts=c.shared_experts, fp8=fp8,
+                            capacity_factor=c.capacity_factor)  # fmt: skip
+            kwargs |= {"moe": moe, "intermediate_dim": c.expert_ffn or c.ffn}
+        # The MoE blocks sow their load-balancing loss and routing statistics:
+        # one value per layer where the caller makes those collections mutable.
         stack = nn.scan(
             block,
-            variable_axes={"params": 0, FP8_COLLECTION: 0},
+            variable_axes={"params": 0, FP8_COLLECTION: 0, "intermediates": 0, "moe_stats": 0},
             split_rngs={"params": True},
-            length=c.layers,
+            length=c.layers - (c.dense_layers if c.experts else 0),
             unroll=c.layers if self.unroll_layers else 1,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )

@@ -16,7 +16,8 @@ scale per tensor: a token's values do not depend on the expert it is routed
 to, so per-group amaxes would differ little, and a single scale keeps the
 epilogue a product of two factors (tests/ops/test_ragged_dot.py checks a
 nearly dead expert, weights 1e-4 times the others, within the E4M3 budget).
-Scaling is current (each tensor's own amax); DelayedScaling is refused.
+Scaling is current (each tensor's own amax); every other recipe is refused by name
+(:func:`check_recipe`).
 
 The GEMMs (:mod:`fp8jax.kernels.grouped_gemm`,
 docs/design.md#grouped-expert-gemms): on NVIDIA GPUs a Pallas Triton
@@ -64,7 +65,7 @@ from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import _partitioning
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import amax, check_high_precision, quantize_with_scale
-from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
+from fp8jax.recipes import CurrentScaling, DelayedScaling, Recipe, RowwiseScaling, resolve_recipe
 from fp8jax.scaling import scale_from_amax
 
 # Tests run the kernels in Pallas interpret mode on the CPU inside it: an
@@ -81,6 +82,9 @@ class RaggedConfig:
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
     repeats: int = 1  # slots per row of lhs (permuted_ragged_dot's top_k)
+    # Inside shard_map: (axis of rhs [g, k, n], the mesh axes splitting it)
+    # for FSDP-sharded weights gathered in FP8; () for whole weights.
+    rhs_gather: tuple = ()
 
 
 def _placement(rows: int) -> dispatch.Placement:
@@ -226,7 +230,7 @@ def _grouped_wgrad(a, b, group_sizes, scale_inv, out_dtype, read_a=None, read_b=
 
 
 def quantize_per_expert(
-    rhs: jax.Array, forward: Fp8Format, backward: Fp8Format, recipe
+    rhs: jax.Array, forward: Fp8Format, backward: Fp8Format, recipe, gather: tuple = ()
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``rhs [g, k, n]`` cast for both of its GEMMs, each expert at its own scale.
 
@@ -236,11 +240,22 @@ def quantize_per_expert(
     per kernel dot), both rounded once from ``rhs`` at the same scale, from
     one read of ``rhs`` (:func:`fp8jax.kernels.expert_cast.cast_experts`;
     docs/design.md#grouped-expert-gemms).
+
+    ``gather``: inside ``shard_map``, ``(axis, mesh axes)`` splitting ``rhs``
+    (FSDP): each device casts its shard at the whole expert's scale (the amax
+    max-reduced over the axes), then the FP8 copies are all-gathered, so the
+    weights cross devices in FP8 (docs/design.md#grouped-expert-gemms).
     """
     expert_amax = jnp.max(jnp.abs(rhs.astype(jnp.float32)).reshape(rhs.shape[0], -1), axis=1)
+    if gather:
+        expert_amax = jax.lax.pmax(expert_amax, gather[1])
     scale = scale_from_amax(expert_amax, forward.max, recipe.margin, fallback=1.0)
     forward_t, backward_copy = expert_cast.cast_experts(rhs, scale, forward, backward,
                                                         interpret=gg.interpreting())  # fmt: skip
+    if gather:
+        axis, axes = gather
+        forward_t = jax.lax.all_gather(forward_t, axes, axis=3 - axis, tiled=True)  # [g, n, k]
+        backward_copy = jax.lax.all_gather(backward_copy, axes, axis=axis, tiled=True)
     return forward_t, backward_copy, 1.0 / scale
 
 
@@ -272,7 +287,8 @@ def _read_rows(slots, repeats: int):
 def _fwd(lhs, rhs, group_sizes, slots, config: RaggedConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     lhs_q, lhs_si = _quantize_tensor(lhs, fmt, recipe)
-    rhs_t, rhs_b, rhs_si = quantize_per_expert(rhs, fmt, recipe.formats.backward, recipe)
+    rhs_t, rhs_b, rhs_si = quantize_per_expert(rhs, fmt, recipe.formats.backward, recipe,
+                                               config.rhs_gather)  # fmt: skip
     read = _read_rows(slots, config.repeats)
     y = _grouped(lhs_q, rhs_t, group_sizes, lhs_si, rhs_si, config.out_dtype, read, slots[1])
     return y, (lhs_q, lhs_si, rhs_b, rhs_si, group_sizes, slots)
@@ -294,6 +310,9 @@ def _bwd(config: RaggedConfig, residuals, g):
     read = _read_rows(slots, config.repeats)
     d_rhs = _grouped_wgrad(as_format(lhs_q, fmt), g_q, group_sizes, lhs_si * g_si,
                            config.rhs_dtype, read, out_slots)  # fmt: skip
+    if config.rhs_gather:  # each device keeps the summed gradient of its shard
+        axis, axes = config.rhs_gather
+        d_rhs = jax.lax.psum_scatter(d_rhs, axes, scatter_dimension=axis, tiled=True)
     d_ints = jax.tree.map(lambda i: np.zeros(i.shape, jax.dtypes.float0), (group_sizes, slots))
     return d_lhs, d_rhs, *d_ints
 
@@ -387,13 +406,44 @@ def ragged_dot(
     return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), (None, None), config)
 
 
-def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1) -> RaggedConfig:
+def check_recipe(owner: str, recipe) -> Recipe:
+    """``recipe`` resolved, or an error naming ``owner`` where the expert GEMMs cannot take it.
+
+    The grouped GEMMs scale per tensor (activations, gradients) and per
+    expert (weights), freshly from each tensor's amax: CurrentScaling only.
+    """
     recipe = resolve_recipe(recipe)
-    if isinstance(recipe, DelayedScaling) or state is not None:
+    if isinstance(recipe, CurrentScaling):
+        return recipe
+    name = type(recipe).__name__
+    if isinstance(recipe, DelayedScaling):
+        why = "per-expert delayed scaling would need a scale state per expert"
+    elif isinstance(recipe, RowwiseScaling):
+        why = ("the grouped GEMMs scale each expert's weights and the tokens per tensor; they "
+               "have no per-row scales, and running them per tensor would silently drop the "
+               "rowwise recipe")  # fmt: skip
+    else:
+        why = "block-scaled expert GEMMs are not implemented"
+    raise ValueError(
+        f"{owner}: the expert GEMMs take CurrentScaling only (or recipe=None); "
+        f"{why}. Got recipe={name}. Pass CurrentScaling, or run the experts in BF16 (fp8=False "
+        "on the MoE block)."
+    )
+
+
+def reduced_over(recipe: Recipe, axes: tuple[str, ...]) -> Recipe:
+    """``recipe`` with ``axes`` added to its ``amax_reduction_axes`` (inside ``shard_map``)."""
+    reduce = tuple(dict.fromkeys((*recipe.amax_reduction_axes, *axes)))
+    return dataclasses.replace(recipe, amax_reduction_axes=reduce)
+
+
+def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1,
+            rhs_gather: tuple = ()) -> RaggedConfig:  # fmt: skip
+    recipe = check_recipe("fp8jax.ragged_dot", recipe)
+    if state is not None:
         raise ValueError(
             "fp8jax.ragged_dot supports CurrentScaling only (state=None): per-expert delayed "
-            f"scaling would need a state per expert; got recipe {type(recipe).__name__} and "
-            f"state {type(state).__name__}."
+            f"scaling would need a state per expert; got state {type(state).__name__}."
         )
     out_dtype = lhs.dtype if preferred_element_type is None else jnp.dtype(preferred_element_type)
     if not jnp.issubdtype(out_dtype, jnp.floating) or is_fp8(out_dtype):
@@ -402,7 +452,7 @@ def _config(lhs, rhs, recipe, state, preferred_element_type, repeats: int = 1) -
             f"or float32), got {out_dtype}."
         )
     return RaggedConfig(recipe, jnp.dtype(out_dtype), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype),
-                        repeats)  # fmt: skip
+                        repeats, rhs_gather)  # fmt: skip
 
 
 def _check_slots(name: str, slots, rows: int) -> None:
@@ -474,15 +524,37 @@ def permuted_ragged_dot(
       ...                            out_slots=order).shape
       (8, 32)
     """
+    return sharded_permuted_ragged_dot(lhs, rhs, group_sizes, lhs_slots=lhs_slots,
+                                       repeats=repeats, out_slots=out_slots, recipe=recipe,
+                                       preferred_element_type=preferred_element_type)  # fmt: skip
+
+
+def sharded_permuted_ragged_dot(lhs, rhs, group_sizes, *, lhs_slots=None, repeats: int = 1,
+                                out_slots=None, recipe=None, preferred_element_type=None,
+                                rhs_gather: tuple = (1, ())):  # fmt: skip
+    """:func:`permuted_ragged_dot`, with ``rhs`` split over mesh axes inside ``shard_map``.
+
+    ``rhs_gather``: ``(axis of rhs, mesh axes)``: ``rhs`` is this device's
+    shard along that axis, quantized here and all-gathered in FP8; its
+    gradient is reduce-scattered back (:func:`quantize_per_expert`). No
+    axes: :func:`permuted_ragged_dot` itself.
+    """
+    gather = rhs_gather if rhs_gather[1] else ()
+    if gather:
+        shape = list(rhs.shape)
+        shape[gather[0]] *= jax.lax.axis_size(gather[1])
+        rhs_shape = jax.ShapeDtypeStruct(tuple(shape), rhs.dtype)
+    else:
+        rhs_shape = rhs
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}.")
     if lhs_slots is None and repeats != 1:
         raise ValueError(f"repeats={repeats} needs lhs_slots (the slots to gather), got None.")
     rows = lhs.shape[0] * repeats if lhs.ndim == 2 else 0
-    _check(lhs, rhs, group_sizes, rows, "lhs_slots")
+    _check(lhs, rhs_shape, group_sizes, rows, "lhs_slots")
     for name, slots in (("lhs_slots", lhs_slots), ("out_slots", out_slots)):
         if slots is not None:
             _check_slots(name, slots, rows)
-    config = _config(lhs, rhs, recipe, None, preferred_element_type, repeats)
+    config = _config(lhs, rhs, recipe, None, preferred_element_type, repeats, gather)
     as_int = [None if i is None else i.astype(jnp.int32) for i in (lhs_slots, out_slots)]
     return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), tuple(as_int), config)

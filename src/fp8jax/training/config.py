@@ -54,6 +54,10 @@ class Preset:
 # Sequences per step of the Llama presets (docs/train.md#llama-presets).
 LLAMA_1B_BATCH = 16
 LLAMA_3B_BATCH = 8
+# Sequences per step of the MoE presets: guesses from bench/train_memory.py's upper bound
+# (3 and 1 sequences), which gave 1 where 8 fit for llama-3b; not measured on a GPU.
+MIXTRAL_BATCH = 16
+DEEPSEEK_BATCH = 8
 
 PRESETS = {
     # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
@@ -90,7 +94,37 @@ PRESETS = {
         seq_len=4096, batch_size=LLAMA_3B_BATCH, learning_rate=3e-4, warmup_steps=200,
         steps=2000, log_every=10, eval_every=200, eval_batches=8, checkpoint_every=500,
     ),
+    # Mixture-of-Experts presets (docs/train.md#moe-presets): Mixtral-shaped (8
+    # SwiGLU experts, top-2) and DeepSeek-shaped (fine-grained: 64 routed experts,
+    # top-6, 2 shared, the first layer dense). The -tiny ones run on a CPU in
+    # seconds; the others are sized for one H200 in BF16 (batch by estimate:
+    # bench/train_memory.py; the lead measures the compiled peak).
+    "mixtral-tiny": Preset(
+        model=GptConfig(hidden=64, layers=2, heads=4, ffn=128, experts=8, top_k=2),
+        seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=10, steps=40,
+        log_every=10, eval_every=20, eval_batches=2, checkpoint_every=20,
+    ),
+    "deepseek-tiny": Preset(
+        model=GptConfig(hidden=64, layers=2, heads=4, ffn=128, experts=64, top_k=6,
+                        expert_ffn=32, shared_experts=2, dense_layers=1),
+        seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=10, steps=40,
+        log_every=10, eval_every=20, eval_batches=2, checkpoint_every=20,
+    ),
+    "mixtral": Preset(
+        model=GptConfig(hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, experts=8,
+                        top_k=2),
+        seq_len=4096, batch_size=MIXTRAL_BATCH, learning_rate=3e-4, warmup_steps=200,
+        steps=2000, log_every=10, eval_every=200, eval_batches=8, checkpoint_every=500,
+    ),
+    "deepseek": Preset(
+        model=GptConfig(hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, experts=64,
+                        top_k=6, expert_ffn=768, shared_experts=2, dense_layers=1),
+        seq_len=4096, batch_size=DEEPSEEK_BATCH, learning_rate=3e-4, warmup_steps=200,
+        steps=2000, log_every=10, eval_every=200, eval_batches=8, checkpoint_every=500,
+    ),
 }  # fmt: skip
+MOE_AUX_WEIGHT = 0.01  # Switch Transformer's coefficient for the load-balancing loss
+MOE_FIELDS = ("experts", "top_k", "expert_ffn", "shared_experts", "dense_layers", "capacity_factor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,6 +170,8 @@ class TrainOptions:
         or ``"live"`` on this machine's GPU.
       inject_nan_at: testing only: poison the parameters before this step so
         its loss is NaN, to exercise the divergence stop.
+      moe_aux_weight: MoE presets: the load-balancing loss's weight in the
+        training loss (default :data:`MOE_AUX_WEIGHT`).
       coordinator_address, num_processes, process_id: join a multi-process
         run (``jax.distributed.initialize``); left out, SLURM and Open MPI
         launches are detected and one process runs alone otherwise
@@ -167,6 +203,7 @@ class TrainOptions:
     compile_cache: str = "auto"
     verify_target: str | None = None
     inject_nan_at: int | None = None
+    moe_aux_weight: float | None = None
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -194,6 +231,7 @@ class RunConfig:
     checkpoint_every: int
     remat: str = "none"
     accumulation_steps: int = 1
+    moe_aux_weight: float = MOE_AUX_WEIGHT
 
     # A resumed run must agree on everything else; these may change between sessions.
     # (The warmup is a tenth of the run at most, so it follows --steps.)
@@ -211,6 +249,9 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["model"] = dataclasses.asdict(self.model)
+        if not self.model.experts:  # a dense model's config.json as before the MoE fields
+            for field in MOE_FIELDS:
+                del d["model"][field]
         return d
 
     def fp8_recipe(self):
@@ -245,7 +286,7 @@ class RunConfig:
 
 
 # What runs whose config.json predates these RunConfig fields did: they resume with these.
-OLD_RUN_DEFAULTS = {"remat": "none", "accumulation_steps": 1}
+OLD_RUN_DEFAULTS = {"remat": "none", "accumulation_steps": 1, "moe_aux_weight": MOE_AUX_WEIGHT}
 
 # The RunConfig fields a resumed run takes from config.json when the command line leaves
 # them out (the name is the preset's; the model follows from it).
@@ -263,6 +304,7 @@ _SAVED_OPTIONS = (
     "checkpoint_every",
     "remat",
     "accumulation_steps",
+    "moe_aux_weight",
 )
 
 
@@ -341,6 +383,16 @@ def resolve(options: TrainOptions) -> RunConfig:
         raise ConfigError(f"--lr must be a number > 0, got {learning_rate!r}.")
     if not math.isfinite(learning_rate):
         raise ConfigError(f"--lr must be a finite number > 0, got {learning_rate!r}.")
+    if preset.model.experts and recipe not in (None, "current"):
+        raise ConfigError(
+            f"--recipe {recipe}: the MoE preset {options.config!r} runs its experts on grouped "
+            "GEMMs that take current scaling only (per-tensor and per-expert scales); use "
+            "--recipe current, or --precision bf16."
+        )
+    aux_weight = MOE_AUX_WEIGHT if options.moe_aux_weight is None else options.moe_aux_weight
+    if (isinstance(aux_weight, bool) or not isinstance(aux_weight, numbers.Real)
+            or not 0 <= aux_weight < math.inf):  # fmt: skip
+        raise ConfigError(f"--moe-aux-weight must be a finite number >= 0, got {aux_weight!r}.")
     seed = options.seed
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
         # jax.random.key and numpy's batch order both take an unsigned 32-bit seed.
@@ -364,4 +416,5 @@ def resolve(options: TrainOptions) -> RunConfig:
         checkpoint_every=pick("checkpoint_every"),
         remat=remat,
         accumulation_steps=accumulation,
+        moe_aux_weight=float(aux_weight),
     )

@@ -212,6 +212,7 @@ class _Loop:
         )  # fmt: skip
         self.pending: list[tuple[int, jax.Array]] = []
         self.last_train = self.last_val = self.compile_s = None
+        self.load_balance = self.dropped = None
         self.counts: dict = {}
         self.diverged_at: int | None = None
         self.flops_per_token = mfu.flops_per_token(c.model, c.seq_len)
@@ -262,6 +263,12 @@ class _Loop:
         if "tokens_per_s" in metrics and self.peak is not None:
             metrics["mfu"] = mfu.mfu(metrics["tokens_per_s"], self.flops_per_token, self.peak)
         self.last_train = metrics["loss"]
+        if self.program.moe:  # a forward on this step's batch, outside the timed window
+            with self.window.excluding():
+                balance, dropped = self.program.routing(state, self.batch(step))
+            metrics["load_balance"] = self.load_balance = float(balance)
+            if c.model.capacity_factor is not None:
+                metrics["dropped"] = self.dropped = float(dropped)
         if step % c.eval_every == 0 or step == c.steps:
             with self.window.excluding():
                 losses = [float(self.program.eval(state, self.program.put(b))) for b in self.val]
@@ -390,6 +397,8 @@ class _Loop:
             peak_flops=self.peak,
             device_kind=self.device_kind,
             devices=self.devices,
+            load_balance=self.load_balance,
+            dropped=self.dropped,
         )
 
 

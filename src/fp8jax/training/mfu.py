@@ -32,11 +32,16 @@ def flops_per_token(model: GptConfig, seq_len: int) -> float:
     head_dim`` forward for the scores and as many for the weighted sum of the
     values, halved by the causal mask (a query sees ``(seq_len + 1) / 2`` keys
     on average), times three for the backward.
+
+    An MoE model counts its active weights only: each token's ``top_k``
+    routed experts, the shared experts and the router, not the experts it
+    is not sent to (docs/train.md#mfu).
     """
-    h, f, v, n = model.hidden, model.ffn, model.vocab_size, model.heads
-    d, kv = h // n, model.kv_heads or n
-    block = h * (n + 2 * kv) * d + n * d * h + 3 * h * f
-    matmul_weights = model.layers * block + h * v
+    h, v, n = model.hidden, model.vocab_size, model.heads
+    d = h // n
+    # Every block GEMM's weights (norm scales excluded), the active experts only.
+    norms = 2 * h * model.layers + h
+    matmul_weights = model.num_params(active=True) - norms - v * h
     attention = model.layers * 3 * 4 * n * d * (seq_len + 1) / 2
     return 6.0 * matmul_weights + attention
 

@@ -51,6 +51,8 @@ class TrainProgram:
 
         def create(key):
             variables = nn.meta.unbox(self.model.init(key, tokens))
+            # MoE blocks sow routing statistics at init too; the state keeps none.
+            variables = {k: v for k, v in variables.items() if k in ("params", FP8_COLLECTION)}
             if shardings is None:
                 return TrainState.create(variables, tx)
             constrain = jax.lax.with_sharding_constraint
@@ -88,6 +90,7 @@ class TrainProgram:
             self.raw_step, out_shardings=out_shardings, donate_argnums=0, compiler_options=options
         )
         self.eval = jax.jit(self._eval_loss, compiler_options=options)
+        self.routing = jax.jit(self._routing, compiler_options=options)
         self.all_finite = jax.jit(
             lambda tree: jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
         )
@@ -97,14 +100,40 @@ class TrainProgram:
         """``"unrolled"`` or ``"rolled"``: how the step runs the scan over layers."""
         return "unrolled" if self.model.unroll_layers else "rolled"
 
-    def loss(self, variables, batch):
-        return next_token_loss(self.model.apply(variables, batch[:, :-1]), batch[:, 1:])
+    @property
+    def moe(self) -> bool:
+        """Whether the model has MoE layers."""
+        return bool(self.config.model.experts)
 
-    def _eval_loss(self, state, batch):
+    def loss(self, variables, batch):
+        """The next-token loss; with MoE layers plus ``moe_aux_weight`` times their mean
+        load-balancing loss."""
+        if not self.moe:
+            return next_token_loss(self.model.apply(variables, batch[:, :-1]), batch[:, 1:])
+        logits, sown = self.model.apply(variables, batch[:, :-1], mutable=["intermediates"])
+        aux = jnp.mean(jnp.concatenate([a.reshape(-1) for a in jax.tree.leaves(sown)]))
+        return next_token_loss(logits, batch[:, 1:]) + self.config.moe_aux_weight * aux
+
+    def _variables(self, state):
         variables = {"params": state.params}
         if state.fp8_state:
             variables[FP8_COLLECTION] = state.fp8_state
-        return self.loss(variables, batch)
+        return variables
+
+    def _eval_loss(self, state, batch):
+        # The next-token loss alone, so that validation losses compare across aux weights.
+        variables = self._variables(state)
+        return next_token_loss(self.model.apply(variables, batch[:, :-1]), batch[:, 1:])
+
+    def _routing(self, state, batch):
+        """The MoE layers' load balance (max expert share over the mean, averaged over
+        layers) and share of slots dropped by a capacity, on ``batch``."""
+        _, sown = self.model.apply(self._variables(state), batch[:, :-1], mutable=["moe_stats"])
+        loads = [a for path, a in jax.tree.leaves_with_path(sown) if "expert_load" in str(path)]
+        dropped = [a for path, a in jax.tree.leaves_with_path(sown) if "dropped" in str(path)]
+        load = jnp.concatenate([a.reshape(-1, a.shape[-1]) for a in loads])  # [moe layers, e]
+        balance = jnp.mean(load.shape[-1] * jnp.max(load, axis=-1))
+        return balance, jnp.mean(jnp.concatenate([d.reshape(-1) for d in dropped]))
 
     def sharding_context(self):
         """Trace and run the steps inside this: under a mesh, the activation constraints."""

@@ -56,6 +56,10 @@ def metrics_line(record: dict) -> str:
         parts.append(f"{record['step_time_s'] * 1e3:.0f} ms/step")
     if "mfu" in record:
         parts.append(f"MFU {record['mfu']:.1%}")
+    if "load_balance" in record:
+        parts.append(f"balance {record['load_balance']:.2f}")
+    if "dropped" in record:
+        parts.append(f"dropped {record['dropped']:.1%}")
     return ", ".join(parts)
 
 
@@ -78,15 +82,30 @@ TOKENS_PER_S_EXCLUDES = (
 def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, tokens_per_s,
           timed_steps: tuple[int, int] | None, compile_s, train_s, counts: dict,
           checkpoint: int | None, mesh, attention: str, layers: str, flops_per_token: float,
-          peak_flops: float | None, device_kind: str, devices: int) -> dict:  # fmt: skip
+          peak_flops: float | None, device_kind: str, devices: int,
+          load_balance: float | None = None, dropped: float | None = None) -> dict:  # fmt: skip
     """The ``summary.json`` record.
 
     ``mfu`` is the model's training FLOPs per second (``flops_per_token``
     times tokens/s) over ``peak_flops``, the devices' dense BF16 peak; None
-    where that peak is unknown (a CPU) or nothing was timed.
+    where that peak is unknown (a CPU) or nothing was timed. An MoE model's
+    FLOPs count its active parameters only (``moe``: the last logged load
+    balance, max expert share over the mean, and share of slots dropped).
     """
     value = mfu.mfu(tokens_per_s, flops_per_token, peak_flops)
-    return {
+    model = config.model
+    moe = {}
+    if model.experts:
+        moe = {"moe": {
+            "experts": model.experts, "top_k": model.top_k,
+            "active_params": model.num_params(active=True),
+            "mfu_counts": "active parameters only (each token's top_k routed experts)",
+            "load_balance": load_balance,
+            "capacity_factor": model.capacity_factor,
+            "dropped": dropped,
+            "aux_weight": config.moe_aux_weight,
+        }}  # fmt: skip
+    return moe | {
         "status": status,
         "config": config.name,
         "precision": config.precision,
@@ -141,9 +160,15 @@ def text(summary: dict, out) -> str:
         f"validation loss {fmt(summary['final_val_loss'], '.4f')}",
         f"  {fmt(summary['tokens_per_s'], ',.0f')} tokens/s{_timed(summary)}, "
         f"compile {fmt(summary['compile_s'], '.1f')} s, train {fmt(summary['train_s'], '.1f')} s",
-        f"  {_mfu_text(summary)}",
+        f"  {_mfu_text(summary)}" + (" (active parameters only)" if "moe" in summary else ""),
         f"  FP8 GEMMs in the train step: {jaxpr['fp8']} of {jaxpr['total']} dot_generals (jaxpr)",
     ]
+    if "moe" in summary:
+        moe = summary["moe"]
+        line = f"  MoE: load balance {fmt(moe['load_balance'], '.2f')} (max expert share / mean)"
+        if moe["capacity_factor"] is not None:
+            line += f", dropped {fmt(moe['dropped'], '.1%')} of slots"
+        lines.append(line)
     if "deviceless" in summary["fp8_gemms"]:
         lines.append(f"  {deviceless_text(summary['fp8_gemms']['deviceless'])}")
     if summary["checkpoint_step"] is not None:

@@ -19,11 +19,17 @@ from fp8jax.recipes import Recipe
 class MoEBlock(nn.Module):
     """Router, top-k, experts on ``fp8jax.ragged_dot``, optional shared experts.
 
-    No token is dropped (no capacity factor): the grouped GEMMs take any
-    number of tokens per expert. The auxiliary load-balancing loss (1 when
-    balanced, see :mod:`fp8jax.flax._moe`) is sown as ``"aux_loss"`` in the
-    ``"intermediates"`` collection; add it to the training loss with a
-    coefficient (0.01 is common).
+    By default no token is dropped (no capacity factor): the grouped GEMMs take any
+    number of tokens per expert. The math is :func:`fp8jax.moe_mlp`. The
+    auxiliary load-balancing loss (1 when balanced) is sown as
+    ``"aux_loss"`` in the ``"intermediates"`` collection (add it to the
+    training loss with a coefficient; 0.01 is common), each expert's share
+    of the routed slots as ``"expert_load"`` in ``"moe_stats"`` (where that
+    collection is mutable).
+
+    Under data parallelism and FSDP (no expert axis) each device routes its
+    own tokens and runs every expert on them; FSDP-split weights are
+    gathered in FP8 (:func:`fp8jax.flax._expert_parallel.local`).
 
     Parameters: ``router`` ``(hidden, num_experts)`` (used in f32),
     ``wi`` ``(num_experts, hidden, 2, ffn)`` (gate, up), ``wo``
@@ -50,6 +56,11 @@ class MoEBlock(nn.Module):
       shared_experts: how many always-on experts, run as one gated MLP.
       fp8: FP8 GEMMs (fp8jax.ragged_dot, fp8jax.dense); False runs the same
         block with ``lax.ragged_dot`` in the input's dtype (a BF16 baseline).
+      capacity_factor: None (dropless), or a number > 0: each expert takes at
+        most ``ceil(capacity_factor * tokens * top_k / num_experts)`` slots,
+        the first in token order (:func:`fp8jax.moe_mlp`); under expert
+        parallelism it bounds each device's receive buffer. The share
+        dropped is sown as ``"dropped"`` in ``"moe_stats"``.
       dtype, param_dtype, kernel_init, recipe: as in DenseGeneral
         (CurrentScaling only: ragged_dot keeps no delayed-scaling state).
 
@@ -71,6 +82,7 @@ class MoEBlock(nn.Module):
     activation: str = "silu"
     shared_experts: int = 0
     fp8: bool = True
+    capacity_factor: float | None = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
@@ -78,7 +90,8 @@ class MoEBlock(nn.Module):
 
     def __post_init__(self):
         _moe.check(type(self).__name__, self.num_experts, self.top_k, self.ffn, self.gating,
-                   self.activation, self.shared_experts)  # fmt: skip
+                   self.activation, self.shared_experts, self.fp8, self.recipe)  # fmt: skip
+        _moe.check_capacity(type(self).__name__, self.capacity_factor)
         super().__post_init__()
 
     @nn.compact
@@ -96,9 +109,13 @@ class MoEBlock(nn.Module):
             width = self.shared_experts * ffn
             shared_wi = param(self, "shared_wi", init, (hidden, 2, width), pd, (EMBED, ACT, MLP))
             shared_wo = param(self, "shared_wo", init, (width, hidden), pd, (MLP, EMBED))
-        y, aux_loss = _moe.moe(
+        y, stats = _moe.moe(
             x, router, wi, wo, shared_wi, shared_wo, top_k=self.top_k, gating=self.gating,
             activation=self.activation, fp8=self.fp8, recipe=self.recipe,
+            capacity_factor=self.capacity_factor,
         )  # fmt: skip
-        self.sow("intermediates", "aux_loss", aux_loss)
+        self.sow("intermediates", "aux_loss", stats.aux_loss)
+        # Its own collection: code that sums "intermediates" as losses stays right.
+        self.sow("moe_stats", "expert_load", stats.expert_load)
+        self.sow("moe_stats", "dropped", stats.dropped)
         return y

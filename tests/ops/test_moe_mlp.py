@@ -1,0 +1,120 @@
+"""fp8jax.moe_mlp: the routed experts as a plain-JAX op; its capacity rule and its errors.
+
+The op's FP8 numerics are tests/flax/test_moe.py's (the Flax blocks call
+it); here the routing is checked in f32 (``fp8=False``: lax.ragged_dot in
+f32) against an independent f64 numpy reference, token by token, so that
+the tolerance is f32 summation only: ``2 * u * (hidden + ffn + top_k)``
+of the output's peak, u = 2**-24, the depths of the sums involved.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+
+T, H, F, E, K = 40, 32, 16, 4, 2
+BUDGET = 2 * 2.0**-24 * (H + F + K) * 4  # 4: headroom for the gated product's two roundings
+
+
+def _inputs(skew=0.0):
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (T, H))
+    router = jax.random.normal(keys[1], (H, E))
+    wi = jax.random.normal(keys[2], (E, H, 2, F)) * H**-0.5
+    wo = jax.random.normal(keys[3], (E, F, H)) * F**-0.5
+    return x, (x @ router).at[:, 0].add(skew), wi, wo  # skew: expert 0 is hot
+
+
+def _reference(x, logits, wi, wo, capacity=None):
+    """f64, token by token: each expert keeps its first ``capacity`` slots in slot order."""
+    x, logits = np.asarray(x, np.float64), np.asarray(logits, np.float64)
+    wi, wo = np.asarray(wi, np.float64), np.asarray(wo, np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :K]
+    gates = np.take_along_axis(probs, experts, -1)
+    gates /= gates.sum(-1, keepdims=True)
+    y, taken, dropped = np.zeros_like(x), np.zeros(E, int), 0
+    for t in range(x.shape[0]):
+        for k in range(K):
+            e = experts[t, k]
+            taken[e] += 1
+            if capacity is not None and taken[e] > capacity:
+                dropped += 1
+                continue
+            h = x[t] @ wi[e].reshape(H, 2 * F)
+            gate, up = h[:F], h[F:]
+            y[t] += gates[t, k] * ((gate / (1 + np.exp(-gate)) * up) @ wo[e])
+    return y, taken / taken.sum(), dropped / (x.shape[0] * K)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.5])
+def test_values_follow_the_token_order_capacity_rule(capacity_factor):
+    x, logits, wi, wo = _inputs(skew=3.0)
+    y, stats = jax.jit(lambda *a: fp8jax.moe_mlp(*a, top_k=K, fp8=False,
+                                                 capacity_factor=capacity_factor))(
+        x, logits, wi, wo)  # fmt: skip
+    cap = None if capacity_factor is None else int(np.ceil(capacity_factor * T * K / E))
+    want, load, dropped = _reference(x, logits, wi, wo, cap)
+    if capacity_factor is not None:
+        assert dropped > 0  # the skewed router overfills expert 0
+    else:
+        assert dropped == 0
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=BUDGET * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(stats.expert_load), load, rtol=1e-6)
+    np.testing.assert_allclose(float(stats.dropped), dropped, rtol=1e-6)
+
+
+def test_fp8_dropped_slots_get_no_value_and_no_gradient():
+    # With a capacity, a dropped slot's rows sit past the grouped GEMMs' group
+    # sizes: zero output there, and zero gradient into its expert.
+    x, logits, wi, wo = _inputs(skew=30.0)  # every token's first choice is expert 0
+
+    def loss(wi, capacity_factor):
+        y, _ = fp8jax.moe_mlp(x, logits, wi, wo, top_k=K, capacity_factor=capacity_factor)
+        return jnp.sum(y * y)
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    full = grad(wi, None)
+    capped = grad(wi, 0.25)  # 5 slots per expert: expert 0 keeps 5 of 40
+    assert np.abs(np.asarray(capped[0])).sum() < 0.5 * np.abs(np.asarray(full[0])).sum()
+    assert np.isfinite(np.asarray(capped)).all()
+
+
+def test_a_plain_jax_user_gets_the_flax_blocks_values():
+    import flax.linen as nn
+
+    from fp8jax.flax import linen as fnn
+
+    x, _, _, _ = _inputs()
+    block = fnn.MoEBlock(num_experts=E, top_k=K, ffn=F)
+    params = nn.meta.unbox(block.init(jax.random.key(1), x))["params"]
+    want = block.apply({"params": params}, x)
+    got, _ = fp8jax.moe_mlp(x, x @ params["router"], params["wi"], params["wo"], top_k=K)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"x": jnp.ones((2, T, H))}, r"x must be 2-D \[tokens, hidden\], got shape \(2, 40, 32\)"),
+        ({"wi": jnp.ones((E, H, F))}, r"wi must be \[experts, hidden=32, 2, ffn\].*\(4, 32, 16\)"),
+        ({"wo": jnp.ones((E, H, F))}, r"wo must be \[experts, ffn, hidden\] = \(4, 16, 32\)"),
+        ({"logits": jnp.ones((T, 3))}, r"logits must be float \[tokens, experts\] = \(40, 4\)"),
+        ({"top_k": 5}, r"top_k must be an int in \[1, 4\], got 5"),
+        ({"gating": "relu"}, r"gating must be one of \('softmax', 'sigmoid'\), got 'relu'"),
+        ({"activation": "linear"}, r"activation must be one of .*got 'linear'"),
+        ({"capacity_factor": 0}, r"capacity_factor must be None \(dropless\) or .* got 0"),
+        (
+            {"recipe": fp8jax.BlockScaling()},
+            r"the expert GEMMs take CurrentScaling only.*Got recipe=BlockScaling",
+        ),
+    ],
+)
+def test_bad_arguments_name_the_argument_expected_and_given(change, match):
+    x, logits, wi, wo = _inputs()
+    args = {"x": x, "logits": logits, "wi": wi, "wo": wo, "top_k": K, **change}
+    with pytest.raises(ValueError, match=rf"fp8jax.moe_mlp: {match}"):
+        fp8jax.moe_mlp(args.pop("x"), args.pop("logits"), args.pop("wi"), args.pop("wo"), **args)

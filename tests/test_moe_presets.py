@@ -1,0 +1,94 @@
+"""The MoE presets of fp8jax train: a short run, the active-parameter FLOPs count, the options.
+
+The runs use the toy presets (mixtral-tiny, deepseek-tiny) at a few steps on
+the CPU: they check the wiring (the aux loss in the loss, the routing
+statistics on the progress line and in summary.json), not convergence.
+"""
+
+import json
+
+import pytest
+
+from fp8jax.models import GptConfig
+from fp8jax.training import TrainOptions, mfu, train
+from fp8jax.training.config import PRESETS, resolve
+from fp8jax.training.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("shared_compile_cache")
+
+FAST = {"steps": 2, "log_every": 2, "eval_every": 2, "eval_batches": 1, "checkpoint_every": 2}
+
+
+def test_the_presets_have_the_shapes_they_are_named_after():
+    mixtral, deepseek = PRESETS["mixtral"].model, PRESETS["deepseek"].model
+    assert (mixtral.experts, mixtral.top_k, mixtral.shared_experts) == (8, 2, 0)
+    assert (deepseek.experts, deepseek.top_k, deepseek.shared_experts) == (64, 6, 2)
+    assert deepseek.dense_layers == 1 and mixtral.dense_layers == 0
+    for name in ("mixtral", "deepseek", "mixtral-tiny", "deepseek-tiny"):
+        model = PRESETS[name].model
+        assert PRESETS[name].model.experts == PRESETS[f"{name.split('-')[0]}"].model.experts
+        assert model.num_params(active=True) < model.num_params()
+
+
+def test_flops_per_token_counts_the_active_experts_only():
+    model = GptConfig(hidden=64, layers=3, heads=4, ffn=128, experts=8, top_k=2, expert_ffn=32,
+                      shared_experts=1, dense_layers=1)  # fmt: skip
+    # Attention per layer: QKV 64 x 12 x 16 = 12288, output 4096: 16384. The
+    # dense layer's SwiGLU: 3 x 64 x 128 = 24576. Each MoE layer: its router
+    # 64 x 8 = 512 and 2 routed + 1 shared experts of 3 x 64 x 32 = 6144:
+    # 18944. Weights: 3 x 16384 + 24576 + 2 x 18944 + LM head 16384 = 128000.
+    # Attention at seq 16: 3 layers x 6528 (test_mfu's per-layer count).
+    assert mfu.flops_per_token(model, 16) == 6 * 128000 + 3 * 6528
+
+
+def test_a_short_moe_run_reports_its_load_balance(tmp_path):
+    # DeepSeek's shape: a dense first layer, then shared and 64 fine-grained experts.
+    messages = []
+    options = TrainOptions(out=str(tmp_path), config="deepseek-tiny", **FAST)
+    result = train(options, progress=False, say=messages.append)
+    assert result.status == "completed"
+    lines = [m for m in messages if m.startswith("step ")]
+    assert lines and all("balance" in m for m in lines), messages
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    moe = summary["moe"]
+    assert 1 <= moe["load_balance"] <= 64  # max share over the mean
+    assert moe["dropped"] is None and "active parameters" in moe["mfu_counts"]
+    assert moe["active_params"] < summary["params"]
+    assert any("MoE: load balance" in m for m in messages), messages
+
+
+def test_the_bf16_moe_model_has_the_fp8_models_parameters_and_bf16_experts():
+    import jax
+    import jax.numpy as jnp
+
+    from fp8jax.models import Gpt
+
+    model, tokens = PRESETS["deepseek-tiny"].model, jnp.zeros((2, 16), jnp.int32)
+    init = {p: jax.jit(Gpt(config=model, precision=p).init)(jax.random.key(0), tokens)["params"]
+            for p in ("fp8", "bf16")}  # fmt: skip
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), init["fp8"], init["bf16"]))
+    jaxpr = str(jax.make_jaxpr(Gpt(config=model, precision="bf16").apply)({"params": init["bf16"]},
+                                                                          tokens))  # fmt: skip
+    assert "ragged_dot" in jaxpr and "f8" not in jaxpr
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"recipe": "delayed"}, r"--recipe delayed: the MoE preset 'mixtral-tiny' .*current"),
+        ({"recipe": "block"}, r"--recipe block: the MoE preset"),
+        ({"moe_aux_weight": -1.0}, r"--moe-aux-weight must be a finite number >= 0, got -1.0"),
+    ],
+)
+def test_bad_moe_options_name_the_option(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        resolve(TrainOptions(out="unused", config="mixtral-tiny", **overrides))
+
+
+def test_the_aux_weight_is_an_option_recorded_in_the_run():
+    assert resolve(TrainOptions(out="x", config="deepseek-tiny")).moe_aux_weight == 0.01
+    config = resolve(TrainOptions(out="x", config="deepseek-tiny", moe_aux_weight=0.1))
+    assert config.to_dict()["moe_aux_weight"] == 0.1
+    assert config.to_dict()["model"]["experts"] == 64
+    # A dense preset's config.json keeps its model fields as before the MoE ones.
+    assert "experts" not in resolve(TrainOptions(out="x", config="tiny")).to_dict()["model"]
