@@ -34,7 +34,7 @@ import dataclasses
 
 BF16, FP8, F32 = 2, 1, 4
 # What fp8jax's own memory-bound kernels reach on the H200 at the power cap; HBM3e's
-# peak is 4.8 TB/s (docs/design.md#the-layers-ceiling).
+# peak is 4.8 TB/s (docs/design.md#the-ceiling-of-a-step-and-the-element-wise-floor).
 DEFAULT_TB_S = 3.3
 
 
