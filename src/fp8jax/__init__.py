@@ -3,6 +3,7 @@
 The public API is what this module re-exports.
 """
 
+from fp8jax import optim
 from fp8jax.formats import ALL_E4M3, E4M3, E5M2, HYBRID, FormatPair, Fp8Format
 from fp8jax.ops.dense import dense
 from fp8jax.ops.dot_general import dot_general
@@ -57,6 +58,7 @@ __all__ = [
     "layernorm",
     "layernorm_dense",
     "layernorm_mlp",
+    "optim",
     "permuted_ragged_dot",
     "quantize",
     "ragged_dot",
