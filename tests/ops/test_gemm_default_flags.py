@@ -7,6 +7,8 @@ fusion decision is the same deviceless, so an H200 compile with no flags shows
 it. The BF16 dots of XLA's own attention are not fp8jax's and may be Triton's.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -92,7 +94,7 @@ def reports():
     out = {}
     for (name, (fn, args)), text in zip(programs.items(), texts, strict=True):
         fp8_dots = sum(d.is_fp8 for d in jaxpr_dots(_value_and_grad(fn, args), *args))
-        out[name] = (fp8_dots, gemm_report(text))
+        out[name] = (fp8_dots, gemm_report(text), text)
     return out
 
 
@@ -103,7 +105,19 @@ def reports():
      ("llama_layer", 12)],
 )  # fmt: skip
 def test_default_flags_give_cublaslt_for_every_fp8_gemm(reports, name, expected_fp8_gemms):
-    fp8_dots, report = reports[name]
+    fp8_dots, report, _ = reports[name]
     assert fp8_dots == expected_fp8_gemms
     backends = [g.backend for g in report.fp8_gemms]
     assert backends == ["cublaslt-fp8"] * expected_fp8_gemms, str(report)
+
+
+@pytest.mark.deviceless
+def test_each_gemm_keeps_the_accumulation_its_recipe_asks_for(reports):
+    # CurrentScaling: forward DEFAULT (cuBLASLt fast accumulation), dgrad and wgrad
+    # HIGHEST (split accumulation); XLA reads the same from the algorithm each names.
+    _, _, text = reports["dense"]
+    algorithms = re.findall(r'"algorithm":"(ALG_[A-Z0-9_]+)"', text)
+    assert sorted(algorithms) == [
+        "ALG_DOT_ANY_F8_ANY_F8_F32", "ALG_DOT_ANY_F8_ANY_F8_F32",
+        "ALG_DOT_ANY_F8_ANY_F8_F32_FAST_ACCUM",
+    ]  # fmt: skip
