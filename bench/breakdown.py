@@ -10,8 +10,10 @@ Classes: ``gemm`` (cuBLAS/cuBLASLt or Triton GEMM fusions), ``attention``
 (cuDNN), ``quantize`` (fusions writing FP8 from high precision),
 ``fp8-relayout`` (FP8 in, FP8 out: the transposes cuBLASLt's FP8 GEMMs need
 for operands whose contracting axis is not the minor one), ``all-gather`` /
-``reduce-scatter`` / ``all-reduce`` / ``collective`` (NCCL) and ``other``
-(norms, activations, amax and optimizer fusions, copies).
+``reduce-scatter`` / ``all-reduce`` / ``collective`` (NCCL), ``optimizer``
+(the fusions under the train step's ``fp8jax.optimizer`` named scope: the
+gradient norm and the update) and ``other`` (norms, activations, amax
+passes, residual adds, copies).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ _PALLAS_TRITON = "__gpu$xla.gpu.triton"
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+# fp8jax's train steps run the optimizer under this named scope (fp8jax.flax.train).
+_OPTIMIZER_SCOPE = "/fp8jax.optimizer/"
+# The classes a step's time is published in, in order; the NCCL classes join them
+# under a mesh.
+CLASSES = ("gemm", "attention", "quantize", "fp8-relayout", "optimizer", "other")
 
 
 def _kernel_name(name: str) -> str:
@@ -79,6 +86,8 @@ def fusion_classes(hlo_text: str) -> dict[str, str]:
             scopes = op_name.group(1).split("/") if op_name else []
             name = scopes[-2] if len(scopes) > 1 else name
             kind = "quantize" if _reads_high_precision(shape_of, operands) else "fp8-relayout"
+        elif _OPTIMIZER_SCOPE in line:
+            kind = "optimizer"
         else:
             continue
         classes[_kernel_name(name)] = kind

@@ -20,6 +20,7 @@ import argparse
 import os
 import traceback
 
+import floor
 import jax
 from harness import (
     add_compile_cache_argument,
@@ -40,7 +41,10 @@ VARIANTS = {
     "bf16": {"precision": "bf16"},
     "fp8jax_current": {"precision": "fp8", "recipe": "current"},
     "fp8jax_delayed": {"precision": "fp8", "recipe": "delayed"},
+    # Opt-in (--variants): fp8jax.dot_product_attention as the attention core.
+    "fp8jax_current_fp8_attention": {"precision": "fp8", "recipe": "current", "attention": "fp8"},
 }
+DEFAULT_VARIANTS = [name for name, v in VARIANTS.items() if "attention" not in v]
 
 
 def step_and_args(preset: str, variant: str, *, mesh_text: str | None = None,
@@ -54,6 +58,7 @@ def step_and_args(preset: str, variant: str, *, mesh_text: str | None = None,
         out="unused", config=preset, mesh=mesh_text, **VARIANTS[variant], **overrides
     )
     config = resolve(options)
+    attention = VARIANTS[variant].get("attention", attention)
     axes = mesh_lib.parse_mesh(mesh_text)
     mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
     with jax.numpy_dtype_promotion("standard"):  # as fp8jax train: optax mixes int32 and f32
@@ -83,12 +88,31 @@ def row_rates(row: dict, program: TrainProgram, tokens: int, devices: int) -> No
     row["remat"], row["accumulation_steps"] = c.remat, c.accumulation_steps
 
 
+def elementwise_against_floor(row: dict, program: TrainProgram) -> dict:
+    """The row's element-wise kernel time beside its floor from the shapes (bench/floor.py)."""
+    c = program.config
+    spent = sum(v for k, v in row["breakdown"]["ms"].items() if k not in ("gemm", "attention"))
+    # BF16 has no amax to fuse or not; FP8 gets both of bench/floor.py's floors.
+    ways = {"": False}
+    if c.precision == "fp8":
+        ways = {"amax fused": False, "amax in its own pass": True}
+    floors = {
+        way: floor.step_floor(c.model, c.batch_size, c.seq_len, precision=c.precision,
+                              two_pass_amax=two_pass)["total_ms"]
+        for way, two_pass in ways.items()
+    }  # fmt: skip
+    against = ", ".join(f"{v:.1f}" + (f" ({way})" if way else "") for way, v in floors.items())
+    text = (f"not GEMM or attention: {spent:.1f} ms/step; "
+            f"floor at {floor.DEFAULT_TB_S} TB/s: {against}")  # fmt: skip
+    return {"elementwise_ms": spent, "floor_ms": floors, "text": text}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="medium")
     parser.add_argument("--mesh", default=None, help="e.g. fsdp=2; default one GPU")
     parser.add_argument("--attention", default="auto", help="auto (cuDNN on a GPU), xla, cudnn")
-    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
     parser.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
@@ -146,6 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row_rates(row, program, tokens, devices)
             if "breakdown" in row:
                 row["all_gather_ms_per_gpu"] = row["breakdown"]["ms"].get("all-gather", 0.0)
+                row["floor"] = elementwise_against_floor(row, program)
+                print(f"    {row['floor']['text']}", flush=True)
             print(f"    {row['tokens_per_s']:,.0f} tokens/s, {row['mfu_text']}", flush=True)
             rows.append(row)
             del program, step, step_args

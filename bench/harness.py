@@ -20,7 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from breakdown import breakdown
+from breakdown import CLASSES, breakdown
 from clocks import ClockSampler
 from flax.linen import fp8_ops
 
@@ -323,8 +323,7 @@ def measure(
     )
     if "breakdown" in row:
         b = row["breakdown"]
-        shares = ", ".join(f"{k} {v:.1%}" for k, v in b["share"].items())
-        print(f"    kernels {b['kernel_ms']:.3f} ms/step: {shares}", flush=True)
+        print(f"    kernels {b['kernel_ms']:.3f} ms/step: {breakdown_text(b)}", flush=True)
         idle = ", ".join(f"{k} {v:.3f}" for k, v in b["idle_ms"].items())
         print(f"    GPU idle between kernels, ms/step by gap length: {idle}", flush=True)
     return row
@@ -389,6 +388,12 @@ def environment() -> dict:
         "device": str(jax.devices()[0].device_kind),
         "device_count": jax.device_count(),
     }
+
+
+def breakdown_text(b: dict) -> str:
+    """The classes of a breakdown in their published order: ms and share of kernel time."""
+    order = [k for k in CLASSES if k in b["ms"]] + sorted(set(b["ms"]) - set(CLASSES))
+    return ", ".join(f"{k} {b['ms'][k]:.2f} ms ({b['share'][k]:.1%})" for k in order)
 
 
 def quantize_share(row: dict) -> str:

@@ -143,7 +143,7 @@ def tile_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
     x8, w8_t, sizes, flops = _gemm_operands(shape)
     one, scales = jnp.float32(1.0), jnp.ones((shape.experts,), F32)
     print(f"\ntilings, {shape}", flush=True)
-    out, best = [], (float("inf"), gg.TILES)
+    out, best = [], (float("inf"), gg.current_tiles())
     for tiles in TILINGS:
         with gg.use_tiles(tiles):
             row = _row(f"fp8jax_grouped {tiles}",
@@ -220,7 +220,7 @@ def backward_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
     """Where ``fp8jax.ragged_dot``'s fwd+bwd goes: the forward, dgrad and wgrad grouped GEMMs
     alone on FP8 operands (layout, padding and, for wgrad, the transposes included), and the
     op's fwd+bwd, under each wgrad tiling of :data:`WGRAD_TILINGS` (the other kernels keep
-    :data:`gg.TILES`'s). Also returns the tiling whose fwd+bwd was fastest."""
+    :func:`gg.current_tiles`'s). Also returns the tiling whose fwd+bwd was fastest."""
     rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
     print(f"\nbackward: rows {rows}, k {k}, n {n}, {g} experts", flush=True)
     keys = jax.random.split(jax.random.key(0), 3)
@@ -240,7 +240,7 @@ def backward_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
              lambda a, b, s: rd._grouped(a, b, s, one, scales, BF16), (g8, w8, sizes), flops),
     ]  # fmt: skip
 
-    base, best = gg.TILES, (float("inf"), gg.TILES)
+    base, best = gg.current_tiles(), (float("inf"), gg.current_tiles())
     for tk, tn, warps in WGRAD_TILINGS:
         tiles = dataclasses.replace(base, wgrad_k=tk, wgrad_n=tn, wgrad_warps=warps)
         label = f"wgrad {tk}x{tn} w{warps}"
@@ -430,13 +430,13 @@ def main():
         if "tiles" in parts:
             payload["results"][f"{name}/tiles"], best = tile_rows(shape)
             payload["results"][f"{name}/best_tiles"] = dataclasses.asdict(best)
-            gg.TILES = best  # for this shape's other parts
+            gg.set_tiles(best)  # for this shape's other parts
         if "gemm" in parts:
             payload["results"][f"{name}/gemm"] = gemm_rows(shape)
         if "backward" in parts:
             payload["results"][f"{name}/backward"], best = backward_rows(shape)
             payload["results"][f"{name}/best_backward_tiles"] = dataclasses.asdict(best)
-            gg.TILES = best  # for this shape's block
+            gg.set_tiles(best)  # for this shape's block
         if "block" in parts:
             payload["results"][f"{name}/block"] = block_rows(shape)
         if args.out:  # after each shape: a run cut short keeps what it measured

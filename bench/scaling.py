@@ -30,16 +30,16 @@ from harness import (
 from jax import lax
 
 import fp8jax
-from fp8jax.fine_quantize import expand_blocks, quantize_blocks, quantize_tiles
 from fp8jax.kernels import block_gemm
+from fp8jax.ops.fine_quantize import quantize_blocks, quantize_tiles
 
 BF16, E4M3 = jnp.bfloat16, jnp.float8_e4m3fn
 # Kernel configurations timed, by name; the first is the library's default.
 CONFIGS = {
     "default": {},
-    "group4": {"group": 4},
-    "group16": {"group": 16},
-    "stages3": {"stages": 3},
+    "group4": {"config": block_gemm.KernelConfig(group=4)},
+    "group16": {"config": block_gemm.KernelConfig(group=16)},
+    "stages3": {"config": block_gemm.KernelConfig(stages=3)},
 }
 
 
@@ -47,9 +47,8 @@ def operands(m, k, n, key=0):
     kx, kw = jax.random.split(jax.random.key(key))
     x = jax.random.normal(kx, (1, m, k), jnp.float32)
     w = jax.random.normal(kw, (1, n, k), jnp.float32) * 0.02
-    qa, sa = quantize_tiles(x, fp8jax.E4M3, 128)
-    qb, sb = quantize_blocks(w, fp8jax.E4M3, 128)
-    return x, w, (qa, qb, sa, expand_blocks(sb, 128))
+    a, b = quantize_tiles(x, fp8jax.E4M3, 128), quantize_blocks(w, fp8jax.E4M3, 128)
+    return x, w, (a.data, b.data, a.scale_inv, block_gemm.expand_blocks(b.scale_inv, 128))
 
 
 def check(m=1024, k=2048, n=768) -> dict:
@@ -92,7 +91,7 @@ def gemm_rows(m, k, n, iters, trace=None) -> list[dict]:
     }  # fmt: skip
     # The weight's block scales (b_blocks, the library's forward and dgrad): one
     # scalar a tile and step; per-row scales (its wgrad's form): a row and a column.
-    _, b_blocks = quantize_blocks(w, fp8jax.E4M3, 128)
+    b_blocks = quantize_blocks(w, fp8jax.E4M3, 128).scale_inv
     for config, kwargs in CONFIGS.items():
         for form, scales in (("blocks", b_blocks), ("rows", ops[3])):
             fn = functools.partial(block_gemm.mosaic_block_matmul, out_dtype=BF16,

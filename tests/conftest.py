@@ -126,3 +126,15 @@ def shared_compile_cache(tmp_path_factory):
     yield directory
     jax.config.update("jax_compilation_cache_dir", None)
     compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def one_device():
+    """A one-device mesh as context, for the live single-GPU tests.
+
+    With several GPUs visible and no mesh, the ops cannot tell a one-device
+    ``jit`` from a sharded one and keep XLA's cast (kernels.dispatch.is_local);
+    on 2 H200s the kernel assertions of tests/ops/test_layernorm_dense.py then failed (run 8A).
+    """
+    with jax.set_mesh(jax.make_mesh((1,), ("one",), devices=jax.devices()[:1])) as mesh:
+        yield mesh

@@ -27,9 +27,9 @@ amax changes the next scale by the ratio of the two tensors' amaxes.
 
 Recipes plug in through one method, ``qdq(key, role, v)``, which returns the
 dequantized operand and records what the recipe observes. Per-tensor recipes
-(:class:`CurrentRef`, :class:`DelayedRef`) use one scale a tensor; a row-wise
-or block recipe would return values quantized per row or block from the same
-method and record its own statistics.
+(:class:`CurrentRef`, :class:`DelayedRef`) use one scale a tensor. The
+row-wise, block and MX recipes and per-expert ``ragged_dot`` have their own
+references, by quantization group, in ``fine_references.py``.
 """
 
 from __future__ import annotations
@@ -192,29 +192,48 @@ def reference_recipe(recipe, state=None):
                           algo=recipe.amax_compute_algo)  # fmt: skip
 
 
-# Stored scales a factor off each tensor's own amax scale, none a power of two
+# Stored scales a factor off each tensor's own amax, none a power of two
 # from another (a power of two between two roles' scales would move only
 # saturated and subnormal elements); 0.8 saturates the largest fifth of a
-# tensor's range. Older history entries above or below the new amax, so that
-# both the new amax and the history decide some scale.
+# tensor's range.
 _SCALE_FACTORS = (0.8, 1.3, 1.7, 0.9, 1.15, 2.3)
-_HISTORY_FACTORS = (1.5, 0.5, 0.7, 1.2, 0.3, 2.0)
+# Full, distinct histories (multiples of the role's own amax under current
+# scaling), in three patterns that each decide the next scale differently
+# under "max": (a) the entry the step drops is the largest and the oldest
+# one kept the largest of the rest, so that a window off by one at its old
+# end, keeping the dropped entry or dropping the kept one, gives another
+# scale; (b) the newest stored entry is the largest, so that the history
+# counts and not only this step's amax; (c) every entry is below this
+# step's amax, which decides. No two entries equal, so a slot read in place
+# of another shows in the new history and, under "max", in the scale.
+_HISTORY_PATTERNS = ((0.6, 0.45, 0.9, 0.7, 1.7, 2.5), (1.6, 0.4, 0.7, 0.2, 0.55, 0.3),
+                     (0.5, 0.3, 0.8, 0.6, 0.35, 0.65))  # fmt: skip
+
+
+def _history(length: int, pattern: int) -> np.ndarray:
+    """Factors for a history of ``length`` slots, slot 0 newest (:data:`_HISTORY_PATTERNS`)."""
+    factors = _HISTORY_PATTERNS[pattern]
+    if pattern == 0:  # the dropped (last) slot largest, the oldest kept next
+        return np.asarray(factors[:-2][: max(length - 2, 0)] + factors[-2:], np.float32)[-length:]
+    return np.asarray(factors[:length], np.float32)
 
 
 def delayed_state(recipe, state, amaxes: dict):
-    """``state`` (from ``fp8jax.init_state``) with every role's own scale and history.
+    """``state`` (from ``fp8jax.init_state``) with every role's own scale and full history.
 
     ``amaxes``: each role's amax under current scaling (``CurrentRef.amaxes``).
+    Histories up to 6 slots long follow :data:`_HISTORY_PATTERNS`.
     """
     keys = list(state_dict(state))
+    length = recipe.amax_history_len
+    if length > 6:
+        raise ValueError(f"delayed_state fills histories of at most 6 slots, got {length}.")
     values = {}
     for i, key in enumerate(keys):
         fmt = recipe.formats.backward if key.endswith("grad") else recipe.formats.forward
-        fp8_max = fmt.max
         a = float(amaxes[key])
-        history = np.zeros(recipe.amax_history_len, np.float32)
-        history[1] = a * _HISTORY_FACTORS[i % 6]
-        values[key] = (history, np.float32(fp8_max / (a * _SCALE_FACTORS[i % 6])))
+        history = (np.float32(a) * _history(length, i % 3)).astype(np.float32)
+        values[key] = (history, np.float32(fmt.max / (a * _SCALE_FACTORS[i % 6])))
     return _with_values(state, values)
 
 

@@ -257,3 +257,20 @@ def test_a_directory_given_twice_is_refused(tmp_path, capsys):
     run = write_run(tmp_path / "a", "bf16", None, [4.0, 3.0])
     assert cli.main(["compare", str(run), str(tmp_path / "." / "a"), "--per-run"]) == 2
     assert "is given twice" in capsys.readouterr().err
+
+
+def test_labels_name_accumulation_and_remat_and_different_ends_are_warned(tmp_path, capsys):
+    # Issue 56, item 13: "fp8 (fp8 current)" twice, and 2 steps against 20 without a word.
+    one = write_run(tmp_path / "one", "fp8", "current", [5.0, 3.0])
+    two = write_run(tmp_path / "two", "fp8", "current", [5.0, 3.0, 2.5, 2.0],
+                    accumulation_steps=2, remat="full")  # fmt: skip
+    assert cli.main(["compare", str(one), str(two)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].split()[:4] == ["one", "(fp8", "current", "accumulation_steps=1"]
+    assert "remat=none)" in out[2]
+    assert out[3].split()[:4] == ["two", "(fp8", "current", "accumulation_steps=2"]
+    assert "remat=full)" in out[3]
+    assert out[4] == (
+        "warning: the runs end at different steps (one: 20, two: 40), so their final losses "
+        "come from different points of training; compare runs of the same --steps."
+    )

@@ -97,3 +97,26 @@ def test_validation_batches_cover_the_stream_evenly():
 def test_docstring_examples_run():
     result = doctest.testmod(data, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_folder_of_hidden_and_binary_files_says_what_was_skipped_and_why(tmp_path):
+    # Issue 56, item 14: it said only "has no non-empty text file".
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n" * 10)
+    (tmp_path / ".notes.txt").write_text("hidden text " * 10)
+    (tmp_path / "model.bin").write_bytes(b"\0\1\2" * 10)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(data.DataError) as e:
+        data.load_corpus(tmp_path)
+    assert str(e.value) == (
+        f"--data {str(tmp_path)!r}: the folder has no non-empty text file; skipped 2 hidden "
+        "entries (names starting with '.', e.g. '.git'), 1 binary file (a NUL byte in the "
+        "first 8 KiB, e.g. 'model.bin') and 1 empty file (e.g. 'empty.txt'); fp8jax train "
+        "needs text to read as bytes."
+    )
+
+
+def test_a_device_or_pipe_is_read_as_one_file_not_as_a_folder():
+    # --data /dev/null said "the folder has no non-empty text file".
+    with pytest.raises(data.DataError, match=r"'/dev/null': the file is empty or binary"):
+        data.load_corpus("/dev/null")

@@ -130,6 +130,12 @@ def test_verify_md_first_block_finds_the_fp8_gemms(blocks_run):
     _, namespace, output = blocks_run(ROOT / "docs" / "verify.md", ("run", "deviceless"))
     assert namespace["report"].fp8_gemms and not namespace["report"].non_fp8_gemms
     assert "('float8_e4m3fn', 'float8_e4m3fn')" in output
+    # It says it checks FSDP (issue 56, item 7): a sharded program, the weight
+    # all-gathered in E4M3 and its gradient reduce-scattered, not a replicated one.
+    report = namespace["verify"].gemm_report(namespace["hlo"])
+    assert len(report.fp8_gemms) == 2
+    kinds = {(c.kind.split()[0], c.dtype) for c in report.collectives}
+    assert {("all-gather", "f8e4m3fn"), ("reduce-scatter", "bf16")} <= kinds
 
 
 def test_jaxpr_dots_is_the_function_the_readme_names():

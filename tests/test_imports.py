@@ -132,11 +132,27 @@ def test_lower_layers_import_no_flax(name):
     assert not _flax_imports(name), f"{name} imports {_flax_imports(name)}; it is below Flax"
 
 
+# What the kernels may import: each other and the layers below them (formats,
+# recipes, scale arithmetic, the saturating cast, the activations' math).
+BELOW_KERNELS = ("fp8jax.kernels", "fp8jax.formats", "fp8jax.recipes", "fp8jax.scaling",
+                 "fp8jax.quantize", "fp8jax.activations")  # fmt: skip
+
+
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("fp8jax.kernels")))
-def test_kernels_import_nothing_from_the_ops(name):
-    # The dispatcher decides for the ops; it must not depend on them.
-    ops = sorted(m for m in GRAPH[name] if m.startswith("fp8jax.ops"))
-    assert not ops, f"{name} imports {ops}"
+def test_kernels_import_only_the_layers_below_them(name):
+    # The dispatcher decides for the ops, and the kernels serve them: neither
+    # may depend on the ops or on anything that imports the kernels
+    # (block_gemm once imported the fine-grained quantizers, a kernel's caller).
+    above = sorted(m for m in GRAPH[name] if m.startswith("fp8jax") and not any(
+        m == b or m.startswith(b + ".") for b in BELOW_KERNELS))  # fmt: skip
+    assert not above, f"{name} imports {above}, which are not below the kernels"
+
+
+def test_the_layers_below_the_kernels_import_no_kernel():
+    below = [b for b in BELOW_KERNELS if b != "fp8jax.kernels"]
+    wrong = {b: sorted(m for m in GRAPH[b] if m.startswith(("fp8jax.kernels", "fp8jax.ops")))
+             for b in below}  # fmt: skip
+    assert not any(wrong.values()), f"below the kernels, yet importing them or the ops: {wrong}"
 
 
 def test_flax_check_sees_flax_imports():

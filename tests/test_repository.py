@@ -115,6 +115,10 @@ RUN_CITATION = re.compile(
     "bench/" + "results" + r"|\b(?:runs?|calls?) (?:[A-Z][0-9]+[a-z]?|[0-9]+[A-Z][a-z]?)\b"
 )
 DESIGN_LINK = re.compile(r"design\.md#([\w-]+)")
+# docs/design.md holds decision records, bench/results the evidence behind them
+# and behind BENCHMARKS.md's rows (issue 58): these bound both.
+DESIGN_MAX_LINES = 450
+RESULTS_MAX_FILES = 40
 RESULTS_PATH = re.compile(r"bench/results/[\w./-]*[\w/]")
 
 
@@ -185,6 +189,60 @@ def test_design_links_name_sections_that_exist():
             if anchor not in anchors:
                 missing.append(f"{path.relative_to(ROOT)}: #{anchor}")
     assert not missing, "no such section in docs/design.md:\n" + "\n".join(missing)
+
+
+def test_design_is_decision_records_not_a_notebook():
+    lines = (ROOT / "docs" / "design.md").read_text().splitlines()
+    assert len(lines) <= DESIGN_MAX_LINES, (
+        f"docs/design.md has {len(lines)} lines (at most {DESIGN_MAX_LINES}): a record states the "
+        "decision, why, what was rejected and one measured line; the narrative goes to "
+        "bench/results/LOG.md"
+    )
+
+
+# A path the design cites as evidence or as the code that embodies a decision:
+# a repository path (`tests/...py`, `bench/results/...`), a test (`...py::test_x`)
+# or a module under src/fp8jax (`ops/gemm.py`).
+CITED_PATH = re.compile(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|log|json|md))(?:::(\w+))?`")
+
+
+def test_paths_cited_in_the_design_exist():
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = []
+    for path, test in CITED_PATH.findall(design):
+        found = next(
+            (c for c in (ROOT / path, ROOT / "src" / "fp8jax" / path) if c.is_file()), None
+        )
+        if found is None:
+            missing.append(path)
+        elif test and not re.search(rf"^def {test}\(", found.read_text(), re.M):
+            missing.append(f"{path}::{test}")
+    assert not missing, "docs/design.md cites what does not exist:\n" + "\n".join(missing)
+
+
+def test_design_path_pattern_finds_what_it_is_for():
+    text = "`ops/gemm.py`, `tests/ops/test_dense.py::test_x` and `bench/results/a/b.log`, not `x`"
+    assert CITED_PATH.findall(text) == [
+        ("ops/gemm.py", ""),
+        ("tests/ops/test_dense.py", "test_x"),
+        ("bench/results/a/b.log", ""),
+    ]
+
+
+def test_results_keep_only_evidence():
+    results = ROOT / "bench" / "results"
+    tracked = [p for p in _tracked_files() if results in p.parents]
+    assert len(tracked) <= RESULTS_MAX_FILES, (
+        f"bench/results holds {len(tracked)} files (at most {RESULTS_MAX_FILES}): keep only the "
+        "evidence of published rows and design records; git history keeps the rest"
+    )
+    # Scripts live in bench/ and use the public API; none sits beside the results.
+    scripts = [str(p.relative_to(ROOT)) for p in tracked if p.suffix in (".py", ".sh", ".patch")]
+    assert not scripts, f"move to bench/ (public API only) or delete: {scripts}"
+    assert (results / "LOG.md").is_file()
+    folders = {p.relative_to(results).parts[0] for p in tracked if p.parent != results}
+    without_readme = sorted(f for f in folders if not (results / f / "README.md").is_file())
+    assert not without_readme, f"a results folder without a README: {without_readme}"
 
 
 def test_results_paths_in_the_documents_exist():

@@ -220,3 +220,22 @@ def test_a_group_update_compiles_to_three_kernels(group, group_update_hlos):
     kernels = [line for line in entry.splitlines() if launches.search(line)]
     assert len(kernels) == 3, "\n".join(kernels)
     assert "concatenate" not in entry and "dynamic-update-slice" not in entry
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (None, TypeError, r"must have the structure of old_state.*PyTreeDef\(None\)"),
+        ({"x": 1.0}, TypeError, r"state_grads must have the structure of old_state.*dict"),
+        ("x_only", TypeError, r"state_grads must have the structure of old_state.*ScaleState"),
+        ("longer", ValueError, r"state_grads\.x has .* \(\(8,\), \(\)\), expected .*\(\(4,\)"),
+    ],
+)
+def test_take_new_state_refuses_a_state_grads_that_does_not_fit(bad, error, match):
+    state = fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=4))
+    if bad == "x_only":
+        bad = state.x
+    elif bad == "longer":
+        bad = fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=8))
+    with pytest.raises(error, match=match):
+        fp8jax.take_new_state(state, bad)

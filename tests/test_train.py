@@ -243,3 +243,41 @@ def test_an_fsdp_train_step_gathers_weights_and_never_all_reduces_activations(
         assert gathered == {"f8e4m3fn": block_kernels, "bf16": embed_and_head}
     else:
         assert gathered == {"bf16": block_kernels + embed_and_head}
+
+
+def test_logging_stays_out_of_the_timed_steps_and_the_summary_says_which_steps(
+    tmp_path, monkeypatch
+):
+    # Issue 56, item 16: the learning rate logged at step 5 ran eager JAX ops, compiled on
+    # their first call (about 1 s on a GPU), inside the timing of steps 6-10. A fake clock
+    # that jumps 1000 s whenever the loop asks for the learning rate finds any such leak.
+    from fp8jax.training import config as training_config
+    from fp8jax.training import progress
+
+    offset = [0.0]
+    real = progress.time.perf_counter
+    monkeypatch.setattr(progress, "time", type("Clock", (), {
+        "perf_counter": staticmethod(lambda: real() + offset[0]),
+    }))  # fmt: skip
+    schedule = training_config.RunConfig.schedule
+
+    def slow_schedule(self):
+        inner = schedule(self)
+
+        def lr(count):
+            if isinstance(count, int):  # the loop's call, not the optimizer's traced one
+                offset[0] += 1000.0
+            return inner(count)
+
+        return lr
+
+    monkeypatch.setattr(training_config.RunConfig, "schedule", slow_schedule)
+    out = tmp_path / "run"
+    train(options(out, steps=10, precision="bf16"), progress=False, say=lambda _: None)
+    metrics = read_metrics(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [5, 10]
+    assert all(m["step_time_s"] < 100 for m in metrics), metrics
+    result = json.loads((out / "summary.json").read_text())
+    assert result["tokens_per_s_steps"] == [2, 10]
+    assert "first step" in result["tokens_per_s_excludes"]
+    assert "(steps 2-10)" in summary.text(result, out)

@@ -6,6 +6,7 @@ resumed runs and the refused resumes build the programs ``run_dir`` and
 ``bf16_run`` compiled, and compiling is most of a short run's time on a CPU.
 """
 
+import asyncio
 import hashlib
 import json
 import os
@@ -300,3 +301,39 @@ def test_a_run_saved_before_remat_and_accumulation_existed_resumes(copy_of_run):
     config_path.write_text(json.dumps(config))
     assert fp8jax_train("--resume", "--steps", "3", "--out", str(copy_of_run)) == 0
     assert json.loads((copy_of_run / "summary.json").read_text())["step"] == 3
+
+
+def test_a_corrupt_checkpoint_leaves_no_asyncio_traceback_after_its_message(
+    copy_of_run, capsys, monkeypatch
+):
+    # Issue 56, item 8: orbax's reads still in flight called back into its closed
+    # event loop, and Python printed each as "RuntimeError: Event loop is closed".
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    (copy_of_run / "checkpoints" / "2" / "default" / "array_metadatas" / "process_0").write_text(
+        "x"
+    )
+    assert fp8jax_train("--resume", "--steps", "4", "--out", str(copy_of_run)) == 2
+    assert "checkpoints/2 is unreadable" in capsys.readouterr().err
+
+    def unraisable(error):
+        try:
+            raise error
+        except Exception as e:
+            return types.SimpleNamespace(
+                exc_type=type(e), exc_value=e, exc_traceback=e.__traceback__, err_msg=None,
+                object=None,
+            )  # fmt: skip
+
+    closed = asyncio.new_event_loop()
+    closed.close()
+    try:
+        closed.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        leftover = unraisable(e)
+    sys.unraisablehook(leftover)
+    sys.unraisablehook(unraisable(Exception("Encountered error while reading array index: 0")))
+    assert seen == []  # dropped: the message above already said the checkpoint is unreadable
+    other = unraisable(ValueError("anything else"))
+    sys.unraisablehook(other)
+    assert seen == [other]

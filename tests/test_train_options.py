@@ -159,3 +159,5 @@ def test_a_run_with_remat_accumulation_and_profile_trains_and_writes_a_trace(tmp
     assert "MFU n/a: no known BF16 peak for 'cpu'" in text
     assert "profile: steps 2-4 traced into" in text
     assert "in 2 micro-batches of 4, remat dots" in text
+    # Issue 56, item 12: the count's extra dot_generals are the backward's recomputed ones.
+    assert "--remat dots recomputes the attention core GEMMs in the backward" in text

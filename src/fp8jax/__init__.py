@@ -5,6 +5,7 @@ The public API is what this module re-exports.
 
 from fp8jax import optim
 from fp8jax.formats import ALL_E4M3, E4M3, E5M2, HYBRID, FormatPair, Fp8Format
+from fp8jax.ops.attention import dot_product_attention
 from fp8jax.ops.dense import dense
 from fp8jax.ops.dot_general import dot_general
 from fp8jax.ops.einsum import einsum
@@ -53,6 +54,7 @@ __all__ = [
     "dense",
     "dequantize",
     "dot_general",
+    "dot_product_attention",
     "einsum",
     "init_state",
     "layernorm",

@@ -67,7 +67,7 @@ def gelu(x):
     (docs/design.md#gelu-through-erf has the measurement). ``erfc`` is
     more accurate only in the negative tail, where ``1 + erf`` cancels: in
     f32 this form stays within 1.1e-6 of the exact value over [-12, 12],
-    under a thousandth of bf16's spacing at 1, 2**-7 (tests/ops/test_fused.py).
+    under a thousandth of bf16's spacing at 1, 2**-7 (tests/ops/test_layernorm_mlp.py).
     """
     return x * (1 + lax.erf(x * _SQRT_HALF)) * 0.5
 
@@ -162,17 +162,20 @@ def check(value, owner: str | None = None) -> tuple[str, ...]:
     return names
 
 
-def gated(pre, names: tuple[str, ...], axis: int = -2) -> jax.Array:
+def gated(pre, names: tuple[str, ...], axis: int = -2, dtype=None) -> jax.Array:
     """The (gated) activation of ``pre`` by XLA's formulas (:attr:`Activation.xla`), in f32.
 
     ``pre``'s axis ``axis`` (of size ``len(names)``) picks the activation:
-    ``(..., len(names), ffn)`` by default; the result drops that axis.
+    ``(..., len(names), ffn)`` by default; the result drops that axis. With
+    ``dtype`` the f32 result is rounded to it. The one gated activation of
+    every XLA path: the fused MLP's, the fine-grained MLP's and the BF16
+    baseline's.
     """
     pre32 = pre.astype(jnp.float32)
     h = REGISTRY[names[0]].xla(lax.index_in_dim(pre32, 0, axis, keepdims=False))
     for i, name in enumerate(names[1:], start=1):
         h = h * REGISTRY[name].xla(lax.index_in_dim(pre32, i, axis, keepdims=False))
-    return h
+    return h if dtype is None else h.astype(dtype)
 
 
 def kernel_serves(names: tuple[str, ...]) -> bool:

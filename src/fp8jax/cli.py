@@ -182,7 +182,8 @@ def _add_train(sub) -> None:
     p.add_argument("--keep-checkpoints", type=int, help="newest checkpoints kept (default 3)")
     p.add_argument(
         "--attention",
-        help="attention core: xla, cudnn, or auto (cuDNN on a GPU, XLA elsewhere)",
+        help="attention core: xla, cudnn, fp8 (fp8jax.dot_product_attention), or auto (cuDNN on "
+        "a GPU, XLA elsewhere)",
     )
     p.add_argument(
         "--rolled-layers",
@@ -277,6 +278,13 @@ _INTERRUPTED = {
 }
 
 
+def _stop_compiles() -> None:
+    """Ends the deviceless compiler children (verify, --verify-target) when Ctrl-C exits."""
+    compilation = sys.modules.get("fp8jax.verify.compilation")  # never imported just for this
+    if compilation is not None:
+        compilation.stop_children_before_exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fp8jax`` console script.
 
@@ -293,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if command:
         interrupts.install(args.command, _INTERRUPTED.get(args.command, "interrupted."))
+        interrupts.at_exit(_stop_compiles)
         platform = choose_platform()
         if platform is not None:
             import jax

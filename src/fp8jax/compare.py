@@ -320,6 +320,37 @@ def _labelled(members: list[list[Run]]) -> list[tuple[str, list[Run]]]:
     return list(zip(labels, members, strict=True))
 
 
+def _named_by_differences(runs: list[Run]) -> list[Run]:
+    """The runs, each label also naming the settings beyond precision and recipe that differ.
+
+    A table of ``fp8 (fp8 current)`` against ``fp8-2 (fp8 current)`` says
+    nothing of the accumulation or remat that set them apart.
+    """
+    settings = [r.settings for r in runs if r.settings is not None]
+    extra = [k for k in _differing_keys(settings) if k not in BARE_KEYS]
+    named = []
+    for run in runs:
+        more = "" if run.settings is None else _describe(run.settings, extra)
+        if more:
+            label = (
+                f"{run.label[:-1]} {more})" if run.label.endswith(")") else f"{run.label} ({more})"
+            )
+            run = dataclasses.replace(run, label=label)
+        named.append(run)
+    return named
+
+
+def _different_ends(runs: list[Run]) -> str:
+    """A warning line when the runs' last steps differ, or nothing."""
+    if len({r.final_step for r in runs}) <= 1:
+        return ""
+    ends = ", ".join(f"{r.path.name}: {r.final_step}" for r in runs)
+    return (
+        f"\nwarning: the runs end at different steps ({ends}), so their final losses come "
+        "from different points of training; compare runs of the same --steps."
+    )
+
+
 def _differing_keys(settings: list[dict]) -> list[str]:
     """The keys to label groups by: precision and recipe, then those not alike in every group."""
     keys = sorted({k for s in settings for k in s})
@@ -628,13 +659,14 @@ def compare(
     tolerance = check_tolerance(tolerance)
     if not paths:
         raise CompareError("fp8jax compare needs at least one run directory.")
-    runs = [load_run(p) for p in paths]
+    runs = _named_by_differences([load_run(p) for p in paths])
     groups = group_runs(runs, per_run=per_run)
     out = pathlib.Path(out or runs[0].path.parent / "compare.png")
     check_out(out)
     numbers = out.with_suffix(".json")
     one_run_each = all(len(g.runs) == 1 for g in groups)
     text = table(runs) if one_run_each else group_table(groups, tolerance)
+    text += _different_ends(runs)
     try:
         png = plot(groups, out, tolerance=tolerance, title=title)
         numbers.write_text(json.dumps(record(groups, tolerance), indent=2) + "\n")

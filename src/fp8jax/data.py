@@ -77,12 +77,34 @@ def _stdlib_files(root: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _text_files(root: pathlib.Path) -> list[pathlib.Path]:
+def _text_files(root: pathlib.Path, hidden: list[str]) -> list[pathlib.Path]:
+    """The files under ``root`` not hidden; the hidden entries' relative paths go to ``hidden``."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
+        here = pathlib.Path(dirpath)
+        hidden.extend((here / n).relative_to(root).as_posix() for n in dirnames + filenames
+                      if n.startswith("."))  # fmt: skip
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        files.extend(pathlib.Path(dirpath, f) for f in filenames if not f.startswith("."))
+        files.extend(here / f for f in filenames if not f.startswith("."))
     return files
+
+
+def _skipped(hidden: list[str], binary: list[str], empty: list[str]) -> str:
+    """What a folder's reading skipped and why, for the error that says it found no text."""
+    parts = []
+    nul = f"a NUL byte in the first {_BINARY_PROBE // 1024} KiB, "
+    for names, one, many, why in (
+        (hidden, "hidden entry", "hidden entries", "names starting with '.', "),
+        (binary, "binary file", "binary files", nul),
+        (empty, "empty file", "empty files", ""),
+    ):
+        if names:
+            what = one if len(names) == 1 else many
+            parts.append(f"{len(names)} {what} ({why}e.g. {sorted(names)[0]!r})")
+    if not parts:
+        return ""
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"; skipped {listed}"
 
 
 def _is_validation(relative: str) -> bool:
@@ -111,6 +133,7 @@ def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
       >>> c.train.size + c.validation.size, c.validation.size
       (1200, 60)
     """
+    hidden: list[str] = []
     if path is None:
         root = default_corpus_path()
         files = _stdlib_files(root)
@@ -121,17 +144,25 @@ def load_corpus(path: str | os.PathLike | None = None) -> Corpus:
                 f"--data {str(path)!r} does not exist; pass a text file or a folder of text "
                 "files, or leave --data out to train on the Python standard library's source."
             )
-        files = [root] if root.is_file() else _text_files(root)
+        # Anything but a folder is read as one file: a pipe (`--data <(zcat a.gz)`) too.
+        files = _text_files(root, hidden) if root.is_dir() else [root]
     texts: list[tuple[str, bytes]] = []
+    binary: list[str] = []
+    empty: list[str] = []
     for file in sorted(files):
         data = file.read_bytes()
-        if data and b"\0" not in data[:_BINARY_PROBE]:
-            relative = file.name if file == root else file.relative_to(root).as_posix()
+        relative = file.name if file == root else file.relative_to(root).as_posix()
+        if not data:
+            empty.append(relative)
+        elif b"\0" in data[:_BINARY_PROBE]:
+            binary.append(relative)
+        else:
             texts.append((relative, data))
     if not texts:
-        kind = "file is empty or binary" if root.is_file() else "folder has no non-empty text file"
+        kind = "folder has no non-empty text file" if root.is_dir() else "file is empty or binary"
+        skipped = _skipped(hidden, binary, empty) if root.is_dir() else ""
         raise DataError(
-            f"--data {str(root)!r}: the {kind}; fp8jax train needs text to read as bytes."
+            f"--data {str(root)!r}: the {kind}{skipped}; fp8jax train needs text to read as bytes."
         )
     train = b"".join(d for r, d in texts if not _is_validation(r))
     validation = b"".join(d for r, d in texts if _is_validation(r))

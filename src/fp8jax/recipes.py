@@ -1,7 +1,7 @@
 """Scaling recipes: how each FP8 tensor's scale is chosen.
 
 A recipe is a frozen, hashable dataclass, passed explicitly to every op (there
-is no global recipe). Two are available:
+is no global recipe). Five are available. Two scale each tensor as a whole:
 
 * :class:`CurrentScaling` derives the scale from the tensor being quantized.
   It needs no state, so it is a drop-in that leaves train steps unchanged.
@@ -9,11 +9,18 @@ is no global recipe). Two are available:
   (TransformerEngine's rule). It needs per-tensor state; see
   :mod:`fp8jax.scaling`.
 
-Two fine-grained recipes scale parts of a tensor apart, so that one outlier
+Three fine-grained recipes scale parts of a tensor apart, so that one outlier
 token or channel does not push the rest into the FP8 subnormals
-(docs/design.md#fine-grained-scaling): :class:`RowwiseScaling` and
-:class:`BlockScaling`. Both derive their scales from the tensor at hand, as
-current scaling does, and keep no state.
+(docs/design.md#fine-grained-scaling): :class:`RowwiseScaling` (per row),
+:class:`BlockScaling` (DeepSeek-V3's 1x128 tiles and 128x128 weight blocks)
+and :class:`MXFP8Scaling` (OCP MX blocks of 32, for Blackwell). They derive
+their scales from the tensor at hand, as current scaling does, and keep no
+state.
+
+Every recipe answers one question the same way: :meth:`granularity` of a
+role (``"x"``, ``"kernel"`` or ``"grad"``), the :class:`Granularity` that
+says what one scale of that operand covers, and so the shape of its
+``scale_inv`` in the GEMM's (rows, K) view.
 """
 
 from __future__ import annotations
@@ -27,6 +34,66 @@ from jax import lax
 from fp8jax.formats import ALL_E4M3, HYBRID, FormatPair
 
 _AMAX_ALGOS = ("max", "most_recent")
+
+GRANULARITIES = ("tensor", "row", "tile", "block")
+# A GEMM operand's roles: the input, the weight, the output gradient.
+ROLES = ("x", "kernel", "grad")
+
+
+@dataclasses.dataclass(frozen=True)
+class Granularity:
+    """What one scale covers, and so the shape of ``scale_inv`` for a (rows, K) GEMM operand.
+
+    K is the axis the operand's GEMM contracts (the minor one):
+
+    * ``"tensor"``: one scale, ``scale_inv`` of shape ();
+    * ``"row"``: one per row, (rows, 1);
+    * ``"tile"``: one per 1 x ``block`` tile along K, (rows, K / block);
+    * ``"block"``: one per ``block`` x ``block`` block, (rows / block, K / block),
+      which serves the operand and its transpose alike.
+
+    ``power_of_two``: every scale is a power of two (MX blocks, stored as
+    E8M0 on the GPU; BlockScaling's ``power_of_two_scales``).
+
+    Example:
+      >>> from fp8jax.recipes import Granularity
+      >>> Granularity("tile", 128).scale_shape(64, 512)
+      (64, 4)
+    """
+
+    kind: str = "tensor"
+    block: int | None = None
+    power_of_two: bool = False
+
+    def __post_init__(self):
+        if self.kind not in GRANULARITIES:
+            raise ValueError(f"Granularity.kind must be one of {GRANULARITIES}, got {self.kind!r}.")
+        if (self.kind in ("tile", "block")) != (self.block is not None):
+            raise ValueError(
+                "Granularity.block is the extent one scale covers: an int > 0 for kind='tile' "
+                f"or 'block' and None otherwise, got kind={self.kind!r}, block={self.block!r}."
+            )
+        if self.block is not None and (not isinstance(self.block, int) or self.block <= 0):
+            raise ValueError(f"Granularity.block must be an int > 0, got {self.block!r}.")
+
+    def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        """The shape of ``scale_inv`` for a (rows, columns) operand whose GEMM contracts columns."""
+        if self.kind == "tensor":
+            return ()
+        if self.kind == "row":
+            return (rows, 1)
+        tiles = -(-columns // self.block)
+        return (rows, tiles) if self.kind == "tile" else (-(-rows // self.block), tiles)
+
+
+PER_TENSOR = Granularity()
+
+
+def check_role(role: str) -> str:
+    """Returns ``role`` if it is one of :data:`ROLES`; raises ValueError otherwise."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}.")
+    return role
 
 
 # A margin scales by 2**-margin. The FP8 formats span at most 2**31 between
@@ -118,6 +185,11 @@ class CurrentScaling:
     def __post_init__(self):
         _check_common("CurrentScaling", self)
 
+    def granularity(self, role: str) -> Granularity:
+        """What one scale of the operand ``role`` covers: the whole tensor."""
+        check_role(role)
+        return PER_TENSOR
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DelayedScaling:
@@ -158,6 +230,11 @@ class DelayedScaling:
     dgrad_precision: lax.Precision = lax.Precision.HIGHEST
     wgrad_precision: lax.Precision = lax.Precision.HIGHEST
     amax_reduction_axes: tuple[str, ...] = ()
+
+    def granularity(self, role: str) -> Granularity:
+        """What one scale of the operand ``role`` covers: the whole tensor."""
+        check_role(role)
+        return PER_TENSOR
 
     def __post_init__(self):
         _check_common("DelayedScaling", self)
@@ -234,6 +311,11 @@ class RowwiseScaling:
     wgrad_precision: lax.Precision = lax.Precision.HIGHEST
     amax_reduction_axes: tuple[str, ...] = ()
 
+    def granularity(self, role: str) -> Granularity:
+        """What one scale of the operand ``role`` covers: a row along the contracted axis."""
+        check_role(role)
+        return Granularity("row")
+
     def __post_init__(self):
         _check_fine("RowwiseScaling", self)
         _check_reduction_axes("RowwiseScaling", self.amax_reduction_axes)
@@ -277,6 +359,11 @@ class BlockScaling:
     formats: FormatPair = ALL_E4M3
     power_of_two_scales: bool = False
 
+    def granularity(self, role: str) -> Granularity:
+        """What one scale of the operand ``role`` covers: a weight block, else a 1 x 128 tile."""
+        kind = "block" if check_role(role) == "kernel" else "tile"
+        return Granularity(kind, self.BLOCK, self.power_of_two_scales)
+
     def __post_init__(self):
         _check_fine("BlockScaling", self)
         if not isinstance(self.power_of_two_scales, bool):
@@ -314,6 +401,11 @@ class MXFP8Scaling:
     BLOCK = 32
 
     formats: FormatPair = ALL_E4M3
+
+    def granularity(self, role: str) -> Granularity:
+        """What one scale of the operand ``role`` covers: a 1 x 32 block along K, a power of two."""
+        check_role(role)
+        return Granularity("tile", self.BLOCK, power_of_two=True)
 
     def __post_init__(self):
         if not isinstance(self.formats, FormatPair):

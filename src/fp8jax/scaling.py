@@ -454,6 +454,8 @@ def take_new_state(old_state, state_grads):
       [1.0, 0.0, 0.0, 0.0]
     """
 
+    _check_state_grads(old_state, state_grads)
+
     def pick(old: ScaleState, new: ScaleState) -> ScaleState:
         consumed = new.scale > 0
         return ScaleState(
@@ -462,3 +464,33 @@ def take_new_state(old_state, state_grads):
         )
 
     return jax.tree.map(pick, old_state, state_grads, is_leaf=lambda n: isinstance(n, ScaleState))
+
+
+def _check_state_grads(old_state, state_grads) -> None:
+    """Raises unless ``state_grads`` has ``old_state``'s tree structure and state shapes."""
+    is_state = lambda n: isinstance(n, ScaleState)  # noqa: E731
+    old_def = jax.tree.structure(old_state, is_leaf=is_state)
+    new_def = jax.tree.structure(state_grads, is_leaf=is_state)
+    how = (
+        "Pass the gradient taken with respect to the state, e.g. "
+        "`_, (grads, state_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, state)`."
+    )
+    if old_def != new_def:
+        raise TypeError(
+            "take_new_state: state_grads must have the structure of old_state (the gradient "
+            f"of the state from jax.grad); expected {old_def}, got {new_def} "
+            f"({type(state_grads).__name__}). {how}"
+        )
+    new_leaves = jax.tree.leaves(state_grads, is_leaf=is_state)
+    old_leaves = jax.tree_util.tree_leaves_with_path(old_state, is_leaf=is_state)
+    for (path, old), new in zip(old_leaves, new_leaves, strict=True):
+        if not is_state(old):
+            continue
+        old_shapes = (jnp.shape(old.amax_history), jnp.shape(old.scale))
+        new_shapes = (jnp.shape(new.amax_history), jnp.shape(new.scale))
+        if old_shapes != new_shapes:
+            raise ValueError(
+                f"take_new_state: state_grads{jax.tree_util.keystr(path)} has (amax_history, "
+                f"scale) shapes {new_shapes}, expected old_state's {old_shapes}: the two states "
+                f"come from different recipes (amax_history_len) or models. {how}"
+            )

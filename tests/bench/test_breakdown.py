@@ -96,3 +96,33 @@ def test_idle_gaps_are_measured_between_overlapping_kernels_union():
     assert breakdown.idle_gaps_us(intervals) == [5.0, 200.0]
     assert breakdown.idle_gaps_us(list(reversed(intervals))) == [5.0, 200.0]
     assert breakdown.idle_gaps_us([]) == []
+
+
+def test_fusions_under_the_train_steps_optimizer_scope_are_the_optimizer():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from fp8jax.flax import TrainState, make_train_step
+    from fp8jax.flax import linen as fnn
+
+    model = fnn.DenseGeneral(features=8)
+    x, y = jnp.ones((16, 32)), jnp.zeros((16, 8))
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes int32 and f32
+        state = TrainState.create(model.init(jax.random.key(0), x), optax.adamw(0.1))
+
+        def loss_fn(v, b):
+            return jnp.mean((model.apply(v, b[0]) - b[1]) ** 2)
+
+        step = jax.jit(make_train_step(loss_fn, optax.adamw(0.1)))
+        hlo = step.lower(state, (x, y)).compile().as_text()
+    classes = breakdown.fusion_classes(hlo)
+    scoped = {
+        breakdown._kernel_name(m.group(1))
+        for m in breakdown._INSTRUCTION.finditer(hlo)
+        if "/fp8jax.optimizer/" in hlo[m.start() : hlo.find("\n", m.end())]
+    }
+    optimizer = {k for k, v in classes.items() if v == "optimizer"}
+    # Exactly the instructions under the scope, and never the loss's or the gradients'.
+    assert optimizer and optimizer == scoped
+    assert "dot" not in " ".join(optimizer)

@@ -1,7 +1,7 @@
 """Pre-norm TransformerLayers pass each residual through the fused op that norms it.
 
 Then the residual's gradient reaches the op's backward, which adds it to the
-norm's in one pass (fp8jax.ops.norm_backward); added outside, XLA would sum
+norm's in one pass (fp8jax.kernels.norm_backward); added outside, XLA would sum
 the two afterwards. This records what each norm backward is given.
 """
 
@@ -13,19 +13,19 @@ from flax import nnx
 
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
-from fp8jax.ops import norm_backward
+from fp8jax.ops import norm
 
 
 def _residual_given_per_norm(monkeypatch, grad_of_layer) -> list[bool]:
     seen = []
-    original = norm_backward.normalize_backward
+    original = norm.fused_normalize_backward
 
     def spy(*args, **kwargs):
         residual = args[7] if len(args) > 7 else kwargs.get("residual")
         seen.append(residual is not None)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(norm_backward, "normalize_backward", spy)
+    monkeypatch.setattr(norm, "fused_normalize_backward", spy)
     jax.eval_shape(grad_of_layer)
     return seen
 

@@ -126,3 +126,25 @@ def test_the_warning_can_be_made_an_error():
         warnings.simplefilter("error", Fp8StateNotDifferentiatedWarning)
         with pytest.raises(Fp8StateNotDifferentiatedWarning, match="never be updated"):
             nnx.jit(_plain_nnx_step)(model, optimizer)
+
+
+def test_the_warning_points_at_the_users_line():
+    # Not at jax/_src/api_util.py: the first frame outside the libraries is the model call.
+    model = NNX_MODULES["DenseGeneral"](RECIPE)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.warns(Fp8StateNotDifferentiatedWarning) as record:
+        nnx.jit(_plain_nnx_step)(model, optimizer)
+    assert record[0].filename == __file__
+    with open(__file__) as source:
+        line = source.readlines()[record[0].lineno - 1]
+    assert "model(batch[0])" in line
+
+
+@pytest.mark.parametrize("wrt", [nnx.Variable, fnnx.Fp8State, nnx.Any(nnx.Param, fnnx.Fp8State)])
+def test_nnx_train_step_refuses_an_optimizer_over_the_fp8_state(wrt):
+    # Issue 56, item 3: adam stepped the scales as if they were weights.
+    model = fnnx.TransformerLayer(2, 32, 64, recipe=RECIPE, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=wrt)
+    step = nnx.jit(fnnx.train_step, static_argnames=("loss_fn",))
+    with pytest.raises(TypeError, match=r"wrt=.*FP8 scale state.*wrt=nnx\.Param"):
+        step(model, optimizer, lambda m, x: jnp.mean(m(x) ** 2), X.reshape(2, 8, 32))

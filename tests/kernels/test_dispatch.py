@@ -80,18 +80,24 @@ def test_the_fallback_option_retraces_too():
     assert traces == [True, False, True]
 
 
+def _anywhere(**kwargs) -> kernels.Placement:
+    """The placement of a kernel that takes any share of rows."""
+    return kernels.decide(lambda shards: True, **kwargs)
+
+
 def test_data_parallel_rows_are_declared_not_taken_from_flax_rules():
     mesh = fs.make_mesh(fsdp=8)
-    assert kernels.row_axes() in ((), None)  # no mesh: local on the CPU
+    # No mesh: local on the CPU (the kernel, on whole arrays) where Pallas has Triton.
+    assert _anywhere() in (kernels.Placement(kernel=True), kernels.XLA)
     with jax.set_mesh(mesh):
-        assert kernels.row_axes() is None  # a mesh whose roles nobody declared
+        assert _anywhere() == kernels.XLA  # a mesh whose roles nobody declared
         with kernels.data_parallel(("dp", "fsdp")):
-            assert kernels.row_axes() == ("fsdp",)
-            assert kernels.row_axes(rows_are_tokens=False) is None  # a weight's rows
+            assert _anywhere() == kernels.Placement(kernel=True, row_axes=("fsdp",))
+            assert _anywhere(rows_are_tokens=False) == kernels.XLA  # a weight's rows
             with kernels.use_pallas(False):
-                assert kernels.row_axes() is None
+                assert _anywhere() == kernels.XLA
     with jax.set_mesh(fs.make_mesh(fsdp=4, tp=2)), kernels.data_parallel(("fsdp",)):
-        assert kernels.row_axes() is None  # tp splits columns
+        assert _anywhere() == kernels.XLA  # tp splits columns
 
 
 def test_plain_jax_under_a_declared_mesh_runs_the_kernel_per_device():
@@ -111,9 +117,10 @@ def test_plain_jax_under_a_declared_mesh_runs_the_kernel_per_device():
     assert "pallas_call" in declared and "shard_map" in declared
 
 
-def test_placement_asks_the_kernel_about_its_share_of_rows():
+def test_decide_asks_the_kernel_about_its_share_of_rows():
     with jax.set_mesh(fs.make_mesh(dp=8)), kernels.data_parallel("dp"):
         seen = []
-        assert kernels.placement(lambda shards: seen.append(shards) or True) == ("dp",)
-        assert kernels.placement(lambda shards: False) is None
+        placement = kernels.decide(lambda shards: seen.append(shards) or True)
+        assert placement == kernels.Placement(kernel=True, row_axes=("dp",))
+        assert kernels.decide(lambda shards: False) == kernels.XLA
     assert seen == [8]

@@ -8,11 +8,21 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.fine_quantize import quantize_rows, quantize_rows_and_columns
 from fp8jax.kernels import row_cast as rc
+from fp8jax.ops.fine_quantize import quantize_rows, quantize_rows_and_columns
 from fp8jax.quantize import quantize_with_scale
 
 ROWS, COLS = 3 * rc.TILE_ROWS, 2 * rc.TILE_COLS
+
+
+def _pair(q):
+    """A QuantizedOperand's ``(data, scale_inv)``."""
+    return q.data, q.scale_inv
+
+
+def _both(q):
+    """A two-way QuantizedOperand's pairs: as itself, and its transposed copy."""
+    return _pair(q), (q.transposed.data, q.transposed.scale_inv)
 
 
 def _operand(seed=0, rows=ROWS, cols=COLS):
@@ -62,7 +72,7 @@ def test_cast_kernel_writes_quantize_with_scales_bytes_both_ways(fmt):
 def _both_ways_through_kernels(x, fmt, interpret):
     """quantize_rows_and_columns's arithmetic with the kernels forced (interpret mode)."""
     rows, cols = (jnp.max(p, axis=0) for p in rc._pallas_maxima(x[0], interpret=interpret))
-    from fp8jax.fine_quantize import _scales
+    from fp8jax.ops.fine_quantize import _scales
 
     row_scale = _scales(rows, fmt, 0, False)[:, None]
     col_scale = _scales(cols, fmt, 0, False)[None, :]
@@ -77,8 +87,8 @@ def test_the_kernels_quantize_as_quantize_rows_does():
     (q, s), (q_t, s_t) = jax.jit(functools.partial(_both_ways_through_kernels, fmt=fmt,
                                                    interpret=True))(x)  # fmt: skip
     (want_q, want_s), (want_qt, want_st) = (
-        quantize_rows(x, fmt),
-        quantize_rows(jnp.swapaxes(x, 1, 2), fmt),
+        _pair(quantize_rows(x, fmt)),
+        _pair(quantize_rows(jnp.swapaxes(x, 1, 2), fmt)),
     )
     np.testing.assert_array_equal(q.view(jnp.uint8), want_q.view(jnp.uint8))
     np.testing.assert_array_equal(q_t.view(jnp.uint8), want_qt.view(jnp.uint8))
@@ -92,8 +102,8 @@ def test_shapes_off_the_tiles_and_batches_take_xlas_path():
     assert rc.fits((ROWS, COLS)) and not rc.fits((ROWS, COLS), row_shards=2)
     fmt = fp8jax.E5M2
     for x in (_operand(3, 96, COLS)[None], jnp.stack([_operand(4), _operand(5)])):
-        (q, s), (q_t, s_t) = quantize_rows_and_columns(x, fmt)
-        (want_q, want_s) = quantize_rows(x, fmt)
+        (q, s), (q_t, s_t) = _both(quantize_rows_and_columns(x, fmt))
+        (want_q, want_s) = _pair(quantize_rows(x, fmt))
         np.testing.assert_array_equal(q.view(jnp.uint8), want_q.view(jnp.uint8))
         np.testing.assert_array_equal(s, want_s)
         assert q_t.shape == (x.shape[0], x.shape[2], x.shape[1]) and s_t.shape[-1] == 1
@@ -135,11 +145,11 @@ def test_on_the_gpu_the_kernels_give_xlas_bytes(fmt):
     run = jax.jit(functools.partial(quantize_rows_and_columns, fmt=fmt))
     hlo = run.lower(x).compile().as_text()
     assert "fp8jax_cast_rows_and_columns" in hlo and "fp8jax_row_column_maxima" in hlo
-    (q, s), (q_t, s_t) = run(x)
+    (q, s), (q_t, s_t) = _both(run(x))
     with fp8jax.kernels.use_pallas(False):
-        (want_q, want_s), (want_qt, want_st) = jax.jit(
-            functools.partial(quantize_rows_and_columns, fmt=fmt)
-        )(x)
+        (want_q, want_s), (want_qt, want_st) = _both(
+            jax.jit(functools.partial(quantize_rows_and_columns, fmt=fmt))(x)
+        )
     np.testing.assert_array_equal(q.view(jnp.uint8), want_q.view(jnp.uint8))
     np.testing.assert_array_equal(q_t.view(jnp.uint8), want_qt.view(jnp.uint8))
     np.testing.assert_array_equal(s, want_s)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.fine_quantize import quantize_tiles, quantize_tiles_both_ways
 from fp8jax.kernels import tile_cast as tc
+from fp8jax.ops.fine_quantize import quantize_tiles, quantize_tiles_both_ways
 
 B = tc.BLOCK
 
@@ -19,6 +19,16 @@ def _operand(seed=0, rows=2 * B, cols=3 * B):
     x = jax.random.normal(jax.random.key(seed), (rows, cols))
     x = x.at[5].multiply(3e3).at[:, 7].multiply(-2e2).at[B:, 2 * B :].set(0.0)
     return x.astype(jnp.bfloat16)
+
+
+def _pair(q):
+    """A QuantizedOperand's ``(data, scale_inv)``."""
+    return q.data, q.scale_inv
+
+
+def _both(q):
+    """A two-way QuantizedOperand's pairs: as itself, and its transposed copy."""
+    return _pair(q), (q.transposed.data, q.transposed.scale_inv)
 
 
 def _assert_same(got, want):
@@ -37,7 +47,7 @@ def test_kernel_writes_quantize_tiles_bytes_both_ways(fmt, power_of_two):
     run = jax.jit(functools.partial(tc._pallas, fmt=fmt, margin=1, power_of_two=power_of_two,
                                     interpret=True))  # fmt: skip
     q, s, q_t, s_t = run(x)
-    want = [quantize_tiles(v, fmt, B, 1, power_of_two) for v in (x, x.T)]
+    want = [_pair(quantize_tiles(v, fmt, B, 1, power_of_two)) for v in (x, x.T)]
     _assert_same(((q, s), (q_t, s_t)), want)
     xla_q, xla_s, xla_qt, xla_st = tc._xla(x, fmt, 1, power_of_two)  # the kernel's XLA twin
     _assert_same(((xla_q, xla_s), (xla_qt, xla_st)), want)
@@ -50,8 +60,8 @@ def test_off_the_grid_and_batched_operands_take_xlas_path():
     assert not tc.fits((B + 64, B)) and not tc.fits((1, B, B))
     fmt = fp8jax.E4M3
     x = jnp.stack([_operand(1), _operand(2)])
-    got = quantize_tiles_both_ways(x, fmt, B)
-    want = (quantize_tiles(x, fmt, B), quantize_tiles(jnp.swapaxes(x, 1, 2), fmt, B))
+    got = _both(quantize_tiles_both_ways(x, fmt, B))
+    want = (_pair(quantize_tiles(x, fmt, B)), _pair(quantize_tiles(jnp.swapaxes(x, 1, 2), fmt, B)))
     _assert_same(got, want)
 
 
@@ -90,7 +100,7 @@ def test_on_the_gpu_the_kernel_gives_xlas_bytes(power_of_two):
     run = functools.partial(quantize_tiles_both_ways, fmt=fmt, block=B,
                             power_of_two=power_of_two)  # fmt: skip
     assert "fp8jax_cast_tiles_both_ways" in jax.jit(run).lower(x).compile().as_text()
-    got = jax.jit(run)(x)
+    got = _both(jax.jit(run)(x))
     with fp8jax.kernels.use_pallas(False):
-        want = jax.jit(run)(x)
+        want = _both(jax.jit(run)(x))
     _assert_same(got, want)

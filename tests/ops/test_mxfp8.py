@@ -44,7 +44,8 @@ def test_blocks_take_the_smallest_power_of_two_that_keeps_them_in_range():
         * jnp.array([1e-30, 1.0, 3e4, 1e30])[None, :, None]
     )
     x = x.at[0, 0, :MX].set(0.0)  # an all-zero block
-    q, scale_inv = mx._blocks(x, fp8jax.E4M3)
+    blocks = mx._blocks(x, fp8jax.E4M3)
+    q, scale_inv = blocks.data, blocks.scale_inv
     s = np.asarray(scale_inv, np.float64)
     assert s.shape == (1, 4, 128 // MX)
     assert np.all(np.log2(s) == np.round(np.log2(s))), "not powers of two"

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops.operand import PER_TENSOR, Granularity, QuantizedOperand
+from fp8jax.ops import fine_quantize
+from fp8jax.ops.operand import QuantizedOperand
 from fp8jax.ops.quantizing import Recomputed, quantize_operand
+from fp8jax.recipes import PER_TENSOR, Granularity
 
 
 def _value(shape):
@@ -56,13 +58,50 @@ def test_a_quantized_operand_is_a_pytree_with_static_granularity():
 
 def test_granularities_give_the_scale_shapes_finer_recipes_fill():
     assert Granularity("row").scale_shape(64, 256) == (64, 1)
-    assert Granularity("block", 128).scale_shape(64, 300) == (64, 3)
+    assert Granularity("tile", 128).scale_shape(64, 300) == (64, 3)
+    assert Granularity("block", 128).scale_shape(256, 384) == (2, 3)
     with pytest.raises(ValueError, match="kind must be one of"):
         Granularity("column")
-    with pytest.raises(ValueError, match="an int > 0 for kind='block'"):
+    with pytest.raises(ValueError, match="an int > 0 for kind='tile' or 'block'"):
         Granularity("block")
-    with pytest.raises(ValueError, match="an int > 0 for kind='block'"):
+    with pytest.raises(ValueError, match="an int > 0 for kind='tile' or 'block'"):
         Granularity("row", 128)
+
+
+def _fine_operands(recipe, role, x):
+    """What the fine-grained GEMMs quantize ``x`` (1, R, K) into for ``role``, as they call it."""
+    fmt = recipe.formats.forward
+    if isinstance(recipe, fp8jax.RowwiseScaling):
+        return fine_quantize.quantize_rows_and_columns(x, fmt)
+    if isinstance(recipe, fp8jax.MXFP8Scaling):
+        return fine_quantize.quantize_tiles(x, fmt, recipe.BLOCK, power_of_two=True)
+    if role == "kernel":
+        return fine_quantize.quantize_blocks(x, fmt, recipe.BLOCK)
+    return fine_quantize.quantize_tiles_both_ways(x, fmt, recipe.BLOCK)
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.RowwiseScaling(), fp8jax.BlockScaling(), fp8jax.MXFP8Scaling()],
+    ids=lambda r: type(r).__name__,
+)  # fmt: skip
+@pytest.mark.parametrize("role", ["x", "kernel", "grad"])
+def test_fine_operands_have_the_scale_shape_their_recipe_declares(recipe, role):
+    # The scale's shape says the granularity: what each quantizer returns for
+    # a (rows, K) operand is what recipe.granularity(role) declares.
+    rows, k = 256, 384
+    q = _fine_operands(recipe, role, _value((rows, k))[None])
+    declared = recipe.granularity(role)
+    assert isinstance(q, QuantizedOperand) and q.granularity == declared and q.amax is None
+    assert q.scale_inv.shape == (1, *declared.scale_shape(rows, k))
+    if q.has_transposed:  # its own scales, along the other axis
+        assert q.transposed.scale_inv.shape == (1, *declared.scale_shape(k, rows))
+
+
+def test_per_tensor_recipes_declare_one_scale_for_every_role():
+    for recipe in (fp8jax.CurrentScaling(), fp8jax.DelayedScaling()):
+        assert [recipe.granularity(r) for r in ("x", "kernel", "grad")] == [PER_TENSOR] * 3
+    with pytest.raises(ValueError, match=r"role must be one of \('x', 'kernel', 'grad'\), got 'w'"):
+        fp8jax.CurrentScaling().granularity("w")
 
 
 def test_a_recomputed_value_needs_delayed_scaling_alone():

@@ -144,7 +144,7 @@ def test_a_nearly_dead_expert_keeps_its_relative_accuracy(factor):
 
 @pytest.mark.parametrize(
     "tiles",
-    [gg.TILES, gg.Tiles(m=32, n=64, k=32, wgrad_k=32, wgrad_n=64)],
+    [gg.DEFAULT_TILES, gg.Tiles(m=32, n=64, k=32, wgrad_k=32, wgrad_n=64)],
     ids=("default", "small_rectangular_wgrad"),
 )
 @pytest.mark.parametrize("k, n", [(128, 128), (96, 80)], ids=("whole_tiles", "part_tiles"))
@@ -208,7 +208,7 @@ ACCUMULATOR_STEP = 2.0**-13
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tiles",
-    [gg.TILES, gg.Tiles(m=64, n=128, k=64, warps=4, wgrad_k=128, wgrad_n=256)],
+    [gg.DEFAULT_TILES, gg.Tiles(m=64, n=128, k=64, warps=4, wgrad_k=128, wgrad_n=256)],
     ids=("default", "small_rectangular_wgrad"),
 )
 def test_kernels_on_the_gpu_within_fp8_budgets(tiles):

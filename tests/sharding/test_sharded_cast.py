@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import fp8jax
 import fp8jax.sharding as fs
 from fp8jax.kernels import cast_transpose as ct
-from fp8jax.ops import norm_forward
+from fp8jax.kernels import norm_forward
 
 DP_FSDP = {"dp": 2, "fsdp": 4}
 ROW_AXES = ("dp", "fsdp")
@@ -194,11 +194,11 @@ def test_data_parallel_mlp_step_casts_each_devices_rows_in_the_kernel(recipe, dp
         frozenset({("f8e5m2", (local, 256)), ("f8e5m2", (256, local))}),
     ]
     assert _cast_kernel_outputs(hlo) == sorted(want, key=sorted)
-    # The norm's backward (fp8jax.ops.norm_backward) on each device's rows too:
+    # The norm's backward (fp8jax.kernels.norm_backward) on each device's rows too:
     # x's gradient and one row of gamma's column sums per 64-row program.
     norm = frozenset({("bf16", (local, 256)), ("f32", (local // 64, 256))})
     assert _cast_kernel_outputs(hlo, "fp8jax_norm_backward", fp8_only=False) == [norm]
-    # The norm's forward and FP8 cast (fp8jax.ops.norm_forward) as well: the
+    # The norm's forward and FP8 cast (fp8jax.kernels.norm_forward) as well: the
     # FP8 output, the row statistics, one maximum per program; under current
     # scaling after a first pass on each device's rows that writes only the
     # maxima (whose all-reduced maximum gives the scale). It runs twice: the

@@ -104,7 +104,7 @@ def test_fsdp_weights_are_gathered_in_fp8_and_every_grouped_gemm_is_fp8():
     with fs.use_mesh(mesh):
         hlo = verify.compile_for(_fwd_bwd, *args, target="h100", devices=8)
     report = verify.gemm_report(hlo)
-    tiles = grouped_gemm.TILES
+    tiles = grouped_gemm.DEFAULT_TILES
 
     def whole(d, tile):  # padded to whole tiles
         return -(-d // tile) * tile

@@ -52,7 +52,7 @@ def test_grouped_gemms_are_reported_fp8_with_their_operand_dtypes(hlo):
     # lax.ragged_dot) and no other GEMM anywhere.
     report = verify.gemm_report(hlo)
     rows = sorted((g.target, g.lhs_dtype, g.rhs_dtype, g.out_shape) for g in report.gemms)
-    tiles = grouped_gemm.TILES
+    tiles = grouped_gemm.DEFAULT_TILES
 
     def whole(d, tile):  # whole output tiles, sliced after
         return -(-d // tile) * tile

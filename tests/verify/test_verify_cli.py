@@ -1,7 +1,15 @@
 """``fp8jax verify MODULE:FUNCTION``: exit status, table and JSON output."""
 
 import argparse
+import contextlib
 import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -80,3 +88,83 @@ def test_expect_checks_the_exact_count_in_plain_text(capsys, expect, status, ver
     out = capsys.readouterr().out
     assert out.startswith("verify_programs:fp8_entry on 1 x H100\nGEMMs: 3 (3 FP8, 0 not FP8)\n")
     assert out.rstrip().endswith(verdict)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("bad_factories:nowhere", r"bad_factories:nowhere: module 'bad_factories' \(.*"
+         r"bad_factories\.py\) has no attribute 'nowhere'\."),
+        ("bad_factories:NOT_CALLABLE", r"bad_factories:NOT_CALLABLE must be a function "
+         r"mesh -> \(fn, args\), got a int \(3\)\."),
+        ("bad_factories:no_mesh_argument", r"must take one argument, the Mesh \(None without "
+         r"--mesh\); its signature is no_mesh_argument\(\)"),
+        ("bad_factories:only_the_function", r"must return \(fn, args\).*got only a function"),
+        ("bad_factories:three_things", r"got a tuple of 3: \(function, tuple, NoneType\)\."),
+        ("bad_factories:raises", r"bad_factories:raises\(mesh\) raised RuntimeError: the model "
+         r"config is missing \(.*bad_factories\.py:\d+\)"),
+    ],
+)  # fmt: skip
+def test_a_bad_factory_is_refused_in_one_line_naming_it(capsys, entry, message):
+    assert _run(entry) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"fp8jax verify: error: {entry}") and re.search(message, err), err
+
+
+@pytest.mark.deviceless
+def test_a_function_that_does_not_trace_is_refused_in_one_line_naming_the_line(capsys):
+    # The worker's traceback came back under "deviceless compile of  failed:".
+    assert _run("bad_factories:shapes_that_do_not_fit") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        "fp8jax verify: error: bad_factories:shapes_that_do_not_fit: tracing fn(*args) raised "
+        "TypeError: dot_general requires contracting dimensions to have the same shape"
+    ), err
+    assert re.search(r"\(.*bad_factories\.py:\d+\)\n$", err), err
+
+
+def _processes_running(needle: str) -> list[int]:
+    """The pids of live (not zombie) processes whose command line contains ``needle``."""
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.deviceless
+@pytest.mark.skipif(not pathlib.Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc")
+def test_ctrl_c_stops_the_compiler_child_and_removes_its_folder(tmp_path):
+    # Issue 56, item 10: the child went on compiling and /tmp/fp8jax-verify-* stayed.
+    env = os.environ | {"TMPDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parent), *sys.path])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fp8jax_command", "verify", "bad_factories:sleeps"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300  # bounds a hung start; nothing depends on timing
+        while not (children := _processes_running(str(tmp_path))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert (proc.returncode, output) == (130, "fp8jax verify: interrupted; nothing was checked.\n")
+    assert list(tmp_path.iterdir()) == []
+    deadline = time.monotonic() + 60
+    while any(pid in _processes_running(str(tmp_path)) for pid in children):
+        assert time.monotonic() < deadline, f"compiler child {children} still running"
+        time.sleep(0.1)

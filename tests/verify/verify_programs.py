@@ -112,3 +112,61 @@ def _fsdp(mesh):
     if mesh is not None and tuple(mesh.axis_names) != ("fsdp",):
         raise ValueError(f"these programs shard over one 'fsdp' axis, got {mesh.axis_names}.")
     return mesh
+
+
+# Exchanges of FP8 rows between devices: expert parallelism's all-to-alls
+# and tensor parallelism's ring, each inside shard_map over 8 devices.
+EXCHANGE_ROWS, EXCHANGE_WIDTH = 64, 256
+EP_AXIS = "ep"
+
+
+def _fp8_rows(x):
+    """``x`` in E4M3 at one scale (fp8jax.quantize) as data and reciprocal scale."""
+    q, _ = fp8jax.quantize(x, fp8jax.E4M3)
+    return q.data, q.scale_inv
+
+
+def ep_exchange(x, sizes):
+    """Expert parallelism's exchange: FP8 rows by all-to-all and ragged-all-to-all, counts in s32.
+
+    ``x`` (8 * EXCHANGE_ROWS, EXCHANGE_WIDTH) split over ``ep``; ``sizes``
+    (8, 8) s32: row i of device d goes to device i, ``sizes[d, i]`` rows each.
+    """
+
+    def local(x, sizes):
+        data, scale_inv = _fp8_rows(x)
+        even = jax.lax.all_to_all(data, EP_AXIS, 0, 0, tiled=True)
+        received = jax.lax.all_to_all(sizes, EP_AXIS, 1, 1, tiled=True)
+        send = sizes.reshape(-1)
+        offsets = jnp.cumsum(send) - send
+        out = jnp.zeros_like(data)
+        ragged = jax.lax.ragged_all_to_all(data, out, offsets, send, offsets,
+                                           received.reshape(-1), axis_name=EP_AXIS)  # fmt: skip
+        both = even.astype(jnp.float32) + ragged.astype(jnp.float32)
+        return both * scale_inv
+
+    return jax.shard_map(local, in_specs=(P(EP_AXIS), P(EP_AXIS)), out_specs=P(EP_AXIS),
+                         check_vma=False)(x, sizes)  # fmt: skip
+
+
+def tp_ring(x):
+    """Tensor parallelism's ring: each device passes its FP8 shard to the next, 7 times."""
+
+    def local(x):
+        data, scale_inv = _fp8_rows(x)
+        ring = [(i, (i + 1) % 8) for i in range(8)]
+        total = data.astype(jnp.float32)
+        for _ in range(7):
+            data = jax.lax.ppermute(data, EP_AXIS, ring)
+            total = total + data.astype(jnp.float32)
+        return total * scale_inv
+
+    return jax.shard_map(local, in_specs=P(EP_AXIS), out_specs=P(EP_AXIS), check_vma=False)(x)
+
+
+def exchange_args(mesh, with_sizes=True):
+    """(x, sizes) as ShapeDtypeStructs split over ``mesh``'s ``ep`` axis (8 devices)."""
+    split = NamedSharding(mesh, P(EP_AXIS))
+    x = jax.ShapeDtypeStruct((8 * EXCHANGE_ROWS, EXCHANGE_WIDTH), jnp.bfloat16, sharding=split)
+    sizes = jax.ShapeDtypeStruct((8, 8), jnp.int32, sharding=split)
+    return (x, sizes) if with_sizes else (x,)

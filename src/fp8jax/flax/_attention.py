@@ -1,4 +1,4 @@
-"""The attention core both APIs share: split the fused QKV, rotate, attend (not quantized)."""
+"""The attention core both APIs share: split the fused QKV, rotate, attend (BF16, or FP8)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,19 @@ import jax.numpy as jnp
 
 from fp8jax.flax._common import BATCH, HEADS, LENGTH
 from fp8jax.flax.rotary import apply_rotary
+from fp8jax.ops.attention import dot_product_attention
 from fp8jax.sharding import constrain
 
 
 def attention_core(q, k, v, mask, causal: bool, implementation: str | None) -> jax.Array:
-    """``jax.nn.dot_product_attention`` in the inputs' dtype; not quantized."""
+    """``jax.nn.dot_product_attention`` in the inputs' dtype; ``"fp8"``: fp8jax's FP8 attention."""
+    if implementation == "fp8":
+        if mask is not None:
+            raise ValueError(
+                "attention_implementation='fp8' takes no mask (causal or none), got a mask "
+                f"of shape {mask.shape}; use 'xla' or 'cudnn' for masked attention."
+            )
+        return dot_product_attention(q, k, v, causal=causal)
     # JAX's XLA attention promotes bf16 logits against f32 internally, which a
     # process running strict dtype promotion rejects; that promotion is JAX's.
     with jax.numpy_dtype_promotion("standard"):

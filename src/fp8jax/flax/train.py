@@ -18,11 +18,15 @@ from the same state; their new states are merged by max
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -31,6 +35,10 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from fp8jax.flax._common import positive_int
 from fp8jax.recipes import DelayedScaling
 from fp8jax.scaling import ScaleState, combine_states, take_new_state
+
+# The named scope of a train step's optimizer update: profiles and compiled HLO name
+# its fusions after it, so a step's time breakdown can tell the optimizer apart.
+OPTIMIZER_SCOPE = "fp8jax.optimizer"
 
 FP8_COLLECTION = "fp8_state"
 """The Linen variable collection that holds delayed-scaling state."""
@@ -91,9 +99,31 @@ def _watch_fwd(state, param, owner):
             "fp8jax.flax.nnx.Fp8State variables; Linen: the 'fp8_state' collection) and swap "
             "its gradient in with fp8jax.take_new_state. See docs/flax.md, 'FP8 state'.",
             Fp8StateNotDifferentiatedWarning,
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
     return jax.tree.map(lambda leaf: leaf.value, state, is_leaf=_is_primal), None
+
+
+def _library_dirs() -> tuple[str, ...]:
+    fp8jax_dir = os.path.dirname(os.path.dirname(__file__))
+    dirs = tuple(os.path.dirname(p.__file__) + os.sep for p in (jax, flax, optax))
+    dirs = (*dirs, fp8jax_dir + os.sep)
+    # Decorators and partials from the standard library sit between JAX's frames.
+    return (*dirs, contextlib.__file__, functools.__file__)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame above the caller outside JAX, Flax, optax and fp8jax.
+
+    The warning fires while JAX traces a gradient, dozens of library frames
+    below the user's call of the module; a fixed stacklevel would name a line
+    of JAX's.
+    """
+    library = _library_dirs()
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(library):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 def _watch_bwd(owner, _, state_cotangent):
@@ -284,8 +314,10 @@ def make_train_step(
             accumulation_steps=accumulation_steps,
             recipe=recipe,
         )
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        # The scope names the update's fusions in profiles and HLO (bench/breakdown.py).
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         return TrainState(state.step + 1, params, opt_state, fp8_state), loss
 
     return train_step

@@ -4,11 +4,12 @@
 and on which rows. The cast kernels live here: an FP8 operand with its
 transposed copy (:mod:`fp8jax.kernels.cast_transpose`) and the MLP's
 activation and its gradient inside FP8 casts
-(:mod:`fp8jax.kernels.activation_cast`). The norm's kernels
-(:mod:`fp8jax.ops.norm_forward`, :mod:`fp8jax.ops.norm_backward`) stay
-beside the norm's row arithmetic in :mod:`fp8jax.ops.norm`, which both
-they and their XLA twins run. This package imports nothing from
-:mod:`fp8jax.ops`.
+(:mod:`fp8jax.kernels.activation_cast`), the norm's forward with its cast
+and its backward (:mod:`fp8jax.kernels.norm_forward`,
+:mod:`fp8jax.kernels.norm_backward`, over the row arithmetic of
+:mod:`fp8jax.kernels.norm_rows`), and the fine-grained and grouped GEMMs.
+This package imports nothing from :mod:`fp8jax.ops` or above
+(tests/test_imports.py checks it).
 """
 
 from fp8jax.kernels.dispatch import (
@@ -20,8 +21,6 @@ from fp8jax.kernels.dispatch import (
     decide,
     enabled,
     is_local,
-    placement,
-    row_axes,
     set_pallas,
     use_pallas,
 )
@@ -35,8 +34,6 @@ __all__ = [
     "decide",
     "enabled",
     "is_local",
-    "placement",
-    "row_axes",
     "set_pallas",
     "use_pallas",
 ]

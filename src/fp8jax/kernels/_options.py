@@ -97,8 +97,12 @@ def option(name: str, help: str, default: Any):
 
 
 def set_global(state, value: Any) -> None:
-    """Sets ``state`` outside any context manager (``jax.config.update`` for JAX's)."""
+    """Sets ``state`` outside any context manager (``jax.config.update``'s role)."""
     if isinstance(state, _Fallback):
         state.set_global(value)
-    else:
+    elif state.name in jax.config.values:
         jax.config.update(state.name, value)
+    else:
+        # jax.config.update knows the options declared through bool_state only;
+        # it sets those through the same method.
+        state._set(value)

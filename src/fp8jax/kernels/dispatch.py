@@ -1,8 +1,8 @@
 """The one place that decides whether a Pallas kernel runs, and where: each device's rows, or XLA.
 
 fp8jax's kernels (:mod:`fp8jax.kernels.cast_transpose`,
-:mod:`fp8jax.kernels.activation_cast`, :mod:`fp8jax.ops.norm_forward`,
-:mod:`fp8jax.ops.norm_backward`) each have an XLA twin that computes
+:mod:`fp8jax.kernels.activation_cast`, :mod:`fp8jax.kernels.norm_forward`,
+:mod:`fp8jax.kernels.norm_backward`) each have an XLA twin that computes
 the same values. Which one a traced op gets depends on four things, all
 decided here:
 
@@ -19,9 +19,12 @@ decided here:
   ``shard_map``), and on each device's rows (:func:`on_each_device`) where
   data parallelism alone splits token rows (:func:`data_parallel_axes`).
 * **the shape**: each kernel's ``fits``, asked with the number of devices
-  its rows are split over (:func:`placement`).
+  its rows are split over.
 * **the platform**: :func:`on_each_device` stages both and lets
   ``lax.platform_dependent`` keep the kernel on CUDA only.
+
+:func:`decide` weighs the first three and answers every caller with one
+:class:`Placement`.
 
 Every kernel calls :func:`pallas_call` rather than Pallas's own: inside a
 user's ``shard_map`` (``check_vma=True``, JAX's default) a result must say
@@ -181,10 +184,10 @@ def data_parallel_axes() -> tuple[str, ...] | None:
     return tuple(a for a in declared if a in names)
 
 
-def row_axes(rows_are_tokens: bool = True) -> tuple[str, ...] | None:
-    """Where a kernel may run here: () on whole arrays, the mesh axes splitting its rows, or None.
+def _row_axes(rows_are_tokens: bool) -> tuple[str, ...] | None:
+    """() on whole arrays, the mesh axes splitting a kernel's rows, or None: XLA's path.
 
-    None: XLA's path (the switch is off, or arrays are sharded otherwise).
+    None where the switch is off or arrays are sharded otherwise.
     ``rows_are_tokens``: the operand's rows are tokens (an activation or its
     gradient), which data parallelism splits; a weight's are not.
     """
@@ -205,34 +208,33 @@ def devices_along(axes: Sequence[str]) -> int:
 class Placement(NamedTuple):
     """A decision: XLA's twin (``kernel`` False), or the kernel on ``row_axes``'s share of rows.
 
-    ``row_axes`` () runs the kernel on whole arrays.
+    ``row_axes`` () runs the kernel on whole arrays; ``interpret`` runs it in
+    Pallas interpret mode, wherever it is (tests, on the CPU).
     """
 
     kernel: bool
     row_axes: tuple[str, ...] = ()
+    interpret: bool = False
 
 
 XLA = Placement(kernel=False)
 
 
 def decide(fits: Callable[[int], bool], *, rows_are_tokens: bool = True) -> Placement:
-    """:func:`placement` as a :class:`Placement`, taken before any work it would change."""
-    axes = placement(fits, rows_are_tokens=rows_are_tokens)
-    return XLA if axes is None else Placement(kernel=True, row_axes=axes)
+    """Where a kernel runs here, taken before any work it would change.
 
-
-def placement(
-    fits: Callable[[int], bool], *, rows_are_tokens: bool = True
-) -> tuple[str, ...] | None:
-    """:func:`row_axes`, where the kernel's ``fits(row_shards)`` takes its share of rows; else None.
-
-    ``fits``: the kernel's shape rule, given the number of devices its rows
-    are split over (1 for whole arrays).
+    The kernel runs on whole arrays where arrays are whole on each device,
+    on each device's rows where data parallelism alone splits them
+    (``rows_are_tokens``: the operand's rows are tokens, which data
+    parallelism splits; a weight's are not), and nowhere with the switch
+    off; in each case only where its shape rule ``fits(row_shards)`` takes
+    the rows of one device (``row_shards``: the devices they are split
+    over, 1 for whole arrays). Elsewhere :data:`XLA`.
     """
-    axes = row_axes(rows_are_tokens)
+    axes = _row_axes(rows_are_tokens)
     if axes is None or not fits(devices_along(axes)):
-        return None
-    return axes
+        return XLA
+    return Placement(kernel=True, row_axes=axes)
 
 
 def on_each_device(pallas_fn, xla_fn, operands, n_row_split: int, out_layouts, row_axes=()):

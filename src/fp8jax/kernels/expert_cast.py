@@ -86,7 +86,7 @@ def cast_experts(w, scale, forward: Fp8Format, backward: Fp8Format, interpret: b
     """
     if interpret and fits(w.shape):
         return tuple(_pallas(w, scale, forward, backward, interpret=True))
-    if dispatch.row_axes(rows_are_tokens=False) is None or not fits(w.shape):
+    if not dispatch.decide(lambda _: fits(w.shape), rows_are_tokens=False).kernel:
         return cast_experts_xla(w, scale, forward, backward)
     return tuple(dispatch.on_each_device(
         functools.partial(_pallas, forward=forward, backward=backward),

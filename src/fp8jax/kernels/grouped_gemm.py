@@ -8,8 +8,8 @@ kernels run instead and do only the useful ones
 (docs/design.md#grouped-expert-gemms).
 
 Layout (:class:`Layout`): the rows of each group, and the rows past the
-last group, are split into whole row tiles (``TILES.m``) of a static grid of
-``m + (g + 1) * (TILES.m - 1)`` places (rounded up to a tile), so each row
+last group, are split into whole row tiles (``current_tiles().m``) of a static grid of
+``m + (g + 1) * (current_tiles().m - 1)`` places (rounded up to a tile), so each row
 tile belongs to one group; XLA computes the tile-to-group table and each
 place's row from the group sizes. Places past a group's rows are padding.
 
@@ -39,7 +39,6 @@ products with ``lax.ragged_dot``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
@@ -47,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.kernels import dispatch, triton_fp8_dot
+from fp8jax.kernels import _options, dispatch, triton_fp8_dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +71,59 @@ class Tiles:
     wgrad_warps: int = 8
 
 
-# The tiling every kernel is traced with: the fastest of bench/moe.py --part tiles's
-# seven on an H200 for both of its shapes, and of --part backward's four wgrad tiles
-# (docs/design.md#grouped-expert-gemms).
-TILES = Tiles()
+# The tiling every kernel is traced with by default: the fastest of bench/moe.py
+# --part tiles's seven on an H200 for both of its shapes, and of --part backward's
+# four wgrad tiles (docs/design.md#grouped-expert-gemms).
+DEFAULT_TILES = Tiles()
+
+# An option in the jit key (fp8jax.kernels._options): a function traced with
+# one tiling is traced again under another, where a module global read at
+# trace time would leave jit's cached trace on the old one.
+_TILES = _options.option(
+    "fp8jax_grouped_gemm_tiles",
+    "The grouped-GEMM kernels' Tiles (fp8jax.kernels.grouped_gemm.use_tiles).",
+    default=DEFAULT_TILES,
+)
+# Pallas interpret mode for the grouped-GEMM kernels and the experts' cast
+# (tests, on the CPU), in the jit key as well.
+_INTERPRET = _options.option(
+    "fp8jax_grouped_gemm_interpret",
+    "Whether fp8jax.ragged_dot's kernels run in Pallas interpret mode (tests, on the CPU).",
+    default=False,
+)
 
 
-@contextlib.contextmanager
+def current_tiles() -> Tiles:
+    """The tiling the kernels are traced with here: :data:`DEFAULT_TILES` or :func:`use_tiles`'s."""
+    return _TILES.value
+
+
+def _check_tiles(tiles: Tiles) -> Tiles:
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles must be a fp8jax.kernels.grouped_gemm.Tiles, got {tiles!r}.")
+    return tiles
+
+
 def use_tiles(tiles: Tiles):
-    """Traces the kernels with ``tiles`` inside (a function traced before keeps its own)."""
-    global TILES
-    before, TILES = TILES, tiles
-    try:
-        yield
-    finally:
-        TILES = before
+    """A context manager: the kernels traced with ``tiles`` inside (part of the jit key)."""
+    return _TILES(_check_tiles(tiles))
+
+
+def set_tiles(tiles: Tiles) -> None:
+    """Sets the kernels' tiling for the process, outside any :func:`use_tiles`."""
+    _options.set_global(_TILES, _check_tiles(tiles))
+
+
+def interpreting() -> bool:
+    """Whether the kernels run in Pallas interpret mode here (:func:`interpret_kernels`)."""
+    return bool(_INTERPRET.value)
+
+
+def interpret_kernels(flag: bool = True):
+    """A context manager: the kernels in Pallas interpret mode inside (tests, on the CPU)."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"interpret_kernels: flag must be a bool, got {flag!r}.")
+    return _INTERPRET(flag)
 
 
 def _compiler_params(interpret: bool, warps: int) -> dict:
@@ -94,7 +131,7 @@ def _compiler_params(interpret: bool, warps: int) -> dict:
 
     if interpret:
         return {}
-    stages = {} if TILES.stages is None else {"num_stages": TILES.stages}
+    stages = {} if current_tiles().stages is None else {"num_stages": current_tiles().stages}
     return {"compiler_params": pallas_triton.CompilerParams(num_warps=warps, **stages)}
 
 
@@ -151,9 +188,9 @@ def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 def layout(group_sizes: jax.Array, rows: int, block_m: int | None = None) -> Layout:
     """The :class:`Layout` of ``rows`` rows in groups of ``group_sizes``.
 
-    ``block_m``: rows per tile, :data:`TILES`'s by default.
+    ``block_m``: rows per tile, :func:`current_tiles`'s by default.
     """
-    block_m = block_m or TILES.m
+    block_m = block_m or current_tiles().m
     groups = group_sizes.shape[0] + 1  # the rows past the last group are one more
     ends = jnp.concatenate([group_ends(group_sizes, rows), jnp.full((1,), rows, jnp.int32)])
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
@@ -268,7 +305,7 @@ def grouped(a, b, group_sizes, per_group, out_dtype, interpret: bool = False, *,
     """
     from jax.experimental import pallas as pl
 
-    t = TILES
+    t = current_tiles()
     m, n = (a.shape[0] if read is None else read.shape[0]), b.shape[1]
     lay = layout(group_sizes, m)
     a_rows, out_rows = place_rows(lay, read, a.shape[0]), place_rows(lay, write, m)
@@ -369,7 +406,7 @@ def grouped_transposed(a, b, group_sizes, scale, out_dtype, interpret: bool = Fa
     """
     from jax.experimental import pallas as pl
 
-    t = TILES
+    t = current_tiles()
     groups = group_sizes.shape[0]
     k, n = a.shape[1], b.shape[1]
     tk, tn = t.wgrad_k, t.wgrad_n

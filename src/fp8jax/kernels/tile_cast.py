@@ -13,7 +13,7 @@ for the second (docs/design.md#the-block-casts).
 
 On NVIDIA GPUs this is a Pallas (Triton) kernel; elsewhere, with the
 kernels off, or for shapes off the 128 grid, XLA computes the same values
-(:func:`fp8jax.fine_quantize.quantize_tiles` twice);
+(:func:`fp8jax.ops.fine_quantize.quantize_tiles` twice);
 :mod:`fp8jax.kernels.dispatch` decides.
 """
 
@@ -98,7 +98,7 @@ def cast_tiles_both_ways(x, fmt: Fp8Format, margin: float = 0, power_of_two: boo
 
     ``q`` (R, C) with ``scale_inv`` (R, C / 128), ``q_t`` (C, R) with
     ``scale_inv_t`` (C, R / 128): what
-    :func:`~fp8jax.fine_quantize.quantize_tiles` gives for ``x`` and ``x^T``.
+    :func:`~fp8jax.ops.fine_quantize.quantize_tiles` gives for ``x`` and ``x^T``.
     ``row_axes``: mesh axes that split ``x``'s rows (and nothing else); each
     device then casts its own blocks. ``x`` must fit (:func:`fits`).
     """

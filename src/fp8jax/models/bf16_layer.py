@@ -29,11 +29,6 @@ from fp8jax.ops.gemm import add_bias
 from fp8jax.sharding import constrain
 
 
-def _gate(pre, activations):
-    """The (gated) activation in f32, from and to bf16."""
-    return gated(pre, activations).astype(jnp.bfloat16)
-
-
 def _bf16_dot(x, kernel, n_contract: int):
     """``x``'s last ``n_contract`` axes against ``kernel``'s first, BF16 operands and result."""
     dims = (tuple(range(x.ndim - n_contract, x.ndim)), tuple(range(n_contract)))
@@ -158,7 +153,7 @@ class _Mlp(_Norm):
         # Rematerialized: the backward keeps only the bf16 pre-activation, as the
         # FP8 block does. Plain autodiff kept five f32 copies of (tokens, ffn)
         # per layer, 57 GB of stacked residuals in the medium GPT on the H200.
-        gate = jax.checkpoint(functools.partial(_gate, activations=self.activations))
+        gate = jax.checkpoint(functools.partial(gated, names=self.activations, dtype=jnp.bfloat16))
         y = _bf16_dot(gate(pre), kernel_2, 1)
         if self.use_bias:
             y = add_bias(y, bias_2, 1)

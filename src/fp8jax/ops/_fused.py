@@ -3,7 +3,7 @@
 Their static config, the norm's FP8 output and the statistics its backward
 reads. The normalized input never reaches HBM in high precision: one kernel
 computes the norm, its FP8 cast and its maxima from a single read of x
-(:mod:`fp8jax.ops.norm_forward`;
+(:mod:`fp8jax.kernels.norm_forward`;
 docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel), after a
 maxima-only pass of the same kernel under current scaling; where the kernel
 does not run it is quantized in the fusions that compute it, the amax pass
@@ -19,18 +19,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax import activations as activations_
-from fp8jax.ops import _partitioning, norm_forward
-from fp8jax.ops.norm import NormConfig, normalize
+from fp8jax.kernels import norm_forward
+from fp8jax.ops import _partitioning
+from fp8jax.ops.norm import NormConfig, normalize, normalize_and_cast, output_maxima
 from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
 from fp8jax.ops.quantizing import amax_for_update, current_amax_and_scale, quantize_operand
 from fp8jax.ops.split import Split
-from fp8jax.quantize import Fp8Array, check_high_precision
+from fp8jax.quantize import Fp8Array
 from fp8jax.recipes import Recipe
 from fp8jax.scaling import ScaleState
-
-# XLA's formula of each activation, by name (fp8jax.activations.REGISTRY).
-ACTIVATIONS = {name: a.xla for name, a in activations_.REGISTRY.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +72,7 @@ def normalize_and_quantize(
 ) -> tuple[QuantizedOperand, NormSaved]:
     """The norm's output in FP8, and what the norm's backward reads.
 
-    In one kernel where it runs (:mod:`fp8jax.ops.norm_forward`): at
+    In one kernel where it runs (:mod:`fp8jax.kernels.norm_forward`): at
     delayed scaling's stored scale (``state``, the output's ScaleState), or
     under current scaling after a first pass of the same kernel that only
     takes the output's maxima. Elsewhere XLA's passes, which fuse the norm
@@ -83,15 +80,15 @@ def normalize_and_quantize(
     reaches HBM in high precision.
     """
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    row_axes = norm_forward.kernel_row_axes(x)
-    if row_axes is not None:
+    placement = norm_forward.decide(x)
+    if placement.kernel:
         if state is None:
-            maxima = norm_forward.output_maxima(x, gamma, beta, config.norm, row_axes)
+            maxima = output_maxima(x, gamma, beta, config.norm, placement.row_axes)
             amax, scale = current_amax_and_scale(maxima, fmt, recipe)
         else:
             scale = state.scale
-        q, maxima, mean, rstd = norm_forward.normalize_and_cast(
-            x, gamma, beta, config.norm, scale, fmt, row_axes
+        q, maxima, mean, rstd = normalize_and_cast(
+            x, gamma, beta, config.norm, scale, fmt, placement.row_axes
         )
         if state is not None:
             amax = amax_for_update(maxima, recipe)
@@ -127,20 +124,6 @@ def fp8_output(saved: Fp8Array | None, norm: NormSaved, config: FusedConfig, aft
     x, gamma, beta, scale, _ = lax.optimization_barrier((norm.x, norm.gamma, norm.beta,
                                                          norm.scale, after))  # fmt: skip
     fmt = config.recipe.formats.forward
-    q = norm_forward.normalize_and_cast(x, gamma, beta, config.norm, scale, fmt,
-                                        norm_forward.kernel_row_axes(x))[0]  # fmt: skip
+    q = normalize_and_cast(x, gamma, beta, config.norm, scale, fmt,
+                           norm_forward.decide(x).row_axes)[0]  # fmt: skip
     return Fp8Array(q, inverse(scale), fmt)
-
-
-def contract_last(lhs_ndim: int):
-    """Dimension numbers contracting lhs's last axis against the kernel's first."""
-    return (((lhs_ndim - 1,), (0,)), ((), ()))
-
-
-def check_bias(name: str, bias, shape: tuple[int, ...]) -> None:
-    """Raises unless ``bias`` is None or a high-precision array of ``shape``."""
-    if bias is None:
-        return
-    check_high_precision(name, bias)
-    if tuple(bias.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(bias.shape)}.")

@@ -15,28 +15,17 @@ forward saves the weight's FP8 blocks and ``a`` quantized along M.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fp8jax.fine_quantize import quantize_blocks, quantize_tiles_both_ways
 from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul
 from fp8jax.ops import _partitioning
+from fp8jax.ops.fine_config import FineDotConfig
+from fp8jax.ops.fine_quantize import quantize_blocks, quantize_tiles_both_ways
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import BlockScaling
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockDotConfig:
-    recipe: BlockScaling
-    out_dtype: np.dtype
-    a_dtype: np.dtype
-    b_dtype: np.dtype
-    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
-    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def _tiles_both_ways(x, fmt, recipe: BlockScaling):
@@ -44,28 +33,32 @@ def _tiles_both_ways(x, fmt, recipe: BlockScaling):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def block_dot(a, b, config: BlockDotConfig):
+def block_dot(a, b, config: FineDotConfig):
     """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N) with block scales, FP8 both ways."""
     return _block_dot_fwd(a, b, config)[0]
 
 
-def _block_dot_fwd(a, b, config: BlockDotConfig):
+def _block_dot_fwd(a, b, config: FineDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    # qa (B, M, K), sa (B, M, K / 128); qa_t (B, K, M) for the wgrad, which contracts M.
-    (qa, sa), (qa_t, sa_t) = _tiles_both_ways(a, fmt, recipe)
-    qb, sb = quantize_blocks(b, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
-    y = block_scaled_matmul(qa, qb, sa, sb, config.out_dtype, b_blocks=True)
-    return y, (qa_t, sa_t, qb, sb)
+    # qa (B, M, K), scales (B, M, K / 128); its transposed copy (B, K, M) for
+    # the wgrad, which contracts M.
+    qa = _tiles_both_ways(a, fmt, recipe)
+    qb = quantize_blocks(b, fmt, BLOCK, recipe.margin, recipe.power_of_two_scales)
+    y = block_scaled_matmul(qa.data, qb.data, qa.scale_inv, qb.scale_inv, config.out_dtype,
+                            b_blocks=True)  # fmt: skip
+    return y, (qa.transposed, qb.fp8)
 
 
-def _block_dot_bwd(config: BlockDotConfig, residuals, g):
-    qa_t, sa_t, qb, sb = residuals
+def _block_dot_bwd(config: FineDotConfig, residuals, g):
+    a_t, b = residuals
     recipe, fmt = config.recipe, config.recipe.formats.backward
-    # qg (B, M, N) for the dgrad, which contracts N; qg_t (B, N, M) for the wgrad.
-    (qg, sg), (qg_t, sg_t) = _tiles_both_ways(g, fmt, recipe)
-    qb_t, sb_t = jnp.swapaxes(qb, 1, 2), jnp.swapaxes(sb, 1, 2)  # (B, K, N), (B, K/128, N/128)
-    d_a = block_scaled_matmul(qg, qb_t, sg, sb_t, config.a_dtype, b_blocks=True)
-    d_b = block_scaled_matmul(qg_t, qa_t, sg_t, sa_t, config.b_dtype)
+    # qg (B, M, N) for the dgrad, which contracts N; its transposed copy (B, N, M) for the wgrad.
+    qg = _tiles_both_ways(g, fmt, recipe)
+    g_t = qg.transposed
+    # A block's scale serves the transposed weight: (B, K, N), (B, K/128, N/128).
+    qb_t, sb_t = jnp.swapaxes(b.data, 1, 2), jnp.swapaxes(b.scale_inv, 1, 2)
+    d_a = block_scaled_matmul(qg.data, qb_t, qg.scale_inv, sb_t, config.a_dtype, b_blocks=True)
+    d_b = block_scaled_matmul(g_t.data, a_t.data, g_t.scale_inv, a_t.scale_inv, config.b_dtype)
     return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
 
 

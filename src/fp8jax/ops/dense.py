@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 
 from fp8jax.ops import dimensions
-from fp8jax.ops.dot_general import dot_with_bias
+from fp8jax.ops.dot_general import dot_with_bias, out_dtype, result_dtype
 from fp8jax.ops.gemm import check_bias
 from fp8jax.ops.split import make_split
 from fp8jax.quantize import check_high_precision
@@ -30,6 +30,7 @@ def dense(
     state: DotScaleState | None = None,
     split: Sequence[int] | None = None,
     split_axis: int = -2,
+    preferred_element_type=None,
 ) -> jax.Array:
     """FP8 dense layer: ``x . kernel + bias`` with FP8 GEMMs forward and backward.
 
@@ -44,16 +45,22 @@ def dense(
         sizes along that feature axis, as ``fp8jax.layernorm_dense`` does (a
         fused QKV projection: the backward casts the pieces' gradients
         without writing their sum; :mod:`fp8jax.ops.split`).
+      preferred_element_type: output dtype; defaults to what
+        ``lax.dot_general(x, kernel)`` returns, the wider of the two dtypes
+        (float16 x float32 is float32). Pass ``x.dtype`` to compute in the
+        activations' dtype from float32 parameters, as the Flax modules do.
 
     Returns:
-      ``x``'s batch axes followed by the kernel's free axes, in ``x.dtype``
-      (a tuple of pieces with ``split``).
+      ``x``'s batch axes followed by the kernel's free axes (a tuple of
+      pieces with ``split``).
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
       >>> x = jax.random.normal(jax.random.key(0), (2, 8, 64), jnp.bfloat16)
       >>> w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32) * 0.1
       >>> fp8jax.dense(x, w, jnp.zeros((32,))).dtype
+      dtype('float32')
+      >>> fp8jax.dense(x, w, jnp.zeros((32,)), preferred_element_type=x.dtype).dtype
       dtype(bfloat16)
     """
     check_high_precision("x", x)
@@ -63,4 +70,5 @@ def dense(
     check_bias(bias, tuple(free))
     batch = [d for i, d in enumerate(x.shape) if i not in dims[0][0]]
     pieces = make_split(split, split_axis, (*batch, *free), len(free))
-    return dot_with_bias(x, kernel, bias, dims, recipe, state, x.dtype, pieces)
+    out = out_dtype(preferred_element_type, result_dtype(x.dtype, kernel.dtype))
+    return dot_with_bias(x, kernel, bias, dims, recipe, state, out, pieces)

@@ -22,6 +22,11 @@ class TransposedDot(NamedTuple):
     permutation: tuple[int, ...] | None  # None: the result is already in place
 
 
+def contract_last(lhs_ndim: int) -> DimensionNumbers:
+    """Dimension numbers contracting lhs's last axis against the kernel's first."""
+    return (((lhs_ndim - 1,), (0,)), ((), ()))
+
+
 def _axes(value, ndim: int, what: str) -> tuple[int, ...]:
     if isinstance(value, int):
         value = (value,)

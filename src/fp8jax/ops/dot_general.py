@@ -145,7 +145,24 @@ def check_state(state, recipe, group=DotScaleState) -> None:
             )
 
 
-def _out_dtype(preferred_element_type, default):
+def result_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
+    """``lax.dot_general``'s output dtype for these (high-precision float) operands.
+
+    The operand of greater range, then precision, wins, as in XLA's
+    HigherPrecisionType: float16 x float32 is float32 (a float16 output
+    would overflow where lax's does not), bfloat16 x float16 is bfloat16.
+    """
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+
+    def rank(dtype):
+        info = jnp.finfo(dtype)
+        return info.maxexp, info.nmant, info.bits
+
+    return lhs_dtype if rank(lhs_dtype) >= rank(rhs_dtype) else rhs_dtype
+
+
+def out_dtype(preferred_element_type, default):
+    """``preferred_element_type`` checked, or ``default`` where it is None."""
     if preferred_element_type is None:
         return jnp.dtype(default)
     dtype = jnp.dtype(preferred_element_type)
@@ -178,7 +195,8 @@ def dot_general(
       state: the :class:`~fp8jax.scaling.DotScaleState` from
         ``fp8jax.init_state(recipe)``; required by DelayedScaling, None
         otherwise. Its gradient is the updated state.
-      preferred_element_type: output dtype; defaults to ``lhs.dtype``.
+      preferred_element_type: output dtype; defaults to what ``lax.dot_general``
+        returns, the wider of the two dtypes (float16 x float32 is float32).
 
     Returns:
       The product, laid out as ``lax.dot_general`` lays it out.
@@ -199,8 +217,8 @@ def dot_general(
     check_high_precision("lhs", lhs)
     check_high_precision("rhs", rhs)
     dims = dimensions.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    return dot_with_bias(lhs, rhs, None, dims, recipe, state, out_dtype)
+    out = out_dtype(preferred_element_type, result_dtype(lhs.dtype, rhs.dtype))
+    return dot_with_bias(lhs, rhs, None, dims, recipe, state, out)
 
 
 def dot_with_bias(lhs, rhs, bias, dims, recipe, state, out_dtype, split: Split | None = None):

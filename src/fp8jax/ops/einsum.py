@@ -7,6 +7,7 @@ transpose, so every einsum runs through the same FP8 custom_vjp as
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from fp8jax.ops.dot_general import dot_general
@@ -64,7 +65,8 @@ def einsum(spec: str, x, w, *, recipe: Recipe | None = None, state=None,
       w: kernel.
       recipe: CurrentScaling (default) or DelayedScaling.
       state: DelayedScaling state from ``fp8jax.init_state(recipe)``.
-      preferred_element_type: output dtype; defaults to ``x.dtype``.
+      preferred_element_type: output dtype; defaults to what ``jnp.einsum``
+        returns, the promoted dtype (float16 x float32 is float32).
 
     Returns:
       The contraction, with axes in the order the spec's output names them.
@@ -102,6 +104,12 @@ def einsum(spec: str, x, w, *, recipe: Recipe | None = None, state=None,
         (tuple(lhs.index(c) for c in contract), tuple(rhs.index(c) for c in contract)),
         (tuple(lhs.index(c) for c in batch), tuple(rhs.index(c) for c in batch)),
     )
+    if preferred_element_type is None:
+        # jnp.einsum's promotion (bfloat16 x float16 is float32). Asked for in
+        # standard mode: the caller's strict mode refuses to promote implicitly,
+        # but choosing the output dtype here is no implicit upcast of theirs.
+        with jax.numpy_dtype_promotion("standard"):
+            preferred_element_type = jnp.promote_types(x.dtype, w.dtype)
     y = dot_general(
         x, w, dims, recipe=recipe, state=state, preferred_element_type=preferred_element_type
     )

@@ -16,35 +16,28 @@ from __future__ import annotations
 import jax
 
 from fp8jax.activations import gated
-from fp8jax.ops import fine_grained
+from fp8jax.ops import dimensions, fine_grained
 from fp8jax.ops.norm import NormConfig, norm
-
-
-def _contract_last(ndim: int):
-    return (((ndim - 1,), (0,)), ((), ()))
 
 
 def layernorm_dense(x, gamma, beta, kernel, bias, norm_config: NormConfig, recipe, *, split=None,
                     return_normalized=False, return_residual=False):  # fmt: skip
     """:func:`fp8jax.layernorm_dense` (checked arguments) as a norm, then a fine-grained dense."""
     normed = norm(x, gamma, beta, norm_config)
-    y = fine_grained.dot(normed, kernel, bias, _contract_last(x.ndim), recipe, x.dtype, split)
+    dims = dimensions.contract_last(x.ndim)
+    y = fine_grained.dot(normed, kernel, bias, dims, recipe, x.dtype, split)
     if return_normalized:
         return y, normed
     return (y, x) if return_residual else y
-
-
-def _activation(pre, activations):
-    """:func:`gated` of ``pre`` (..., len(activations), ffn), in ``pre.dtype``."""
-    return gated(pre, activations).astype(pre.dtype)
 
 
 def layernorm_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, norm_config: NormConfig,
                   recipe, activations, *, return_residual=False):  # fmt: skip
     """:func:`fp8jax.layernorm_mlp` (checked arguments): norm, dense, activation, dense."""
     normed = norm(x, gamma, beta, norm_config)
-    pre = fine_grained.dot(normed, kernel_1, bias_1, _contract_last(x.ndim), recipe, x.dtype)
+    dims = dimensions.contract_last(x.ndim)
+    pre = fine_grained.dot(normed, kernel_1, bias_1, dims, recipe, x.dtype)
     # Recomputed in the backward from pre, so that only pre is kept.
-    h = jax.checkpoint(_activation, static_argnums=(1,))(pre, tuple(activations))
-    y = fine_grained.dot(h, kernel_2, bias_2, _contract_last(x.ndim), recipe, x.dtype)
+    h = jax.checkpoint(gated, static_argnums=(1, 2, 3))(pre, tuple(activations), -2, pre.dtype)
+    y = fine_grained.dot(h, kernel_2, bias_2, dims, recipe, x.dtype)
     return (y, x) if return_residual else y

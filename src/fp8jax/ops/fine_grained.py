@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from fp8jax.kernels.block_gemm import BLOCK
 from fp8jax.ops import _partitioning, blockwise, mx, rowwise
-from fp8jax.recipes import BlockScaling, MXFP8Scaling, RowwiseScaling
+from fp8jax.ops.fine_config import FineDotConfig
+from fp8jax.recipes import PER_TENSOR
 
 
 def dot_general(lhs, rhs, dims, recipe, out_dtype) -> jax.Array:
@@ -65,30 +66,40 @@ def _dot_general(lhs, rhs, *, dims, recipe, out_dtype) -> jax.Array:
     return _product(a, b, recipe, jnp.dtype(out_dtype)).reshape(out_shape)
 
 
+# The GEMM of each weight granularity a fine-grained recipe declares
+# (recipe.granularity("kernel").kind), and whether its operands are padded to
+# whole 128-blocks (the block kernel's tiles, cuDNN's MX scale layout).
+_GEMMS = {
+    "row": (rowwise.row_dot, False),
+    "block": (blockwise.block_dot, True),  # BlockScaling: 128 x 128 weight blocks
+    "tile": (mx.mx_dot, True),  # MXFP8Scaling: 1 x 32 blocks along K
+}
+
+
 def _product(a, b, recipe, out_dtype) -> jax.Array:
-    if isinstance(recipe, RowwiseScaling):
-        config = rowwise.RowDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
-                                      _partitioning.input_types(a, b))  # fmt: skip
-        return rowwise.row_dot(a, b, config)
-    if not isinstance(recipe, BlockScaling | MXFP8Scaling):
+    kind = recipe.granularity("kernel").kind
+    if kind not in _GEMMS:
         raise TypeError(
             f"recipe must be RowwiseScaling, BlockScaling or MXFP8Scaling here, got {recipe!r}."
         )
+    gemm, padded = _GEMMS[kind]
+    if not padded:
+        config = FineDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
+                               _partitioning.input_types(a, b))  # fmt: skip
+        return gemm(a, b, config)
     _, m, k = a.shape
     n = b.shape[1]
     pad = lambda size: -size % BLOCK  # noqa: E731
     a = jnp.pad(a, ((0, 0), (0, pad(m)), (0, pad(k))))
     b = jnp.pad(b, ((0, 0), (0, pad(n)), (0, pad(k))))
-    types = (recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
-             _partitioning.input_types(a, b))  # fmt: skip
-    if isinstance(recipe, MXFP8Scaling):
-        return mx.mx_dot(a, b, mx.MXDotConfig(*types))[:, :m, :n]
-    return blockwise.block_dot(a, b, blockwise.BlockDotConfig(*types))[:, :m, :n]
+    config = FineDotConfig(recipe, out_dtype, jnp.dtype(a.dtype), jnp.dtype(b.dtype),
+                           _partitioning.input_types(a, b))  # fmt: skip
+    return gemm(a, b, config)[:, :m, :n]
 
 
 def is_fine(recipe) -> bool:
     """Whether ``recipe`` scales finer than per tensor (its GEMMs run here)."""
-    return isinstance(recipe, RowwiseScaling | BlockScaling | MXFP8Scaling)
+    return recipe.granularity("x") != PER_TENSOR
 
 
 def dot(lhs, rhs, bias, dims, recipe, out_dtype, split=None):

@@ -202,14 +202,15 @@ def backward_dots(
     return d_lhs, wgrad_over_tokens(lhs, g_wgrad, rhs_q.shape, rhs_dtype, recipe)
 
 
-def check_bias(bias: jax.Array | None, expected: tuple[int, ...]) -> None:
-    """Raises unless ``bias`` is None or a high-precision array of the kernel's output shape."""
+def check_bias(bias: jax.Array | None, expected: tuple[int, ...], name: str = "bias") -> None:
+    """Raises unless ``bias`` is None or a high-precision array of its kernel's output shape."""
     if bias is None:
         return
-    check_high_precision("bias", bias)
+    check_high_precision(name, bias)
     if tuple(bias.shape) != tuple(expected):
         raise ValueError(
-            f"bias must have the kernel's output shape {tuple(expected)}, got {tuple(bias.shape)}."
+            f"{name} must have the kernel's output shape {tuple(expected)}, "
+            f"got {tuple(bias.shape)}."
         )
 
 

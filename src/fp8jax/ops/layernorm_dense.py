@@ -4,7 +4,7 @@ The norm's output is quantized where it is computed
 (:func:`fp8jax.ops._fused.normalize_and_quantize`) and never reaches HBM in
 high precision. The bias is an input of the custom_vjp: its gradient comes
 out of the pass that quantizes the output gradient. The norm's backward
-runs in one pass (:mod:`fp8jax.ops.norm_backward`) where its kernel runs,
+runs in one pass (:mod:`fp8jax.kernels.norm_backward`) where its kernel runs,
 with the residual connection's gradient added in it when the caller takes
 the residual from the op (``return_residual``;
 docs/design.md#the-norms-backward-in-one-pass).
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import _fused, _partitioning, fine_fused, fine_grained, gemm, norm_backward
+from fp8jax.ops import _fused, _partitioning, dimensions, fine_fused, fine_grained, gemm, norm
 from fp8jax.ops._fused import FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -54,7 +54,7 @@ def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
     normed, norm = _fused.normalize_and_quantize(x, gamma, beta, state and state.x, config)
     kernel_q = quantize_operand(kernel, recipe.formats.forward, state and state.kernel, recipe,
                                 rows_ndim=1, transpose=True)  # fmt: skip
-    y = gemm.scaled_dot(normed.fp8, kernel_q, _fused.contract_last(x.ndim), config.x_dtype,
+    y = gemm.scaled_dot(normed.fp8, kernel_q, dimensions.contract_last(x.ndim), config.x_dtype,
                         recipe.forward_precision)  # fmt: skip
     y = split_output_with_bias(y, bias, kernel.ndim - 1, config.split)
     if config.return_normalized:
@@ -77,12 +77,12 @@ def _ln_dense_bwd(config: FusedConfig, saved: LnDenseResiduals, cotangent):
                            column_sums=config.bias_dtype is not None)  # fmt: skip
     normed = _fused.fp8_output(saved.normed, saved.norm, config, g_q.fp8.data)
     d_normed, d_kernel = gemm.backward_dots(
-        _fused.contract_last(x.ndim), x.ndim, Fp8Layout(normed), saved.kernel, g_q,
+        dimensions.contract_last(x.ndim), x.ndim, Fp8Layout(normed), saved.kernel, g_q,
         x.dtype, config.kernel_dtypes[0], recipe,
     )  # fmt: skip
     if g_normed is not None:
         d_normed = d_normed.astype(jnp.float32) + g_normed.astype(jnp.float32)
-    dx, dgamma, dbeta = norm_backward.normalize_backward(d_normed, x, mean, rstd, gamma, beta,
+    dx, dgamma, dbeta = norm.fused_normalize_backward(d_normed, x, mean, rstd, gamma, beta,
                                                         config.norm, g_residual)  # fmt: skip
     new_state = None if state is None else update_group(state, (*saved.amaxes, g_q.amax), recipe)
     d_bias = None
@@ -131,7 +131,7 @@ def layernorm_dense(
       return_residual: also return ``x`` itself, for a residual taken before
         the norm (pre-norm). Use it for the residual connection: its gradient
         then reaches the op's backward, which adds it to the norm's in the
-        same pass (:mod:`fp8jax.ops.norm_backward`) instead of XLA adding the
+        same pass (:mod:`fp8jax.kernels.norm_backward`) instead of XLA adding the
         two afterwards. Not with ``return_normalized``.
       split: return ``y`` as a tuple of pieces of these sizes along
         ``split_axis``, as ``jnp.split`` would cut it. For a fused QKV

@@ -29,7 +29,7 @@ from jax import lax
 from fp8jax import activations as activations_
 from fp8jax.activations import gated
 from fp8jax.kernels import activation_cast, dispatch
-from fp8jax.ops import _fused, _partitioning, fine_fused, fine_grained, gemm, norm_backward
+from fp8jax.ops import _fused, _partitioning, dimensions, fine_fused, fine_grained, gemm, norm
 from fp8jax.ops._fused import FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -84,7 +84,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
     # quantize pass; the cast kernel would need it written out first.
     k1_q = quantize_operand(_interleave(k1), fwd, fc1 and fc1.kernel, recipe, rows_ndim=1,
                             transpose=k1.shape[1] == 1)  # fmt: skip
-    pre = gemm.scaled_dot(normed.fp8, k1_q, _fused.contract_last(x.ndim), config.x_dtype,
+    pre = gemm.scaled_dot(normed.fp8, k1_q, dimensions.contract_last(x.ndim), config.x_dtype,
                           recipe.forward_precision)  # fmt: skip
     activation = functools.partial(_activation, activations=config.activations)
     placement = _activation_kernel(pre, config)
@@ -97,7 +97,7 @@ def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
         h = quantize_operand(activation(pre, b1).astype(config.x_dtype), fwd, fc2 and fc2.x,
                              recipe, stored=True)  # fmt: skip
     k2_q = quantize_operand(k2, fwd, fc2 and fc2.kernel, recipe, rows_ndim=1, transpose=True)
-    y = gemm.scaled_dot(h.fp8, k2_q, _fused.contract_last(h.fp8.data.ndim), config.x_dtype,
+    y = gemm.scaled_dot(h.fp8, k2_q, dimensions.contract_last(h.fp8.data.ndim), config.x_dtype,
                         recipe.forward_precision)  # fmt: skip
     y = gemm.add_bias(y, b2, 1)
     if config.return_residual:
@@ -147,7 +147,7 @@ def _mlp_bwd(config: FusedConfig, saved: MlpResiduals, g):
     recipe, bwd = config.recipe, config.recipe.formats.backward
     state = saved.state
     fc1, fc2 = (None, None) if state is None else state
-    contract = _fused.contract_last(x.ndim)
+    contract = dimensions.contract_last(x.ndim)
     g_q = quantize_operand(g, bwd, fc2 and fc2.grad, recipe, rows_ndim=x.ndim - 1, transpose=True,
                            rows_are_tokens=True, column_sums=saved.bias_2 is not None)  # fmt: skip
     # The backward kernel needs the gradient's scale before the gradient:
@@ -191,12 +191,12 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved: MlpResiduals, dpre: Qu
     x, gamma, beta, mean, rstd, _ = saved.norm
     recipe, state, amaxes = config.recipe, saved.state, saved.amaxes
     normed = _fused.fp8_output(saved.normed, saved.norm, config, dpre.fp8.data)
-    dnormed, dk1 = gemm.backward_dots(_fused.contract_last(x.ndim), x.ndim, Fp8Layout(normed),
+    dnormed, dk1 = gemm.backward_dots(dimensions.contract_last(x.ndim), x.ndim, Fp8Layout(normed),
                                       saved.kernel_1, dpre, x.dtype, config.kernel_dtypes[0],
                                       recipe)  # fmt: skip
     dk1 = _interleave(dk1)
     db1 = None if db1 is None else _interleave(db1)
-    dx, dgamma, dbeta = norm_backward.normalize_backward(dnormed, x, mean, rstd, gamma, beta,
+    dx, dgamma, dbeta = norm.fused_normalize_backward(dnormed, x, mean, rstd, gamma, beta,
                                                         config.norm, g_residual)  # fmt: skip
     db2 = None if saved.bias_2 is None else g_q.column_sums.astype(saved.bias_2.dtype)
     new_state = None
@@ -373,8 +373,8 @@ def layernorm_mlp(
         raise ValueError(
             f"kernel_2 must have shape (ffn={ffn}, hidden_out), got {tuple(kernel_2.shape)}."
         )
-    _fused.check_bias("bias_1", bias_1, (len(activations), ffn))
-    _fused.check_bias("bias_2", bias_2, (kernel_2.shape[1],))
+    gemm.check_bias(bias_1, (len(activations), ffn), "bias_1")
+    gemm.check_bias(bias_2, (kernel_2.shape[1],), "bias_2")
     recipe = resolve_recipe(recipe)
     check_state(state, recipe, MlpScaleState)
     if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_fused)

@@ -5,7 +5,7 @@ weight with its contracted axis minor; every extent a multiple of 128
 (:mod:`fp8jax.ops.fine_grained` pads, as cuDNN's block-scaled GEMM lays its
 scales out in 128-row tiles). Every operand is scaled per block of 32 along
 the axis its GEMM contracts, by the smallest power of two that keeps the
-block within the format (:func:`fp8jax.fine_quantize.quantize_tiles` with
+block within the format (:func:`fp8jax.ops.fine_quantize.quantize_tiles` with
 power-of-two scales), so the weight, unlike BlockScaling's, is quantized
 again for the input gradient, which contracts N: the forward saves ``a``
 quantized along M and ``b`` along N, both FP8.
@@ -22,33 +22,22 @@ nothing is dequantized before a GEMM (docs/design.md#mxfp8-for-blackwell).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from fp8jax.fine_quantize import quantize_tiles
 from fp8jax.kernels.block_gemm import xla_block_matmul
 from fp8jax.ops import _partitioning
+from fp8jax.ops.fine_config import FineDotConfig
+from fp8jax.ops.fine_quantize import quantize_tiles
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import MXFP8Scaling
 
 BLOCK = MXFP8Scaling.BLOCK
 # The compute capability whose GPUs multiply MX blocks in FP8 (Blackwell).
 BLACKWELL = 10
-
-
-@dataclasses.dataclass(frozen=True)
-class MXDotConfig:
-    recipe: MXFP8Scaling
-    out_dtype: np.dtype
-    a_dtype: np.dtype
-    b_dtype: np.dtype
-    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
-    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def check_devices(devices=None, advice: str = "Use fp8jax.BlockScaling() on Hopper.") -> None:
@@ -70,8 +59,8 @@ def check_devices(devices=None, advice: str = "Use fp8jax.BlockScaling() on Hopp
 
 
 def _blocks(x, fmt):
-    """``x`` (B, R, C) in MX blocks of 32 along C: FP8 data and power-of-two f32 ``scale_inv``."""
-    return quantize_tiles(x, fmt, BLOCK, 0, power_of_two=True)
+    """``x`` (B, R, C) in MX blocks of 32 along C, its power-of-two f32 scales: an Fp8Array."""
+    return quantize_tiles(x, fmt, BLOCK, 0, power_of_two=True).fp8
 
 
 def _gemm(qa, qb, sa, sb, out_dtype) -> jax.Array:
@@ -89,26 +78,26 @@ def _gemm(qa, qb, sa, sb, out_dtype) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def mx_dot(a, b, config: MXDotConfig):
+def mx_dot(a, b, config: FineDotConfig):
     """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N) in MX blocks, FP8 both ways."""
     return _mx_dot_fwd(a, b, config)[0]
 
 
-def _mx_dot_fwd(a, b, config: MXDotConfig):
+def _mx_dot_fwd(a, b, config: FineDotConfig):
     check_devices()
     fmt = config.recipe.formats.forward
-    (qa, sa), (qb, sb) = _blocks(a, fmt), _blocks(b, fmt)
-    y = _gemm(qa, qb, sa, sb, config.out_dtype)
+    qa, qb = _blocks(a, fmt), _blocks(b, fmt)
+    y = _gemm(qa.data, qb.data, qa.scale_inv, qb.scale_inv, config.out_dtype)
     # For the backward: a along M (the weight gradient), b along N (the input gradient).
     return y, (_blocks(jnp.swapaxes(a, 1, 2), fmt), _blocks(jnp.swapaxes(b, 1, 2), fmt))
 
 
-def _mx_dot_bwd(config: MXDotConfig, residuals, g):
-    (qa_t, sa_t), (qb_t, sb_t) = residuals
+def _mx_dot_bwd(config: FineDotConfig, residuals, g):
+    a_t, b_t = residuals
     fmt = config.recipe.formats.backward
-    (qg, sg), (qg_t, sg_t) = _blocks(g, fmt), _blocks(jnp.swapaxes(g, 1, 2), fmt)
-    d_a = _gemm(qg, qb_t, sg, sb_t, config.a_dtype)  # contracts N
-    d_b = _gemm(qg_t, qa_t, sg_t, sa_t, config.b_dtype)  # contracts M
+    qg, qg_t = _blocks(g, fmt), _blocks(jnp.swapaxes(g, 1, 2), fmt)
+    d_a = _gemm(qg.data, b_t.data, qg.scale_inv, b_t.scale_inv, config.a_dtype)  # contracts N
+    d_b = _gemm(qg_t.data, a_t.data, qg_t.scale_inv, a_t.scale_inv, config.b_dtype)  # contracts M
     return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
 
 

@@ -14,6 +14,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from fp8jax.formats import Fp8Format
+from fp8jax.kernels import norm_backward, norm_forward, norm_rows
 from fp8jax.ops import _partitioning
 from fp8jax.quantize import check_high_precision
 
@@ -73,41 +75,10 @@ def normalize(x, gamma, beta, config: NormConfig):
     ``mean`` is None for rmsnorm. ``y = (x - mean) * rstd * gamma + beta``.
     """
     beta = None if beta is None else _per_feature(beta, x.ndim)
-    return normalize_rows(
+    return norm_rows.normalize_rows(
         x.astype(jnp.float32), effective_gamma(gamma, config, x.ndim), beta,
         config.norm_type == "layernorm", config.epsilon,
     )  # fmt: skip
-
-
-def _row_mean(v, width: int | None):
-    """Mean over the last axis, of its first ``width`` entries (the rest are zeros)."""
-    if width is None:
-        return jnp.mean(v, axis=-1, keepdims=True)
-    return jnp.sum(v, axis=-1, keepdims=True) / jnp.float32(width)
-
-
-def normalize_rows(x, gamma, beta, centred: bool, epsilon: float, width: int | None = None):
-    """:func:`normalize`'s arithmetic on f32 rows: ``(y, mean, rstd)``, ``mean`` None uncentred.
-
-    ``gamma`` (effective) and ``beta`` (or None) are f32 and broadcast
-    against ``x``. The forward kernel (:mod:`fp8jax.ops.norm_forward`) runs
-    the same code on a row at a time. ``width``: the row's true length where
-    the kernel pads it with zeros to a power of two (None: all of it); ``x``,
-    ``gamma`` and ``beta`` are zero past it, and so is ``y``.
-    """
-    if centred:
-        mean = _row_mean(x, width)
-        centred_x = x - mean
-        if width is not None:
-            columns = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-            centred_x = jnp.where(columns < width, centred_x, 0.0)
-    else:
-        mean, centred_x = None, x
-    rstd = jax.lax.rsqrt(_row_mean(centred_x * centred_x, width) + epsilon)
-    y = centred_x * rstd * gamma
-    if beta is not None:
-        y = y + beta
-    return y, mean, rstd
 
 
 def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):
@@ -124,7 +95,7 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, resid
     # products fuse into the column reduction.
     mean, rstd = jax.lax.optimization_barrier((mean, rstd))
     gamma_32 = effective_gamma(gamma, config, x.ndim)
-    dx, dy_xhat = row_gradients(dy, x.astype(jnp.float32), mean, rstd, gamma_32)
+    dx, dy_xhat = norm_rows.row_gradients(dy, x.astype(jnp.float32), mean, rstd, gamma_32)
     rows = tuple(range(x.ndim - 1))
     dgamma = jnp.sum(dy_xhat, axis=rows).astype(gamma.dtype)
     dbeta = None if beta is None else jnp.sum(dy, axis=rows).astype(beta.dtype)
@@ -133,23 +104,76 @@ def normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, resid
     return dx.astype(x.dtype), dgamma, dbeta
 
 
-def row_gradients(dy, x, mean, rstd, gamma, width: int | None = None):
-    """``(dx, dy * xhat)`` in f32 from f32 ``dy``, ``x`` and the saved row statistics.
+def fused_normalize_backward(dy, x, mean, rstd, gamma, beta, config: NormConfig, residual=None):
+    """:func:`normalize_backward` for the fused ops: in one kernel pass where it runs.
 
-    ``gamma`` is the effective scale, broadcastable to ``x``; ``mean`` is None
-    for rmsnorm. Row by row, so the one-pass kernel
-    (:mod:`fp8jax.ops.norm_backward`) computes the same from its blocks.
-    ``width``: as for :func:`normalize_rows`; with ``dy`` and ``gamma`` zero
-    past it, both products are zero there and ``dx`` there is unused.
+    Where :func:`fp8jax.kernels.norm_backward.decide` places the kernel, it
+    reads ``dy``, ``x`` and ``residual`` once; else XLA's passes.
     """
-    xhat = (x - mean) * rstd if mean is not None else x * rstd
-    dxhat = dy * gamma
-    projection = xhat * _row_mean(dxhat * xhat, width)
-    if mean is not None:
-        dx = rstd * (dxhat - _row_mean(dxhat, width) - projection)
-    else:
-        dx = rstd * (dxhat - projection)
-    return dx, dy * xhat
+    placement = norm_backward.decide(x)
+    if not placement.kernel:
+        # dx and the residual's gradient are summed in f32 and rounded once, as in the kernel.
+        return normalize_backward(dy, x, mean, rstd, gamma, beta, config, residual)
+
+    def rows(v):
+        return None if v is None else v.reshape(-1, v.shape[-1])
+
+    gamma_32 = effective_gamma(gamma, config, 2)
+    dx, dgamma, dbeta = norm_backward.norm_backward(
+        rows(dy), rows(x), rows(mean), rows(rstd), gamma_32, beta is not None,
+        rows(residual), placement.row_axes,
+    )  # fmt: skip
+    dbeta = None if beta is None else dbeta.astype(beta.dtype)
+    return dx.reshape(x.shape), dgamma.astype(gamma.dtype), dbeta
+
+
+def _matrix_operands(x, gamma, beta, config: NormConfig):
+    """``x`` as (rows, hidden), the effective gamma and beta as (1, hidden), and ``centred``."""
+    centred = config.norm_type == "layernorm"
+    beta = None if beta is None else beta.astype(jnp.float32).reshape(1, -1)
+    return x.reshape(-1, x.shape[-1]), effective_gamma(gamma, config, 2), beta, centred
+
+
+def output_maxima(x, gamma, beta, config: NormConfig, row_axes=()) -> jax.Array:
+    """The maxima of the norm's f32 output magnitude, one per kernel program's rows, alone.
+
+    Current scaling's first pass: the kernel reads ``x`` and writes nothing
+    else, and the scale from these maxima's maximum goes to
+    :func:`normalize_and_cast`, which computes the same values again and
+    casts them. Arguments as for :func:`normalize_and_cast`.
+    """
+    matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
+    return norm_forward.row_maxima(matrix, gamma, beta, centred=centred, epsilon=config.epsilon,
+                                   row_axes=row_axes)  # fmt: skip
+
+
+def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format, row_axes=()):
+    """:func:`normalize`'s output cast to ``fmt`` at ``scale``, in one pass.
+
+    Args:
+      x: the norm's input, (..., hidden).
+      gamma, beta: as for ``normalize`` (beta None for RMSNorm or none).
+      config: the norm's settings.
+      scale: the f32 scale of the output: delayed scaling's stored one, or
+        current scaling's from :func:`output_maxima`.
+      fmt: the FP8 format of the output.
+      row_axes: the ``row_axes`` of :func:`fp8jax.kernels.norm_forward.decide`'s
+        placement, which must be the kernel's.
+
+    Returns:
+      ``(q, maxima, mean, rstd)``: the FP8 data in ``x``'s shape; f32 maxima
+      of the f32 output's magnitude, one per kernel program's rows, whose
+      maximum is its amax (of this device's rows, inside ``shard_map``); the
+      statistics as ``normalize`` returns them (``mean`` None for RMSNorm).
+    """
+    matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
+    q, *stats, maxima = norm_forward.cast_rows(
+        matrix, gamma, beta, scale, fmt, centred=centred, epsilon=config.epsilon, row_axes=row_axes
+    )
+    stats_shape = (*x.shape[:-1], 1)
+    mean = stats.pop(0).reshape(stats_shape) if centred else None
+    rstd = stats[0].reshape(stats_shape)
+    return q.reshape(x.shape), maxima, mean, rstd
 
 
 def layernorm(

@@ -12,7 +12,11 @@ asks it for the layout it reads (:meth:`QuantizedOperand.for_wgrad`).
 
 Every quantize path returns one: :func:`fp8jax.ops.quantizing.quantize_operand`
 for a value, :func:`from_kernel` for the FP8 output of a fused kernel (the
-norm's, the activation's).
+norm's, the activation's), and the fine-grained quantizers of
+:mod:`fp8jax.ops.fine_quantize` for RowwiseScaling's, BlockScaling's and
+MXFP8Scaling's operands. The shape of ``scale_inv`` says what one scale
+covers (:class:`fp8jax.recipes.Granularity`): () per tensor, (R, 1) per
+row, (R, K / 128) per 1x128 tile, (R / 128, K / 128) per block.
 """
 
 from __future__ import annotations
@@ -25,44 +29,7 @@ import jax.numpy as jnp
 
 from fp8jax.formats import Fp8Format
 from fp8jax.quantize import Fp8Array
-
-GRANULARITIES = ("tensor", "row", "block")
-
-
-@dataclasses.dataclass(frozen=True)
-class Granularity:
-    """What one scale covers, and so the shape of ``scale_inv`` for a (rows, columns) operand.
-
-    ``"tensor"``: one scale, ``scale_inv`` of shape (). ``"row"``: one per
-    row, (rows, 1). ``"block"``: one per ``block`` columns of a row, (rows,
-    columns / block). Only per-tensor scales are made today; the other two
-    are the shapes finer-grained recipes fill.
-    """
-
-    kind: str = "tensor"
-    block: int | None = None
-
-    def __post_init__(self):
-        if self.kind not in GRANULARITIES:
-            raise ValueError(f"Granularity.kind must be one of {GRANULARITIES}, got {self.kind!r}.")
-        if (self.kind == "block") != (self.block is not None):
-            raise ValueError(
-                "Granularity.block is the number of columns one scale covers: an int > 0 for "
-                f"kind='block' and None otherwise, got kind={self.kind!r}, block={self.block!r}."
-            )
-        if self.block is not None and (not isinstance(self.block, int) or self.block <= 0):
-            raise ValueError(f"Granularity.block must be an int > 0, got {self.block!r}.")
-
-    def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
-        """The shape of ``scale_inv`` for a (rows, columns) operand."""
-        if self.kind == "tensor":
-            return ()
-        if self.kind == "row":
-            return (rows, 1)
-        return (rows, -(-columns // self.block))
-
-
-PER_TENSOR = Granularity()
+from fp8jax.recipes import PER_TENSOR, Granularity
 
 
 @functools.partial(
@@ -101,17 +68,19 @@ class QuantizedOperand:
       fp8: the operand in FP8, in its own shape, with its ``scale_inv``.
       amax: the operand's amax for a scaling state's update (f32). Under
         delayed scaling it may come as per-tile maxima, whose maximum it is
-        (:func:`fp8jax.scaling.update_group` reduces them).
+        (:func:`fp8jax.scaling.update_group` reduces them). None for the
+        fine-grained recipes, which keep no state.
       transposed: the (columns, rows) FP8 copy, where the cast kernel wrote
         one; ask :attr:`has_transposed` rather than comparing with None.
       column_sums: f32 sums over the rows, in the columns' shape, where
         asked for (a bias's gradient).
       granularity: what one scale covers (static); ``fp8.scale_inv`` has the
-        shape it gives.
+        shape it gives (:meth:`fp8jax.recipes.Granularity.scale_shape`, with
+        any batch axes in front).
     """
 
     fp8: Fp8Array
-    amax: jax.Array
+    amax: jax.Array | None
     transposed: Fp8Array | None = None
     column_sums: jax.Array | None = None
     granularity: Granularity = PER_TENSOR
@@ -128,6 +97,16 @@ class QuantizedOperand:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.fp8.shape
+
+    @property
+    def data(self) -> jax.Array:
+        """The FP8 values in the operand's own layout."""
+        return self.fp8.data
+
+    @property
+    def scale_inv(self) -> jax.Array:
+        """``value ~= data * scale_inv``, in the shape :attr:`granularity` gives."""
+        return self.fp8.scale_inv
 
     def as_itself(self) -> Fp8Layout:
         """The copy in the operand's own layout."""

@@ -77,7 +77,7 @@ def quantize_operand(
         quantizes and the operand has no transposed copy.
       rows_are_tokens: the rows are tokens (an activation or its gradient),
         which data parallelism splits: the kernel may then run on each
-        device's rows (:func:`fp8jax.kernels.dispatch.row_axes`).
+        device's rows (:func:`fp8jax.kernels.dispatch.decide`).
       column_sums: also sum ``value`` over its rows in f32 (a bias's
         gradient). XLA's pass for an unstored value then takes the amax as
         column maxima, so that one pass computes both

@@ -49,7 +49,6 @@ with a warning.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -68,19 +67,9 @@ from fp8jax.quantize import amax, check_high_precision, quantize_with_scale
 from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
 from fp8jax.scaling import scale_from_amax
 
-# Tests set this to run the kernels in Pallas interpret mode on the CPU.
-_INTERPRET = False
-
-
-@contextlib.contextmanager
-def interpret_kernels():
-    """Runs the grouped-GEMM kernels in Pallas interpret mode inside (tests, on the CPU)."""
-    global _INTERPRET
-    before, _INTERPRET = _INTERPRET, True
-    try:
-        yield
-    finally:
-        _INTERPRET = before
+# Tests run the kernels in Pallas interpret mode on the CPU inside it: an
+# option in the jit key (fp8jax.kernels.grouped_gemm.interpret_kernels).
+interpret_kernels = gg.interpret_kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,26 +83,24 @@ class RaggedConfig:
     repeats: int = 1  # slots per row of lhs (permuted_ragged_dot's top_k)
 
 
-def _placement(rows: int) -> tuple[str, tuple[str, ...]]:
-    """The grouped GEMMs' path and the mesh axes splitting their rows.
+def _placement(rows: int) -> dispatch.Placement:
+    """Where the grouped GEMMs run on ``rows`` grouped rows.
 
-    "interpret" (tests), "kernel" (Pallas on CUDA, XLA elsewhere; with axes:
-    on each device's rows inside ``shard_map``) or "xla".
+    In interpret mode (tests), or :func:`fp8jax.kernels.dispatch.decide`'s
+    placement: Pallas on CUDA and XLA elsewhere, with row axes on each
+    device's rows inside ``shard_map``; or XLA.
     """
     if rows == 0:  # nothing to multiply; the kernels' row-index loads need a row
-        return "xla", ()
-    if _INTERPRET:
-        return "interpret", ()
-    axes = dispatch.row_axes(rows_are_tokens=True)
-    if axes is None or rows % dispatch.devices_along(axes):
-        return "xla", ()
-    return "kernel", axes
+        return dispatch.XLA
+    if gg.interpreting():
+        return dispatch.Placement(kernel=True, interpret=True)
+    return dispatch.decide(lambda shards: rows % shards == 0, rows_are_tokens=True)
 
 
-def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
+def _kernel_placement(rows: int) -> dispatch.Placement:
     """:func:`_placement`, warning where a mesh keeps the kernels off."""
-    mode, axes = _placement(rows)
-    if mode == "xla" and rows and dispatch.enabled():
+    placement = _placement(rows)
+    if not placement.kernel and rows and dispatch.enabled():
         warnings.warn(
             "fp8jax.ragged_dot: the grouped-GEMM kernel runs on whole arrays or on each "
             "device's rows under data parallelism (rows divisible by the devices); here "
@@ -123,7 +110,7 @@ def _kernel_mode(rows: int) -> tuple[str, tuple[str, ...]]:
             RuntimeWarning,
             stacklevel=4,
         )
-    return mode, axes
+    return placement
 
 
 def _run(pallas_fn, xla_fn, operands, n_rows: int, maps: dict, reduce: bool = False):
@@ -143,11 +130,12 @@ def _run(pallas_fn, xla_fn, operands, n_rows: int, maps: dict, reduce: bool = Fa
     for index in maps.values():
         if index is not None:
             rows = index.shape[0]
-    mode, axes = _kernel_mode(rows)
-    if mode == "interpret":
+    placement = _kernel_placement(rows)
+    if placement.interpret:
         return pallas_fn(*operands, **maps, interpret=True)
-    if mode == "xla":
+    if not placement.kernel:
         return xla_fn(*operands, **maps)
+    axes = placement.row_axes
 
     def call(*ops, **maps):
         return jax.lax.platform_dependent(
@@ -177,7 +165,7 @@ def _run(pallas_fn, xla_fn, operands, n_rows: int, maps: dict, reduce: bool = Fa
 
 def _split_rows(rows: int) -> bool:
     """Whether data parallelism splits ``rows`` grouped rows over devices here."""
-    return bool(_placement(rows)[1])
+    return bool(_placement(rows).row_axes)
 
 
 def inverse_permutation(permutation: jax.Array) -> jax.Array:
@@ -252,7 +240,7 @@ def quantize_per_expert(
     expert_amax = jnp.max(jnp.abs(rhs.astype(jnp.float32)).reshape(rhs.shape[0], -1), axis=1)
     scale = scale_from_amax(expert_amax, forward.max, recipe.margin, fallback=1.0)
     forward_t, backward_copy = expert_cast.cast_experts(rhs, scale, forward, backward,
-                                                        interpret=_INTERPRET)  # fmt: skip
+                                                        interpret=gg.interpreting())  # fmt: skip
     return forward_t, backward_copy, 1.0 / scale
 
 

@@ -18,7 +18,6 @@ column. The forward saves ``a`` and ``b`` only in those FP8 layouts.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,20 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp8jax.fine_quantize import quantize_rows_and_columns
 from fp8jax.ops import _partitioning
+from fp8jax.ops.fine_config import FineDotConfig
+from fp8jax.ops.fine_quantize import quantize_rows_and_columns
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.recipes import RowwiseScaling
-
-
-@dataclasses.dataclass(frozen=True)
-class RowDotConfig:
-    recipe: RowwiseScaling
-    out_dtype: np.dtype
-    a_dtype: np.dtype
-    b_dtype: np.dtype
-    # What each operand's cotangent must match: shard_map axes, Explicit sharding.
-    inputs: tuple[_partitioning.InputType, ...] = ()
 
 
 def gemm_dtype(out_dtype) -> np.dtype:
@@ -83,12 +73,12 @@ def _column_reduction(recipe: RowwiseScaling):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def row_dot(a, b, config: RowDotConfig):
+def row_dot(a, b, config: FineDotConfig):
     """``a (B, M, K) . b (B, N, K)^T`` -> (B, M, N), both scaled per row, FP8 both ways."""
     return _row_dot_fwd(a, b, config)[0]
 
 
-def _row_dot_fwd(a, b, config: RowDotConfig):
+def _row_dot_fwd(a, b, config: FineDotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
     # Each operand is cast twice from the array in its own dtype: XLA kept
     # the producer's f32 value for both casts otherwise
@@ -97,24 +87,26 @@ def _row_dot_fwd(a, b, config: RowDotConfig):
     # The backward GEMMs contract M (a's tokens) and N (b's rows): each operand
     # is saved quantized along the axis its backward GEMM contracts.
     reduce = _column_reduction(recipe)
-    (qa, sa), a_cols = quantize_rows_and_columns(a, fmt, recipe.margin,
-                                                 reduce_column_amax=reduce)  # fmt: skip
-    (qb, sb), b_cols = quantize_rows_and_columns(b, fmt, recipe.margin, rows_are_tokens=False,
-                                                 reduce_column_amax=reduce)  # fmt: skip
-    y = scaled_gemm(qa, sa, qb, sb, config.out_dtype, recipe.forward_precision)
-    return y, (a_cols, b_cols)
+    qa = quantize_rows_and_columns(a, fmt, recipe.margin, reduce_column_amax=reduce)
+    qb = quantize_rows_and_columns(b, fmt, recipe.margin, rows_are_tokens=False,
+                                   reduce_column_amax=reduce)  # fmt: skip
+    y = scaled_gemm(qa.data, qa.scale_inv, qb.data, qb.scale_inv, config.out_dtype,
+                    recipe.forward_precision)  # fmt: skip
+    return y, (qa.transposed, qb.transposed)
 
 
-def _row_dot_bwd(config: RowDotConfig, residuals, g):
-    (qa_t, sa_t), (qb_t, sb_t) = residuals
+def _row_dot_bwd(config: FineDotConfig, residuals, g):
+    a_t, b_t = residuals  # FP8 copies quantized along M and N
     recipe, fmt = config.recipe, config.recipe.formats.backward
     g = lax.optimization_barrier(g)
     # Per token for the dgrad (it contracts N), per column for the wgrad (M).
     reduce = _column_reduction(recipe)
-    (qg, sg), (qg_t, sg_t) = quantize_rows_and_columns(g, fmt, recipe.margin,
-                                                       reduce_column_amax=reduce)  # fmt: skip
-    d_a = scaled_gemm(qg, sg, qb_t, sb_t, config.a_dtype, recipe.dgrad_precision)
-    d_b = scaled_gemm(qg_t, sg_t, qa_t, sa_t, config.b_dtype, recipe.wgrad_precision)
+    qg = quantize_rows_and_columns(g, fmt, recipe.margin, reduce_column_amax=reduce)
+    g_t = qg.transposed
+    d_a = scaled_gemm(qg.data, qg.scale_inv, b_t.data, b_t.scale_inv, config.a_dtype,
+                      recipe.dgrad_precision)  # fmt: skip
+    d_b = scaled_gemm(g_t.data, g_t.scale_inv, a_t.data, a_t.scale_inv, config.b_dtype,
+                      recipe.wgrad_precision)  # fmt: skip
     return _partitioning.match_cotangents((d_a, d_b), None, config.inputs)[:2]
 
 

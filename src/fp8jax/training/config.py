@@ -112,7 +112,8 @@ class TrainOptions:
       mesh: ``"dp=2,fsdp=4"``-style device mesh; None is one device.
       resume: continue the run in ``out`` from its newest checkpoint.
       keep_checkpoints: checkpoints kept on disk (the newest ones).
-      attention: the attention core: ``"xla"``, ``"cudnn"``, or ``"auto"`` (cuDNN on a
+      attention: the attention core: ``"xla"``, ``"cudnn"``, ``"fp8"``
+        (:func:`fp8jax.dot_product_attention`, opt-in), or ``"auto"`` (cuDNN on a
         GPU, XLA elsewhere).
       rolled_layers: keep the scan over layers a loop instead of unrolling it
         (``Gpt.unroll_layers=False``): faster to compile, and under FSDP it

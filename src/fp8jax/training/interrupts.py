@@ -141,8 +141,24 @@ def active() -> CtrlC | None:
     return _active
 
 
+_cleanups: list[Callable[[], None]] = []
+
+
+def at_exit(cleanup: Callable[[], None]) -> None:
+    """Has :func:`exit_now` call ``cleanup`` before it ends the process.
+
+    ``os._exit`` runs no ``finally`` and no ``atexit``: what the process started
+    outside itself (a compiler child and its temporary folder) needs this.
+    """
+    if cleanup not in _cleanups:
+        _cleanups.append(cleanup)
+
+
 def exit_now(message: str) -> None:
-    """Flushes what was printed, prints ``message`` to stderr, and ends the process with 130."""
+    """Runs the :func:`at_exit` cleanups, prints ``message`` to stderr, and exits with 130."""
+    for cleanup in _cleanups:
+        with contextlib.suppress(Exception):
+            cleanup()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -31,7 +31,7 @@ from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl
 from fp8jax.training.run_dir import RunDir
 
 VERIFY_TARGETS = ("h100", "h200", "live")
-ATTENTION = ("auto", "xla", "cudnn")
+ATTENTION = ("auto", "xla", "cudnn", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +216,9 @@ class _Loop:
         for (step, _), value in zip(self.pending, values, strict=True):
             if not math.isfinite(float(value)):
                 raise self.diverged(f"the loss is {float(value)}", step)
-        timed = sum(1 for step, _ in self.pending if step > self.start + 1)
-        self.window.add([float(v) for v in values], timed)
+        timed = [step for step, _ in self.pending if step > self.start + 1]
+        self.window.add([float(v) for v in values], len(timed))
+        self.window.timed(timed)
         self.pending.clear()
 
     def diverged(self, what: str, step: int) -> DivergedError:
@@ -247,7 +248,10 @@ class _Loop:
             with self.window.excluding():
                 losses = [float(self.program.eval(state, self.program.put(b))) for b in self.val]
             metrics["val_loss"] = self.last_val = float(np.mean(losses))
-        metrics["lr"] = float(c.schedule()(step - 1))
+        # Outside the timing: the schedule runs as eager JAX ops, compiled on the
+        # first call (about 1 s on a GPU), which fell into the second window.
+        with self.window.excluding():
+            metrics["lr"] = float(c.schedule()(step - 1))
         self.run_dir.append_metrics(metrics)
         bar.set_postfix(postfix(metrics), refresh=False)
         if bar.disable or "val_loss" in metrics:
@@ -356,6 +360,7 @@ class _Loop:
             train_loss=self.last_train,
             val_loss=self.last_val,
             tokens_per_s=self.window.tokens_per_s(),
+            timed_steps=self.window.timed_range,
             compile_s=self.compile_s,
             train_s=self.window.train_seconds,
             counts=self.counts,

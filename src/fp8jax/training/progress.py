@@ -21,6 +21,7 @@ class Window:
         self.tokens_per_step = tokens_per_step
         self.train_seconds = 0.0  # over the whole run, for the summary
         self.train_steps = 0
+        self.timed_range: tuple[int, int] | None = None  # first and last step timed
         self._reset()
 
     def _reset(self) -> None:
@@ -36,6 +37,12 @@ class Window:
     def add(self, losses: list[float], timed_steps: int) -> None:
         self.losses += losses
         self.timed_steps += timed_steps
+
+    def timed(self, steps: list[int]) -> None:
+        """Records that ``steps`` count in the throughput."""
+        if steps:
+            first = steps[0] if self.timed_range is None else self.timed_range[0]
+            self.timed_range = (first, steps[-1])
 
     @contextlib.contextmanager
     def excluding(self) -> Iterator[None]:

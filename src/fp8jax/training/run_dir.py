@@ -20,6 +20,8 @@ import logging
 import os
 import pathlib
 import secrets
+import sys
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,6 +82,37 @@ def _leaves_by_path(tree) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 _CAUSE_CHARS = 300
+
+
+def _drop_orbax_leftovers() -> None:
+    """Keeps the reads orbax left in flight on a corrupt checkpoint from printing tracebacks.
+
+    Orbax reads a checkpoint's arrays through TensorStore futures on an asyncio
+    loop. When one read fails, the others still finish later, on TensorStore's
+    threads, and call back into the loop orbax has closed by then: Python
+    reports each as an unraisable ``RuntimeError: Event loop is closed`` (or
+    the read's own error), a traceback printed after the one-line message that
+    already said the checkpoint is unreadable. Only those are dropped; every
+    other unraisable exception goes to the hook that was there before.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orbax_leftovers", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _is_orbax_leftover(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook.drops_orbax_leftovers = True
+    sys.unraisablehook = hook
+
+
+def _is_orbax_leftover(error: BaseException | None, tb) -> bool:
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return any(f.name == "_check_closed" and "asyncio" in f.filename for f in frames)
+    # orbax's own wording for a failed TensorStore read (serialization.py).
+    return str(error).startswith("Encountered error while reading array index")
 
 
 def _cause(error: BaseException) -> str:
@@ -252,6 +285,7 @@ class RunDir:
             ):
                 stored = _leaves_by_path(manager.item_metadata(step).tree)
         except Exception as e:
+            _drop_orbax_leftovers()
             raise CheckpointError(
                 f"--resume: checkpoint {where} is unreadable: {_cause(e)}\n{hint}"
             ) from None
@@ -270,6 +304,7 @@ class RunDir:
             with _quiet_orbax():
                 return checkpoint.restore(self.checkpoints, like, step)
         except Exception as e:
+            _drop_orbax_leftovers()
             raise CheckpointError(
                 f"--resume: checkpoint {where} is unreadable: {_cause(e)}\n{hint}"
             ) from None

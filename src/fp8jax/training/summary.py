@@ -21,8 +21,15 @@ def header(config: RunConfig, corpus: Corpus, mesh, counts: dict, attention: str
         f"{jax.default_backend()} {where}, {attention} attention, layers {layers}\n"
         f"  data: {corpus.describe()}\n"
         f"  train step: {counts['fp8']} of {counts['total']} dot_generals are FP8 "
-        "(jaxpr; the scanned layer body counts once)"
+        f"(jaxpr; the scanned layer body counts once{_recomputed(config)})"
     )
+
+
+def _recomputed(config: RunConfig) -> str:
+    if config.remat == "none":
+        return ""
+    what = "attention core" if config.remat == "dots" else "attention core, QKV, out and fc1"
+    return f"; --remat {config.remat} recomputes the {what} GEMMs in the backward, counted again"
 
 
 def _micro(config: RunConfig) -> str:
@@ -63,10 +70,15 @@ def diverged_message(what: str, step: int, last_saved: int | None, out, first_ck
     return f"training diverged: {what} at step {step}, so training stopped. {kept}"
 
 
+TOKENS_PER_S_EXCLUDES = (
+    "the session's first step (mostly compile), validation, checkpoints and metrics logging"
+)
+
+
 def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, tokens_per_s,
-          compile_s, train_s, counts: dict, checkpoint: int | None, mesh,
-          attention: str, layers: str, flops_per_token: float, peak_flops: float | None,
-          device_kind: str, devices: int) -> dict:  # fmt: skip
+          timed_steps: tuple[int, int] | None, compile_s, train_s, counts: dict,
+          checkpoint: int | None, mesh, attention: str, layers: str, flops_per_token: float,
+          peak_flops: float | None, device_kind: str, devices: int) -> dict:  # fmt: skip
     """The ``summary.json`` record.
 
     ``mfu`` is the model's training FLOPs per second (``flops_per_token``
@@ -84,6 +96,9 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
         "final_train_loss": train_loss,
         "final_val_loss": val_loss,
         "tokens_per_s": tokens_per_s,
+        # What tokens_per_s averages: these steps' device time, end to end.
+        "tokens_per_s_steps": None if timed_steps is None else list(timed_steps),
+        "tokens_per_s_excludes": TOKENS_PER_S_EXCLUDES,
         "model_flops_per_token": flops_per_token,
         "mfu": value,
         "mfu_peak_flops": peak_flops,
@@ -100,6 +115,11 @@ def build(config: RunConfig, *, status: str, step: int, train_loss, val_loss, to
         "fp8_gemms": counts,
         "checkpoint_step": checkpoint,
     }
+
+
+def _timed(summary: dict) -> str:
+    steps = summary.get("tokens_per_s_steps")
+    return "" if not steps else f" (steps {steps[0]}-{steps[1]})"
 
 
 def _mfu_text(summary: dict) -> str:
@@ -119,7 +139,7 @@ def text(summary: dict, out) -> str:
         f"{summary['status']} at step {summary['step']}/{summary['steps']}: "
         f"train loss {fmt(summary['final_train_loss'], '.4f')}, "
         f"validation loss {fmt(summary['final_val_loss'], '.4f')}",
-        f"  {fmt(summary['tokens_per_s'], ',.0f')} tokens/s, "
+        f"  {fmt(summary['tokens_per_s'], ',.0f')} tokens/s{_timed(summary)}, "
         f"compile {fmt(summary['compile_s'], '.1f')} s, train {fmt(summary['train_s'], '.1f')} s",
         f"  {_mfu_text(summary)}",
         f"  FP8 GEMMs in the train step: {jaxpr['fp8']} of {jaxpr['total']} dot_generals (jaxpr)",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
+import os
 import pickle
 import sys
 import traceback
@@ -20,29 +22,104 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from fp8jax.verify import _arguments
 
+# fp8jax's own folder, two up from this file.
+_FP8JAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class EntryError(ValueError):
+    """The ``MODULE:FUNCTION`` factory could not give ``(fn, args)``; the message is one line."""
+
+
+class TraceError(ValueError):
+    """Tracing the factory's ``fn(*args)`` failed: an error in the user's function."""
+
 
 def load_entry(spec: str):
     """Imports ``"MODULE:FUNCTION"`` and returns the function."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"expected 'MODULE:FUNCTION', got {spec!r}.")
-    module = importlib.import_module(module_name)
+        raise EntryError(f"expected 'MODULE:FUNCTION', got {spec!r}.")
     try:
-        return getattr(module, attr)
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise EntryError(
+            f"{spec}: importing module {module_name!r} raised {_one_line(e)}"
+        ) from None
+    try:
+        factory = getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"module {module_name!r} has no attribute {attr!r}.") from None
+        raise EntryError(
+            f"{spec}: module {module_name!r} ({_where(module)}) has no attribute {attr!r}."
+        ) from None
+    if not callable(factory):
+        raise EntryError(
+            f"{spec} must be a function mesh -> (fn, args), got a {type(factory).__name__} "
+            f"({_short(factory)})."
+        )
+    return factory
 
 
 def call_entry(spec: str, mesh) -> tuple[Any, tuple[Any, ...]]:
     """Calls the factory named by ``spec`` with ``mesh``; checks it returns (fn, args)."""
-    result = load_entry(spec)(mesh)
+    factory = load_entry(spec)
+    try:
+        inspect.signature(factory).bind(mesh)
+    except TypeError as e:
+        raise EntryError(
+            f"{spec} must take one argument, the Mesh (None without --mesh); its signature "
+            f"is {spec.partition(':')[2]}{_signature(factory)}: {e}."
+        ) from None
+    except ValueError:  # a builtin without a signature: let the call say
+        pass
+    try:
+        result = factory(mesh)
+    except Exception as e:
+        raise EntryError(f"{spec}(mesh) raised {_one_line(e)}") from None
     if not (isinstance(result, tuple | list) and len(result) == 2 and callable(result[0])):
-        raise TypeError(
-            f"{spec} must return (fn, args) with fn callable and args a tuple; "
-            f"got {type(result).__name__}."
+        what = f"a {type(result).__name__}"
+        if callable(result):
+            what = "only a function; return it with its arguments, (fn, args)"
+        elif isinstance(result, tuple | list):
+            what = f"a {type(result).__name__} of {len(result)}: ({_types(result)})"
+        raise EntryError(
+            f"{spec} must return (fn, args) with fn callable and args a tuple; got {what}."
         )
     fn, args = result
     return fn, tuple(args) if isinstance(args, list | tuple) else (args,)
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: message (file:line)``: the exception and the innermost frame of the user's code.
+
+    That is the innermost frame outside JAX and fp8jax, or the innermost where
+    every frame is theirs.
+    """
+    frames = traceback.extract_tb(e.__traceback__)
+    library = (os.path.dirname(jax.__file__) + os.sep, _FP8JAX_DIR)
+    users = [f for f in frames if not f.filename.startswith(library)] or frames
+    where = f" ({users[-1].filename}:{users[-1].lineno})" if users else ""
+    message = " ".join(str(e).split())
+    return f"{type(e).__name__}: {message}{where}" if message else f"{type(e).__name__}{where}"
+
+
+def _where(module) -> str:
+    return getattr(module, "__file__", None) or "no file"
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _types(values) -> str:
+    return ", ".join(type(v).__name__ for v in values)
 
 
 def compile_here(fn, args, in_shardings, out_shardings, axes, mesh, device, options=None) -> str:
@@ -72,7 +149,10 @@ def _compile_flat(fn, sds, specs, out_specs, mesh, device, options) -> str:
     # Traced under the mesh, as fp8jax.sharding.use_mesh traces a train step:
     # fp8jax's ops read it to keep whole-array kernels out of sharded programs.
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
-        lowered = jax.jit(fn, **jit_kw).trace(*sds).lower()
+        try:
+            lowered = jax.jit(fn, **jit_kw).trace(*sds).lower()
+        except Exception as e:  # the user's function, not the compiler: one line says it
+            raise TraceError(f"tracing fn(*args) raised {_one_line(e)}") from None
     return lowered.compile(options or None).as_text()
 
 
@@ -144,6 +224,11 @@ def main(request_path: str, response_path: str) -> int:
     for job in request["jobs"]:
         try:
             results.append({"hlo": _run_job(job, topology, axes, mesh)})
+        except EntryError as e:  # the user's factory: one line says it all
+            results.append({"error": str(e), "entry": True})
+        except TraceError as e:
+            name = job.get("entry", "the function")
+            results.append({"error": f"{name}: {e}", "entry": True})
         except Exception as e:
             lines = traceback.format_exception(e)
             results.append({"error": "".join(lines[-12:]).rstrip()})

@@ -20,10 +20,12 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -186,7 +188,15 @@ def _compile(calls, target, devices, hosts, mesh, xla_flags) -> list[str]:
         "sys_path": sys.path,
         "jobs": jobs,
     }
-    return _run_child(payload, xla_flags)
+    return _run_child(payload, xla_flags, [_name(call.fn) for call in calls])
+
+
+def _name(fn) -> str:
+    """How a report names the compiled function: its entry string, or its qualified name."""
+    if isinstance(fn, str):
+        return fn
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name or type(fn).__name__
 
 
 def _target_config(target: str) -> str | None:
@@ -265,7 +275,38 @@ def _context_mesh(call: _Call, abstract_mesh):
     return jax.sharding.use_abstract_mesh(abstract_mesh)
 
 
-def _run_child(payload: dict[str, Any], xla_flags: str | None) -> list[str]:
+# The compiler children running now, each with its temporary folder: what
+# stop_children_before_exit ends and removes.
+_children: dict[subprocess.Popen, str] = {}
+_exiting = threading.Event()
+
+
+def stop_children_before_exit() -> None:
+    """Kills every running compiler child with its process group (ptxas) and removes its folder.
+
+    For the ``fp8jax`` command, whose Ctrl-C thread calls it just before it
+    ends the process with ``os._exit`` (which runs no ``finally``). The thread
+    waiting for the child then waits for that exit instead of reporting the
+    killed child as a failed compile. A KeyboardInterrupt in Python reaches
+    the same cleanup through :func:`_run_child`'s ``finally``.
+    """
+    _exiting.set()
+    for proc, folder in list(_children.items()):
+        _stop(proc)
+        shutil.rmtree(folder, ignore_errors=True)
+        _children.pop(proc, None)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        # Its own session: the child and the ptxas processes XLA starts share one group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
+def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[str]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with tempfile.TemporaryDirectory(prefix="fp8jax-verify-") as tmp:
@@ -273,24 +314,37 @@ def _run_child(payload: dict[str, Any], xla_flags: str | None) -> list[str]:
         with open(request, "wb") as f:
             pickle.dump(payload, f)
         cmd = [sys.executable, "-m", "fp8jax.verify._worker", request, response]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        # A session of its own, so that stopping it stops the compilers it started
+        # too; a terminal's Ctrl-C then reaches only this process, which stops it.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # fmt: skip
+        _children[proc] = tmp
+        try:
+            stderr = proc.communicate()[1]
+        finally:
+            _stop(proc)
+            _children.pop(proc, None)
+        if _exiting.is_set():
+            threading.Event().wait()  # the Ctrl-C thread ends the process; say nothing
         if proc.returncode != 0 or not os.path.exists(response):
-            raise CompileError(_child_failure(proc))
+            raise CompileError(_child_failure(proc.returncode, stderr))
         with open(response, "rb") as f:
             results = pickle.load(f)
     texts = []
-    for i, result in enumerate(results):
+    for i, (result, name) in enumerate(zip(results, names, strict=True)):
+        if result.get("entry"):  # the factory or its function: one line, no traceback
+            raise CompileError(result["error"])
         if "error" in result:
-            where = f"call {i} " if len(results) > 1 else ""
-            raise CompileError(f"deviceless compile of {where}failed:\n{result['error']}")
+            where = f"call {i} ({name})" if len(results) > 1 else name
+            raise CompileError(f"deviceless compile of {where} failed:\n{result['error']}")
         texts.append(result["hlo"])
     return texts
 
 
-def _child_failure(proc: subprocess.CompletedProcess) -> str:
-    tail = "\n".join(proc.stderr.strip().splitlines()[-30:])
-    if proc.returncode < 0:
-        name = signal.Signals(-proc.returncode).name
+def _child_failure(returncode: int, stderr: str) -> str:
+    tail = "\n".join(stderr.strip().splitlines()[-30:])
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
         hint = ""
         if name == "SIGFPE":
             hint = (
@@ -298,4 +352,4 @@ def _child_failure(proc: subprocess.CompletedProcess) -> str:
                 "config that lacks them crashes it like this."
             )
         return f"the deviceless compiler process died with {name}.{hint}\n{tail}"
-    return f"the deviceless compiler process exited with status {proc.returncode}:\n{tail}"
+    return f"the deviceless compiler process exited with status {returncode}:\n{tail}"

@@ -22,6 +22,12 @@ KERNELS = {
     # fp8jax.kernels.grouped_gemm: the group tables come first, the operands last.
     "fp8jax_grouped_gemm": (-2, -1),
     "fp8jax_grouped_gemm_wgrad": (-2, -1),
+    # fp8jax.kernels.attention: Q and K (QKᵀ; the kernel's PV runs on the same FP8 tensor cores).
+    "fp8jax_attention_fwd": (0, 1),
+    # fp8jax.kernels.attention_backward: the gradient products take BF16 Q and V
+    # (the scores' recompute is FP8), so the report lists them as not FP8.
+    "fp8jax_attention_dkv": (4, 6),
+    "fp8jax_attention_dq": (4, 6),
 }
 
 _NAME = re.compile(r'\bname = "([^"]*)"')

@@ -61,6 +61,10 @@ class Sample:
     compile_kw: dict = dataclasses.field(default_factory=dict)
 
 
+def _ep_mesh():
+    return AbstractMesh((8,), (programs.EP_AXIS,), axis_types=(AxisType.Auto,))
+
+
 def _fsdp_mesh():
     return AbstractMesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
 
@@ -105,6 +109,19 @@ SAMPLES = [
            "BF16 cuBLASLt GEMM", programs.dequantized_kernel_matmul,
            programs.dequantized_args(), [["cublaslt", "bf16", "bf16", True]],
            compile_kw={"xla_flags": TRITON_OFF}),
+    # FP8 rows exchanged as expert parallelism exchanges them (each device's
+    # rows, by all-to-all and by ragged-all-to-all, with s32 counts) and as
+    # tensor parallelism's ring passes shards (collective-permute): the
+    # verifier must list each exchange with its FP8 dtype.
+    Sample("h100_ep_exchange8", "FP8 rows by all-to-all and ragged-all-to-all, counts by "
+           "all-to-all, in shard_map over 8 H100", programs.ep_exchange,
+           programs.exchange_args(_ep_mesh()), [],
+           [["all-to-all", E4], ["all-to-all", "s32"], ["ragged-all-to-all", E4]],
+           {"devices": 8}),
+    Sample("h100_tp_ring8", "FP8 shards passed around a ring of 8 H100 (collective-permute), "
+           "in shard_map", programs.tp_ring, programs.exchange_args(_ep_mesh(), False), [],
+           [["collective-permute", E4]] * 7,
+           {"devices": 8}),
     Sample("cpu_dense", "fp8jax.dense fwd+bwd compiled for the CPU, which upcasts FP8 dots",
            programs.fp8_train_step, programs.args(),
            [["dot", "f32", "f32", True], ["dot", "f32", "f32", True],

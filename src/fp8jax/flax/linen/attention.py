@@ -43,7 +43,8 @@ class MultiHeadAttention(nn.Module):
       dropout_rate: dropout on the output (the fused attention core has no
         probability dropout).
       deterministic: disable dropout; may also be passed at call time.
-      attention_implementation: ``None`` (XLA), ``"xla"`` or ``"cudnn"``.
+      attention_implementation: ``None`` (XLA), ``"xla"``, ``"cudnn"`` or ``"fp8"``
+        (:func:`fp8jax.dot_product_attention`: head_dim 64 or 128, no mask).
       dtype, param_dtype, kernel_init, bias_init, recipe: as in DenseGeneral.
 
     Example:

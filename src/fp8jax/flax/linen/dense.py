@@ -96,7 +96,8 @@ class DenseGeneral(nn.Module):
             return split_output(y, self.split, self.split_axis, len(features))
         state = scale_state(self, self.recipe, kernel)
         return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state,
-                            split=self.split, split_axis=self.split_axis)  # fmt: skip
+                            split=self.split, split_axis=self.split_axis,
+                            preferred_element_type=x.dtype)  # fmt: skip
 
 
 class LayerNormDenseGeneral(nn.Module):

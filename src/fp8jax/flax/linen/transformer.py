@@ -119,7 +119,7 @@ class TransformerLayer(nn.Module):
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         pre, from_norm = self.norm_position == "pre", self.residual_from_norm
         # Pre-norm, each residual is the norm's input, passed back by the fused
-        # op so that its gradient joins the norm's backward (fp8jax.ops.norm_backward).
+        # op so that its gradient joins the norm's backward (fp8jax.kernels.norm_backward).
         passed_residual = pre and not from_norm
         norm = {
             "norm_type": self.norm_type,

@@ -36,7 +36,8 @@ class MultiHeadAttention(nnx.Module):
       use_bias: biases on the QKV and output projections.
       dropout_rate: dropout on the output.
       deterministic: disable dropout by default; may be overridden per call.
-      attention_implementation: ``None`` (XLA), ``"xla"`` or ``"cudnn"``.
+      attention_implementation: ``None`` (XLA), ``"xla"``, ``"cudnn"`` or ``"fp8"``
+        (:func:`fp8jax.dot_product_attention`: head_dim 64 or 128, no mask).
       dtype, param_dtype, kernel_init, bias_init, recipe: as in DenseGeneral.
       rngs: ``nnx.Rngs`` for the initializers and dropout.
 

@@ -105,7 +105,8 @@ class DenseGeneral(nnx.Module):
             return split_output(y, self.split, self.split_axis, kernel.ndim - len(axes))
         state = state_value(self.scales, kernel, owner)
         return fp8jax.dense(x, kernel, bias, dims, recipe=self.recipe, state=state,
-                            split=self.split, split_axis=self.split_axis)  # fmt: skip
+                            split=self.split, split_axis=self.split_axis,
+                            preferred_element_type=x.dtype)  # fmt: skip
 
 
 class LayerNormDenseGeneral(nnx.Module):

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from fp8jax.flax.nnx._base import Fp8State
-from fp8jax.flax.train import grads_and_fp8_state
+from fp8jax.flax.train import OPTIMIZER_SCOPE, grads_and_fp8_state
 from fp8jax.recipes import DelayedScaling
 
 
@@ -56,6 +56,7 @@ def train_step(
       >>> float(model.scales.get_value().x.scale)
       448.0
     """
+    _check_wrt(model, optimizer.wrt)
     graphdef, params, fp8_state, rest = nnx.split(model, optimizer.wrt, Fp8State, ...)
 
     def split_loss(params, fp8_state, rest, batch):
@@ -75,6 +76,23 @@ def train_step(
         accumulation_steps=accumulation_steps,
         recipe=recipe,
     )
-    optimizer.update(model, grads)
+    with jax.named_scope(OPTIMIZER_SCOPE):
+        optimizer.update(model, grads)
     nnx.update(model, fp8_state, rest)
     return loss
+
+
+def _check_wrt(model: nnx.Module, wrt) -> None:
+    """Raises if the optimizer's ``wrt`` takes in FP8 state, which must never reach optax."""
+    taken = [
+        "/".join(map(str, path))
+        for path, variable in nnx.to_flat_state(nnx.state(model, wrt))
+        if isinstance(variable, Fp8State)
+    ]
+    if taken:
+        raise TypeError(
+            f"train_step: the optimizer's wrt={wrt!r} includes the model's FP8 scale state "
+            f"({', '.join(taken[:3])}{', ...' if len(taken) > 3 else ''}), which the ops "
+            "update themselves and an optimizer must never step. Optimize the parameters "
+            "only: nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )

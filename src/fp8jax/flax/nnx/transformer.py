@@ -119,7 +119,7 @@ class TransformerLayer(nnx.Module):
             input_layernorm=self.pre,
             return_layernorm_output=residual_from_norm,
             # Pre-norm, each residual is the norm's input, passed back by the fused
-            # op so that its gradient joins the norm's backward (fp8jax.ops.norm_backward).
+            # op so that its gradient joins the norm's backward (fp8jax.kernels.norm_backward).
             return_residual=self.pre and not residual_from_norm,
             dropout_rate=rate,
             deterministic=deterministic,

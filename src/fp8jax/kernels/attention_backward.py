@@ -1,0 +1,393 @@
+"""FP8 flash attention's backward in Mosaic GPU: dK and dV per key block, dQ per query block.
+
+Both kernels recompute the scores from the forward's FP8 operands on the
+FP8 tensor cores (``s = (q8 . k8ᵀ) * q_scale * k_scale``, base-2 units,
+:mod:`fp8jax.kernels.attention`) and P from the saved base-2 logsumexp,
+then take every gradient product on BF16 tensor cores with f32 sums:
+dP = dO Vᵀ, dV = Pᵀ dO, dS = P (dP - delta) * scale, dK = dSᵀ Q and
+dQ = dS K, with P and dS rounded to BF16 (16 bits where FP8's error
+dominates, SageAttention's finding). Q, K and V enter those products
+dequantized to BF16, so the gradients are straight-through.
+
+:func:`xla_backward` is the twin: the same products and roundings in XLA,
+one key block a loop step. The kernels split the work as FlashAttention-2's
+backward without atomics: one kernel per 128 keys of a kv head walks every
+query block of its query heads (GQA's group adds into dK and dV in
+registers), another per 128 queries walks the key blocks. Each has two
+compute warpgroups of 64 rows and a memory warpgroup streaming the other
+side's blocks by TMA, as the forward does. A Bᵀ operand comes K-major
+from shared memory; 16-bit ``wgmma`` also takes MN-major B, which dV, dK
+and dQ use (dO, Q, K as stored).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8jax.kernels import attention as fwd
+from fp8jax.kernels import dispatch
+
+STEP_ROWS = 64  # rows of the streamed side a step: keeps S, dP and two accumulators in registers
+STAGES = 2
+DKV_KERNEL = "fp8jax_attention_dkv"
+DQ_KERNEL = "fp8jax_attention_dq"
+BF16 = jnp.bfloat16
+
+
+def backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal: bool, scale: float):
+    """``(dq, dk, dv)`` in BF16: the kernels on NVIDIA GPUs, else :func:`xla_backward`.
+
+    ``q8``, ``k8``, ``q_scale``, ``k_scale``: the forward kernel's operands;
+    ``q``, ``k``, ``v``: dequantized, BF16; ``do``: the output gradient
+    (BF16); ``lse2``, ``delta`` (B, H, Tq) f32: base-2 logsumexp and
+    ``rowsum(dO * O)``.
+    """
+    operands = (q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta)
+    xla = functools.partial(xla_backward, causal=causal, scale=scale)
+    placement = dispatch.decide(lambda shards: fwd.fits_shards(q8.shape, k8.shape, shards))
+    if not placement.kernel:
+        return xla(*operands)
+    pallas = functools.partial(mosaic_backward, causal=causal, scale=scale)
+    layouts = ("rows", "rows", "rows")  # all lead with the batch, split by data parallelism
+    return dispatch.on_each_device(
+        pallas, xla, operands, len(operands), layouts, placement.row_axes
+    )
+
+
+def _grouped(x, kv_heads: int):
+    """(B, T, H, ...) -> (B, Hkv, G, T, ...): each kv head's group of query heads."""
+    batch, t, heads = x.shape[:3]
+    x = x.reshape(batch, t, kv_heads, heads // kv_heads, *x.shape[3:])
+    return jnp.moveaxis(x, 1, 3)
+
+
+def xla_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, scale):
+    """The kernels' products and roundings in XLA, one 128-key block a loop step."""
+    batch, tq, heads, d = q8.shape
+    kv_heads, tk = k8.shape[2], k8.shape[1]
+    block = fwd.BLOCK
+    blocks = tk // block
+
+    def per_query(x):  # (B, H, Tq) -> (B, Hkv, G, Tq, 1)
+        return _grouped(jnp.swapaxes(x, 1, 2), kv_heads)[..., None]
+
+    def blocked(x):  # (B, Tk, Hkv, ...) -> (blocks, B, Hkv, BLOCK, ...)
+        x = x.reshape(batch, blocks, block, kv_heads, *x.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    qg, q8g, dog = _grouped(q, kv_heads), _grouped(q8, kv_heads), _grouped(do, kv_heads)
+    qs, lse, dl = per_query(q_scale), per_query(lse2), per_query(delta)
+    ks_blocks = blocked(k_scale.swapaxes(1, 2)[..., None])[..., 0]  # (blocks, B, Hkv, BLOCK)
+    rows = lax.broadcasted_iota(jnp.int32, (tq, block), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (tq, block), 1)
+
+    def dot(spec, a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    def step(dq, xs):
+        j, kb8, ksb, kb, vb = xs
+        s = dot("bhgqd,bhkd->bhgqk", q8g, kb8) * qs * ksb[:, :, None, None, :]
+        p = jnp.exp2(s - lse)
+        if causal:
+            p = jnp.where(rows >= cols + j * block, p, 0.0)
+        dv = dot("bhgqk,bhgqd->bhkd", p.astype(BF16), dog)
+        dp = dot("bhgqd,bhkd->bhgqk", dog, vb)
+        ds = (p * (dp - dl) * scale).astype(BF16)
+        dq = dq + dot("bhgqk,bhkd->bhgqd", ds, kb)
+        dk = dot("bhgqk,bhgqd->bhkd", ds, qg)
+        return dq, (dk, dv)
+
+    dq0 = jnp.zeros((batch, kv_heads, heads // kv_heads, tq, d), jnp.float32)
+    xs = (jnp.arange(blocks, dtype=jnp.int32), blocked(k8), ks_blocks, blocked(k), blocked(v))
+    dq, (dk, dv) = lax.scan(step, dq0, xs)
+    dq = jnp.moveaxis(dq, 3, 1).reshape(batch, tq, heads, d)
+
+    def unblocked(x):  # (blocks, B, Hkv, BLOCK, D) -> (B, Tk, Hkv, D)
+        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1).reshape(batch, tk, kv_heads, d)
+
+    return dq.astype(BF16), unblocked(dk).astype(BF16), unblocked(dv).astype(BF16)
+
+
+def _helpers(interpreted: bool):
+    """Loads, layouts and products that the interpreter runs as plain values (see the forward)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    def load(ref, layout):
+        return ref[...] if interpreted else plgpu.load(ref, (), layout=layout)
+
+    def laid_out(x, layout):
+        return x if interpreted else plgpu.layout_cast(x, layout)
+
+    def iota(shape, axis):
+        if interpreted:
+            return lax.broadcasted_iota(jnp.int32, shape, axis)
+        return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+    def mma_t(a_smem, bt_smem, shape):
+        """``a . btᵀ`` into a fresh f32 accumulator (both K-major)."""
+        if interpreted:
+            return lax.dot_general(a_smem[...], bt_smem[...], (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)  # fmt: skip
+
+        def product(ref):
+            plgpu.wgmma(ref, a_smem, plgpu.transpose_ref(bt_smem, (1, 0)))
+            return ref[...]
+
+        return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+    def mma_add(acc, a_smem, b_smem):
+        """``acc + a . b`` with ``b`` stored (K, N): 16-bit wgmma takes it MN-major."""
+        if interpreted:
+            return acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=jnp.float32)
+
+        def product(ref):
+            plgpu.wgmma(ref, a_smem, b_smem)
+
+        return pl.run_state(product)(plgpu.ACC.init(acc))
+
+    return pl, plgpu, load, laid_out, iota, mma_t, mma_add
+
+
+def _smem(plgpu, shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, shape[-1], dtype))
+
+
+def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done):
+    """The memory warpgroup: step ``t``'s blocks of every source into slot ``t % stages``."""
+
+    @pl.loop(0, steps)
+    def _step(t):
+        slot = lax.rem(t, jnp.array(stages, t.dtype))
+
+        @pl.when(t >= stages)  # the slot's previous blocks are consumed by both warpgroups
+        def _wait():
+            plgpu.barrier_wait(done.at[slot])
+
+        for i, (source, ring) in enumerate(zip(sources, rings, strict=True)):
+            plgpu.copy_gmem_to_smem(source(t), ring.at[slot], loaded[i].at[slot])
+
+    @pl.loop(lax.max(steps - stages, 0), steps)  # every barrier phase observed (interpreter)
+    def _drain(t):
+        plgpu.barrier_wait(done.at[lax.rem(t, jnp.array(stages, t.dtype))])
+
+
+def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
+    del k_ref
+    pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
+    (k8_w, v_w, ks_w, pt_w, dst_w, dk_w,
+     q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped  # fmt: skip
+    d = q8_ref.shape[-1]
+    n_rows = q8_ref.shape[1] // STEP_ROWS
+    batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k")
+    wg = lax.axis_index("wg")
+    # Under causality, query rows before the CTA's first key see none of its keys.
+    first = tile * (fwd.CTA_ROWS // STEP_ROWS) if causal else 0
+    per_head = n_rows - first
+    steps = group * per_head
+
+    def rows_of(t):
+        head = kv_head * group + t // per_head
+        return head, pl.ds((first + t % per_head) * STEP_ROWS, STEP_ROWS)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        base = tile * fwd.CTA_ROWS + wg * fwd.WG_ROWS
+        keys = pl.ds(base, fwd.WG_ROWS)
+        plgpu.copy_gmem_to_smem(k8_ref.at[batch, keys, kv_head], k8_w.at[wg], own.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_w.at[wg], own.at[2 + wg])
+        plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys], ks_w.at[wg], own.at[4 + wg])
+        for i in (0, 2, 4):
+            plgpu.barrier_wait(own.at[i + wg])
+        shape = (fwd.WG_ROWS, STEP_ROWS)
+        ks = load(ks_w.at[wg], plgpu.Layout.WGMMA.reduce(1))
+        zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(t, carry):
+            dk, dv = carry
+            slot = lax.rem(t, jnp.array(stages, t.dtype))
+            for ring in loaded:
+                plgpu.barrier_wait(ring.at[slot])
+            column = plgpu.Layout.WGMMA.reduce(0)
+            # Sᵀ: this warpgroup's keys by the step's queries, in the forward's order.
+            st = mma_t(k8_w.at[wg], q8_r.at[slot], shape)
+            st = st * lax.broadcast_in_dim(load(qs_r.at[slot], column), shape, [1])
+            st = st * lax.broadcast_in_dim(ks, shape, [0])
+            pt = jnp.exp2(st - lax.broadcast_in_dim(load(lse_r.at[slot], column), shape, [1]))
+            if causal:
+                _, rows = rows_of(t)
+                query = iota(shape, 1) + rows.start
+                pt = jnp.where(query >= iota(shape, 0) + base, pt, 0.0)
+            dpt = mma_t(v_w.at[wg], do_r.at[slot], shape)
+            dst = pt * (dpt - lax.broadcast_in_dim(load(dl_r.at[slot], column), shape, [1]))
+            pt_w[wg] = pt.astype(BF16)
+            dst_w[wg] = (dst * scale).astype(BF16)
+            plgpu.commit_smem()
+            dv = mma_add(dv, pt_w.at[wg], do_r.at[slot])
+            dk = mma_add(dk, dst_w.at[wg], q_r.at[slot])
+            plgpu.barrier_arrive(done.at[slot])
+            return dk, dv
+
+        dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
+        dk_w[wg] = dk.astype(BF16)
+        v_w[wg] = dv.astype(BF16)  # V's buffer is free now: shared memory is short at D 128
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dk_w.at[wg], dk_ref.at[batch, keys, kv_head])
+        plgpu.copy_smem_to_gmem(v_w.at[wg], dv_ref.at[batch, keys, kv_head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def rows_source(ref):
+            def source(t):
+                head, rows = rows_of(t)
+                return ref.at[batch, rows, head]
+
+            return source
+
+        def vector_source(ref):
+            def source(t):
+                head, rows = rows_of(t)
+                return ref.at[batch, head, rows]
+
+            return source
+
+        sources = [*map(rows_source, (q8_ref, q_ref, do_ref)),
+                   *map(vector_source, (qs_ref, lse_ref, delta_ref))]  # fmt: skip
+        rings = [q8_r, q_r, do_r, qs_r, lse_r, dl_r]
+        _stream(plgpu, pl, steps, stages, sources, rings, loaded, done)
+
+
+def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
+    del q_ref
+    pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
+    (q8_w, do_w, qs_w, lse_w, dl_w, ds_w, dq_w, k8_r, k_r, v_r, ks_r, own, loaded, done) = scoped
+    d = q8_ref.shape[-1]
+    batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
+    kv_head = lax.div(head, jnp.array(group, head.dtype))
+    wg = lax.axis_index("wg")
+    n_keys = k8_ref.shape[1] // STEP_ROWS
+    # Under causality the CTA's queries see the keys up to its last row.
+    steps = (tile + 1) * (fwd.CTA_ROWS // STEP_ROWS) if causal else n_keys
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        base = tile * fwd.CTA_ROWS + wg * fwd.WG_ROWS
+        rows = pl.ds(base, fwd.WG_ROWS)
+        own_sources = [(q8_ref.at[batch, rows, head], q8_w), (do_ref.at[batch, rows, head], do_w),
+                       (qs_ref.at[batch, head, rows], qs_w), (lse_ref.at[batch, head, rows], lse_w),
+                       (delta_ref.at[batch, head, rows], dl_w)]  # fmt: skip
+        for i, (source, buffer) in enumerate(own_sources):
+            plgpu.copy_gmem_to_smem(source, buffer.at[wg], own.at[2 * i + wg])
+        for i in range(len(own_sources)):
+            plgpu.barrier_wait(own.at[2 * i + wg])
+        row = plgpu.Layout.WGMMA.reduce(1)
+        shape = (fwd.WG_ROWS, STEP_ROWS)
+        qs = lax.broadcast_in_dim(load(qs_w.at[wg], row), shape, [0])
+        lse = lax.broadcast_in_dim(load(lse_w.at[wg], row), shape, [0])
+        delta = lax.broadcast_in_dim(load(dl_w.at[wg], row), shape, [0])
+
+        def step(t, dq):
+            slot = lax.rem(t, jnp.array(stages, t.dtype))
+            for ring in loaded:
+                plgpu.barrier_wait(ring.at[slot])
+            s = mma_t(q8_w.at[wg], k8_r.at[slot], shape) * qs
+            s = s * lax.broadcast_in_dim(load(ks_r.at[slot], plgpu.Layout.WGMMA.reduce(0)),
+                                         shape, [1])  # fmt: skip
+            p = jnp.exp2(s - lse)
+            if causal:
+                key = iota(shape, 1) + t * STEP_ROWS
+                p = jnp.where(iota(shape, 0) + base >= key, p, 0.0)
+            dp = mma_t(do_w.at[wg], v_r.at[slot], shape)
+            ds_w[wg] = (p * (dp - delta) * scale).astype(BF16)
+            plgpu.commit_smem()
+            dq = mma_add(dq, ds_w.at[wg], k_r.at[slot])
+            plgpu.barrier_arrive(done.at[slot])
+            return dq
+
+        zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(0, steps, step, zeros)
+        dq_w[wg] = dq.astype(BF16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_w.at[wg], dq_ref.at[batch, rows, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def source(ref, vector=False):
+            def at(t):
+                keys = pl.ds(t * STEP_ROWS, STEP_ROWS)
+                return ref.at[batch, kv_head, keys] if vector else ref.at[batch, keys, kv_head]
+
+            return at
+
+        sources = [source(k8_ref), source(k_ref), source(v_ref), source(ks_ref, vector=True)]
+        _stream(plgpu, pl, steps, stages, sources, [k8_r, k_r, v_r, ks_r], loaded, done)
+
+
+def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, scale,
+                    stages=STAGES, interpret=None):  # fmt: skip
+    """The two kernels: dK, dV (one CTA per 128 keys of a kv head), then dQ (per 128 queries)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    batch, tq, heads, d = q8.shape
+    tk, kv_heads = k8.shape[1], k8.shape[2]
+    group = heads // kv_heads
+    rows, step = fwd.WG_ROWS, STEP_ROWS
+    f8 = fwd.FP8
+    operands = (q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta)
+    options = dict(causal=causal, scale=scale, group=group, stages=stages,
+                   interpreted=interpret is not None)  # fmt: skip
+
+    def launch(body, name, grid, grid_names, out_type, scratch, barriers):
+        def entry(*refs):
+            pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, *barriers,
+                          collective_axes="wg")  # fmt: skip
+
+        return plgpu.kernel(
+            entry, out_type=out_type, grid=grid, grid_names=grid_names,
+            num_threads=3, thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            kernel_name=name, interpret=interpret,
+        )(*operands)  # fmt: skip
+
+    kv_struct = jax.ShapeDtypeStruct(k8.shape, BF16)
+    dk, dv = launch(
+        functools.partial(_dkv_kernel, **options), DKV_KERNEL,
+        (kv_heads, tk // fwd.CTA_ROWS, batch), ("heads", "k", "batch"), (kv_struct, kv_struct),
+        [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
+         plgpu.SMEM((2, rows), jnp.float32),
+         _smem(plgpu, (2, rows, step), BF16), _smem(plgpu, (2, rows, step), BF16),
+         _smem(plgpu, (2, rows, d), BF16),
+         _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
+         _smem(plgpu, (stages, step, d), BF16),
+         *[plgpu.SMEM((stages, step), jnp.float32)] * 3],
+        [plgpu.Barrier(num_barriers=6), [plgpu.Barrier(num_barriers=stages)] * 6,
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
+    )  # fmt: skip
+    (dq,) = launch(
+        functools.partial(_dq_kernel, **options), DQ_KERNEL,
+        (heads, tq // fwd.CTA_ROWS, batch), ("heads", "q", "batch"),
+        (jax.ShapeDtypeStruct(q8.shape, BF16),),
+        [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
+         *[plgpu.SMEM((2, rows), jnp.float32)] * 3,
+         _smem(plgpu, (2, rows, step), BF16), _smem(plgpu, (2, rows, d), BF16),
+         _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
+         _smem(plgpu, (stages, step, d), BF16), plgpu.SMEM((stages, step), jnp.float32)],
+        [plgpu.Barrier(num_barriers=10), [plgpu.Barrier(num_barriers=stages)] * 4,
+         plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
+    )  # fmt: skip
+    return dispatch.varying_like((dq, dk, dv), operands)

@@ -1,0 +1,215 @@
+"""FP8 scaled dot-product attention: the forward on E4M3 tensor cores, a 16-bit backward.
+
+``fp8jax.dot_product_attention`` takes ``jax.nn.dot_product_attention``'s
+layout, (batch, seq, heads, head_dim), with grouped keys and values (GQA).
+Q, K and V are quantized to E4M3 with one current power-of-two scale per
+128 rows and head (:data:`fp8jax.kernels.attention.BLOCK`), then
+:func:`fp8jax.kernels.attention.forward` runs the flash-attention forward
+(the Mosaic GPU kernel on a Hopper GPU, its exact XLA twin elsewhere) and
+saves the base-2 logsumexp.
+
+The backward (:mod:`fp8jax.kernels.attention_backward`: two Mosaic GPU
+kernels, or their XLA twin) recomputes P block by block from the saved FP8
+Q and K and the logsumexp (FlashAttention's), never forming a Tq x Tk
+array, and takes dV = Pᵀ dO, dP = dO Vᵀ, dQ = dS K and dK = dSᵀ Q with BF16
+operands and f32 sums. The quantization is straight-through: the gradients
+are those of attention on the dequantized Q, K and V. dS keeps 16 bits
+because most of FP8 attention's backward error lives there (SageAttention's
+training papers); an FP8 dV is future work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.kernels import attention as kernel
+from fp8jax.kernels import attention_backward as backward_kernels
+
+IMPLEMENTATIONS = (None, "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The op's static configuration."""
+
+    causal: bool
+    scale: float
+    xla_only: bool
+    dtypes: tuple  # q's, k's and v's, for their gradients
+
+
+def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
+                          recipe=None, implementation: str | None = None) -> jax.Array:  # fmt: skip
+    """Scaled dot-product attention with QKᵀ and PV in FP8 (E4M3), per-block current scales.
+
+    Args:
+      q: (batch, q_seq, heads, head_dim) queries, floating point.
+      k, v: (batch, kv_seq, kv_heads, head_dim); ``kv_heads`` divides ``heads``
+        (query head ``h`` reads kv head ``h // (heads // kv_heads)``, as
+        ``jax.nn.dot_product_attention``'s GQA does).
+      causal: each query attends to keys at or before its position (then
+        ``q_seq == kv_seq``).
+      scale: the logits' scale; None: ``1 / sqrt(head_dim)``.
+      recipe: reserved for other scaling schemes; None: E4M3 with one current
+        scale per 128 rows and head of Q, K and V.
+      implementation: None (the Mosaic GPU kernel where it runs, else its XLA
+        twin) or ``"xla"`` (the twin always).
+
+    Returns:
+      The (batch, q_seq, heads, head_dim) output in ``q``'s dtype (BF16 in
+      training; the kernel writes BF16).
+
+    Raises:
+      ValueError: head_dim other than 64 or 128, sequence lengths not a
+        multiple of 128, mismatched shapes, or causal with ``q_seq != kv_seq``.
+      TypeError: a recipe other than None, or non-floating inputs.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, fp8jax
+      >>> q = k = v = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+      >>> fp8jax.dot_product_attention(q, k, v, causal=True).shape
+      (1, 128, 2, 64)
+    """
+    _validate(q, k, v, causal, recipe, implementation)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    config = _Config(causal=bool(causal), scale=scale, xla_only=implementation == "xla",
+                     dtypes=(q.dtype, k.dtype, v.dtype))  # fmt: skip
+    return _attention(q, k, v, config).astype(q.dtype)
+
+
+def _validate(q, k, v, causal, recipe, implementation) -> None:
+    if recipe is not None:
+        raise TypeError(
+            "dot_product_attention: recipe must be None (E4M3, one current scale per 128 rows "
+            f"and head), got {recipe!r}."
+        )
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"dot_product_attention: implementation must be one of {IMPLEMENTATIONS}, "
+            f"got {implementation!r}."
+        )
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4:
+            raise ValueError(
+                f"dot_product_attention: {name} must be 4-D (batch, seq, heads, head_dim), "
+                f"got shape {jnp.shape(x)}."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"dot_product_attention: {name} must be floating point, got {x.dtype}.")
+    batch, tq, heads, d = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(
+            "dot_product_attention: k and v must both be (batch, kv_seq, kv_heads, head_dim) "
+            f"with q's batch {batch} and head_dim {d}, got k {k.shape} and v {v.shape}."
+        )
+    if d not in kernel.HEAD_DIMS:
+        raise ValueError(
+            f"dot_product_attention: head_dim must be one of {kernel.HEAD_DIMS} (the FP8 "
+            f"kernels' tiles), got {d}; use jax.nn.dot_product_attention for it."
+        )
+    if heads % k.shape[2]:
+        raise ValueError(
+            f"dot_product_attention: kv_heads ({k.shape[2]}) must divide heads ({heads})."
+        )
+    for name, length in (("q_seq", tq), ("kv_seq", k.shape[1])):
+        if length % kernel.BLOCK:
+            raise ValueError(
+                f"dot_product_attention: {name} must be a multiple of {kernel.BLOCK} (one scale "
+                f"per {kernel.BLOCK} rows), got {length}; pad the sequence."
+            )
+    if causal and tq != k.shape[1]:
+        raise ValueError(
+            f"dot_product_attention: causal needs q_seq == kv_seq, got {tq} and {k.shape[1]}."
+        )
+
+
+def quantize_blocks(x):
+    """``x`` (B, T, H, D) in E4M3 and its f32 scales (B, H, T // 128): one per 128 rows and head.
+
+    ``x ≈ x8 * scale``, ``scale`` the smallest power of two with ``amax / scale
+    <= 448``: dividing by it is exact, so the one rounding is the cast's,
+    round to nearest even. A scale that is not a power of two leaves many
+    BF16 inputs within an f32 unit of an E4M3 tie, where the order of the
+    division's arithmetic decides the rounding (docs: the op's module).
+    """
+    batch, t, heads, d = x.shape
+    blocks = x.astype(jnp.float32).reshape(batch, t // kernel.BLOCK, kernel.BLOCK, heads, d)
+    amax = jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
+    # amax = m 2**e with m in [0.5, 1), and 448 = 0.875 * 2**9: no rounding anywhere.
+    mantissa, exponent = jnp.frexp(amax)
+    exponent = jnp.where(mantissa <= 0.875, exponent - 9, exponent - 8)
+    scale = jnp.ldexp(jnp.ones_like(amax), exponent)
+    x8 = (blocks / scale).astype(kernel.FP8).reshape(x.shape)
+    return x8, jnp.transpose(scale[:, :, 0, :, 0], (0, 2, 1))
+
+
+def _expand(scale, times: int):
+    """(B, H, blocks) -> (B, H, blocks * times): each block's scale repeated over its rows."""
+    return jnp.repeat(scale, times, axis=-1)
+
+
+def kernel_operands(q, k, v, scale: float):
+    """The forward kernel's operands from Q, K, V: quantized, V transposed, scales expanded.
+
+    Returns the operands of :func:`fp8jax.kernels.attention.forward` and the
+    ``(x8, scale)`` pairs of Q, K and V for the backward.
+    """
+    (q8, qs), (k8, ks), (v8, vs) = quantize_blocks(q), quantize_blocks(k), quantize_blocks(v)
+    vt8 = jnp.transpose(v8, (0, 2, 3, 1))  # keys minor: PV's FP8 wgmma takes V K-major
+    d = q.shape[-1]
+    operands = (
+        q8, k8, vt8,
+        _expand(qs * (scale * kernel.LOG2E), kernel.BLOCK),
+        _expand(ks, kernel.BLOCK),
+        jnp.broadcast_to((vs / kernel.P_SCALE)[..., None], (*vs.shape, d)),
+    )  # fmt: skip
+    return operands, ((q8, qs), (k8, ks), (v8, vs))
+
+
+def _forward(q, k, v, config: _Config):
+    """The quantized operands and the kernel's (or twin's) output and base-2 logsumexp."""
+    operands, quantized = kernel_operands(q, k, v, config.scale)
+    if config.xla_only:
+        out, lse2 = kernel.xla_forward(*operands, causal=config.causal)
+    else:
+        out, lse2 = kernel.forward(*operands, causal=config.causal)
+    return out, lse2, quantized
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, config: _Config):
+    return _forward(q, k, v, config)[0]
+
+
+def _attention_fwd(q, k, v, config: _Config):
+    out, lse2, quantized = _forward(q, k, v, config)
+    return out, (quantized, out, lse2)
+
+
+def _dequantized(x8, scale):
+    """(B, T, H, D) E4M3 with (B, H, T // 128) scales -> BF16 values (exact products in f32)."""
+    rows = jnp.transpose(_expand(scale, kernel.BLOCK), (0, 2, 1))[..., None]
+    return (x8.astype(jnp.float32) * rows).astype(jnp.bfloat16)
+
+
+def _attention_bwd(config: _Config, residuals, g):
+    ((q8, qs), (k8, ks), (v8, vs)), out, lse2 = residuals
+    delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    operands = (
+        q8, k8,
+        _expand(qs * (config.scale * kernel.LOG2E), kernel.BLOCK),
+        _expand(ks, kernel.BLOCK),
+        _dequantized(q8, qs), _dequantized(k8, ks), _dequantized(v8, vs),
+        g.astype(jnp.bfloat16), lse2, jnp.transpose(delta, (0, 2, 1)),
+    )  # fmt: skip
+    run = backward_kernels.xla_backward if config.xla_only else backward_kernels.backward
+    grads = run(*operands, causal=config.causal, scale=config.scale)
+    return tuple(x.astype(dtype) for x, dtype in zip(grads, config.dtypes, strict=True))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

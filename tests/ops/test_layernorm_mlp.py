@@ -1,0 +1,610 @@
+"""fp8jax.layernorm_mlp: f32 and fake-quant references with derived budgets, its kernels, errors."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.verify.jaxpr_dots import jaxpr_dots
+from fused_cases import (
+    CUBLASLT_FORM,
+    RECIPES,
+    _h100_hlos,
+    _params,
+    _written_results,
+    ref_norm,
+)
+from numerics import (
+    assert_within,
+    current_scale,
+    fake_quant_einsum,
+    gemm_error_bound,
+    relative_error,
+)
+
+TOKENS, HIDDEN, FFN = 1024, 256, 1024
+
+
+def _results_of_mlp_step(
+    activations, recipe, dtype: str, tokens=TOKENS, hidden=HIDDEN, ffn=FFN
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each ``dtype`` result written to HBM by layernorm_mlp's H100 train step."""
+    hlo = _mlp_step_hlo(activations, recipe, tokens, hidden, ffn)
+    return [(name, shape) for name, written, shape in _written_results(hlo) if written == dtype]
+
+
+def _mlp_step_hlo(activations, recipe, tokens, hidden, ffn) -> str:
+    """layernorm_mlp's train step (with bias_1), compiled deviceless for an H100."""
+    return _mlp_step_hlos([(activations, recipe, tokens, hidden, ffn)])[0]
+
+
+def _mlp_step_hlos(specs: list) -> list[str]:
+    """:func:`_mlp_step_hlo` of each ``(activations, recipe, tokens, hidden, ffn)``."""
+    hlos = _h100_hlos({("mlp", *spec): _mlp_step(*spec) for spec in specs})
+    return [hlos["mlp", *spec] for spec in specs]
+
+
+def _mlp_step(activations, recipe, tokens, hidden, ffn):
+    """layernorm_mlp's train step (with bias_1) and its abstract arguments.
+
+    The loss depends on y (not a plain mean), so the backward cannot start
+    early and fuse with the forward, which would hide what a real model's
+    step does.
+    """
+    n, bf16 = len(activations), jnp.bfloat16
+    args = (
+        jax.ShapeDtypeStruct((tokens, hidden), bf16),
+        jax.ShapeDtypeStruct((hidden,), jnp.float32),
+        jax.ShapeDtypeStruct((hidden,), jnp.float32),
+        jax.ShapeDtypeStruct((hidden, n, ffn), bf16),
+        jax.ShapeDtypeStruct((ffn, hidden), bf16),
+        jax.ShapeDtypeStruct((n, ffn), bf16),
+    )
+    state = None
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+
+    def loss(x, gamma, beta, k1, k2, b1, state):
+        y = fp8jax.layernorm_mlp(
+            x, gamma, beta, k1, k2, b1, activations=activations, recipe=recipe, state=state
+        )
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    step = jax.grad(loss, argnums=tuple(range(7)))
+    return step, (*args, state)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize(
+    "activations", [("silu", "linear"), ("gelu", "linear"), ("relu",), ("gelu",)]
+)
+def test_layernorm_mlp_step_writes_no_f32_copy_of_the_activation(activations, recipe):
+    # The activation and its gradient reach HBM once each, in bf16
+    # (quantize_operand, stored); the code before it wrote two f32 (tokens, ffn)
+    # arrays here for every activation, and with jax.nn.gelu's erfc XLA kept
+    # one f32 array from the forward for the backward (activations.gelu).
+    n = len(activations)
+    shapes = {(TOKENS, FFN), (TOKENS, n, FFN), (TOKENS, FFN, n), (TOKENS, n * FFN)}
+    copies = [r for r in _results_of_mlp_step(activations, recipe, "f32") if r[1] in shapes]
+    assert copies == []
+
+
+@pytest.mark.deviceless
+def test_gated_pre_activation_gradient_is_written_with_each_pair_side_by_side():
+    # layernorm_mlp._interleave: kernel_1 (hidden, 2, ffn) is quantized as (hidden,
+    # ffn, 2), so the pre-activation and, on XLA's path (current scaling),
+    # its bf16 gradient are (tokens, ffn, 2). In kernel_1's own order XLA's
+    # gradient fusion read each pre-activation element twice (GeGLU on the
+    # H200: 1.22 against 0.87 ms). Delayed scaling's activation kernels read
+    # the same layout (tests/kernels/test_activation_cast.py).
+    written = _results_of_mlp_step(("silu", "linear"), fp8jax.CurrentScaling(), "bf16")
+    shapes = {shape for _, shape in written}
+    assert (TOKENS, FFN, 2) in shapes
+    assert (TOKENS, 2, FFN) not in shapes
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("activations", [("gelu", "linear"), ("gelu",)])
+def test_forward_activation_reaches_hbm_in_bf16_only_under_current_scaling(activations):
+    # Current scaling needs the activation's amax before its scale, so the
+    # forward writes the activation once in bf16 and the quantize pass reads
+    # it back (quantize_operand, stored). Delayed scaling knows the scale first:
+    # the FP8 cast fuses into the activation's kernel and no bf16 copy is
+    # written (quantizing.Recomputed). GEMMs and the backward (its pinned
+    # activation gradient) write bf16 (tokens, ffn) arrays too; they do not
+    # count.
+    from fp8jax.verify import _hlo, gemm_report
+
+    tokens, hidden, ffn = 512, 256, 1024
+    recipes = (fp8jax.CurrentScaling(), fp8jax.DelayedScaling())
+    specs = [(activations, recipe, tokens, hidden, ffn) for recipe in recipes]
+    hlos = dict(zip(recipes, _mlp_step_hlos(specs), strict=True))  # both in one child
+
+    def bf16_activations(recipe):
+        hlo = hlos[recipe]
+        entry = _hlo.parse_module(hlo).entry.instructions
+        gemms = {g.name for g in gemm_report(hlo).gemms}
+        return [
+            name
+            for name, dtype, shape in _written_results(hlo)
+            if (dtype, shape) == ("bf16", (tokens, ffn))
+            and name not in gemms
+            and "transpose(jvp" not in entry[name].metadata.get("op_name", "")
+        ]
+
+    assert len(bf16_activations(recipes[0])) == 1
+    assert bf16_activations(recipes[1]) == []
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("activations", [("gelu", "linear"), ("gelu",)])
+def test_each_operand_and_its_transposed_copy_come_from_one_kernel(activations, recipe):
+    # The cast kernel (quantize_operand, transpose): on one GPU, every GEMM operand that both of
+    # its GEMMs read in a different layout is cast to FP8 with its transposed
+    # copy in one Pallas kernel (fp8jax.kernels.cast_transpose) that reads it
+    # once: the pre-activation gradient (with bias_1's sums), the output
+    # gradient (with bias_2's), kernel_2 and, ungated, kernel_1. XLA made a
+    # cast kernel and an FP8 transpose of each (GeGLU's gradient on the H200:
+    # 0.78 + 0.46 against 0.63 ms). Gated, kernel_1 is read interleaved, a
+    # transpose XLA fuses into its own cast. All six GEMMs stay FP8. (erf's
+    # gelu stays on XLA's activation path under either recipe,
+    # fp8jax.activations.Activation.kernel.)
+    from collections import Counter
+
+    from fp8jax.verify import _hlo, gemm_report
+
+    n = len(activations)
+    hlo = _mlp_step_hlo(activations, recipe, TOKENS, HIDDEN, FFN)
+    kernels = [
+        inst
+        for inst in _hlo.parse_module(hlo).entry.instructions.values()
+        if "fp8jax_cast_transpose" in inst.metadata.get("op_name", "")
+        and inst.custom_call_target == "__gpu$xla.gpu.triton"
+    ]
+    written = Counter(
+        frozenset((t.dtype, t.shape) for t in inst.types if t.dtype.startswith("f8"))
+        for inst in kernels
+    )
+
+    def both(dtype, rows, cols):
+        return frozenset({(dtype, (rows, cols)), (dtype, (cols, rows))})
+
+    want = Counter([both("f8e5m2", TOKENS, FFN * n), both("f8e5m2", TOKENS, HIDDEN),
+                    both("f8e4m3fn", FFN, HIDDEN)])  # fmt: skip
+    if n == 1:
+        want[both("f8e4m3fn", HIDDEN, FFN)] += 1
+    assert written == want
+    report = gemm_report(hlo)
+    assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("activations", [("gelu_tanh",), ("silu", "linear")], ids="-".join)
+def test_activation_and_its_gradient_are_computed_in_the_cast_kernels(activations, recipe):
+    # fp8jax.kernels.activation_cast: under delayed scaling one Pallas kernel reads
+    # pre and writes h in FP8; another reads pre and dh and writes pre's
+    # gradient in FP8 in both layouts and h again, transposed, for kernel_2's
+    # wgrad. No bf16 (tokens, ffn) array is written but the GEMMs' outputs.
+    # XLA's path wrote h, the gradient in bf16, its cast and h's FP8 transpose
+    # (docs/design.md#the-activation-inside-the-cast-kernels). Current scaling
+    # needs each amax before its cast: XLA's path, which writes h and the
+    # gradient in bf16. All six GEMMs are FP8 either way.
+    from fp8jax.verify import _hlo, gemm_report
+
+    n = len(activations)
+    hlo = _mlp_step_hlo(activations, recipe, TOKENS, HIDDEN, FFN)
+    report = gemm_report(hlo)
+    assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
+    gemms = {g.name for g in report.gemms}
+    kernel_outputs = {
+        inst.metadata["op_name"].rsplit("/", 2)[-2]: sorted((t.dtype, t.shape) for t in inst.types)
+        for inst in _hlo.parse_module(hlo).entry.instructions.values()
+        if inst.custom_call_target == "__gpu$xla.gpu.triton"
+        and "activation" in inst.metadata.get("op_name", "")
+    }
+    activation_kernels = {
+        name: [out for out in outs if out[0].startswith("f8")]
+        for name, outs in kernel_outputs.items()
+    }
+    bf16_written = [
+        name for name, dtype, shape in _written_results(hlo)
+        if dtype == "bf16" and shape in ((TOKENS, FFN), (TOKENS, FFN, n)) and name not in gemms
+    ]  # fmt: skip
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        assert activation_kernels == {
+            "fp8jax_cast_activation": [("f8e4m3fn", (TOKENS, FFN))],
+            "fp8jax_cast_activation_gradient": sorted([
+                ("f8e4m3fn", (FFN, TOKENS)), ("f8e5m2", (FFN * n, TOKENS)),
+                ("f8e5m2", (TOKENS, FFN * n)),
+            ]),
+        }  # fmt: skip
+        assert bf16_written == []
+    else:
+        # Current scaling: the forward kernel casts at a scale from a pass
+        # that only reads pre (no bf16 h); the gradient, whose scale needs its
+        # own amax first, goes through XLA and HBM in bf16.
+        assert activation_kernels == {"fp8jax_cast_activation": [("f8e4m3fn", (TOKENS, FFN))]}
+        assert len(bf16_written) == 1
+    # The forward kernel writes h's tile maxima for the delayed state's
+    # update; current scaling has the amax from its scale pass, and the
+    # kernel skips the reduction, most of its time (activation_cast).
+    forward_f32 = [out for out in kernel_outputs["fp8jax_cast_activation"] if out[0] == "f32"]
+    assert len(forward_f32) == isinstance(recipe, fp8jax.DelayedScaling), forward_f32
+
+
+@pytest.mark.deviceless
+def test_fp8jax_pallas_0_keeps_xla_cast_and_transpose(monkeypatch):
+    # The switch (fp8jax.kernels.dispatch.enabled), read when the op is traced.
+    from fp8jax.verify import gemm_report
+
+    monkeypatch.setattr(fp8jax.kernels.dispatch, "enabled", lambda: False)  # kernels off
+    hlo = _mlp_step_hlo(("gelu", "linear"), fp8jax.DelayedScaling(), TOKENS, HIDDEN, FFN)
+    assert "fp8jax_cast_transpose" not in hlo
+    assert len(gemm_report(hlo).fp8_gemms) == 6
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("activations", [("gelu", "linear"), ("silu", "linear"), ("gelu",)])
+def test_activation_amax_takes_no_pass_of_its_own(activations, recipe, request):
+    if activations == ("gelu", "linear") and isinstance(recipe, fp8jax.DelayedScaling):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=CUBLASLT_FORM))
+    # Every kernel that reads an activation-sized array also writes one: the
+    # activation's amax rides along with its FP8 cast or with the backward
+    # (quantizing.Recomputed, and the stored pass). A pass that only reduces
+    # it (0.40 ms for GeGLU on the H200) means XLA split them apart.
+    # One exception, by design: under current scaling the forward cast kernel
+    # needs h's scale first, and that amax pass reads pre alone
+    # (docs/design.md#the-activation-cast-under-current-scaling).
+    from fp8jax.verify import _hlo, gemm_report
+
+    tokens, hidden, ffn = 4096, 256, 2048
+    n = len(activations)
+    sizes = {tokens * ffn * n, tokens * ffn}
+    hlo = _mlp_step_hlo(activations, recipe, tokens, hidden, ffn)
+    module, gemms = _hlo.parse_module(hlo), {g.name for g in gemm_report(hlo).gemms}
+    types = {name: inst.types for name, inst in module.entry.instructions.items()}
+
+    def large(ts):
+        return any(math.prod(t.shape) in sizes for t in ts)
+
+    reduce_only = [
+        inst.name
+        for inst in module.entry.instructions.values()
+        if inst.opcode == "fusion"
+        and inst.name not in gemms
+        and not large(inst.types)
+        and any(large(types.get(o, ())) for o in inst.operands)
+    ]
+    kernel_serves = fp8jax.activations.kernel_serves(activations)
+    expected = 1 if isinstance(recipe, fp8jax.CurrentScaling) and kernel_serves else 0
+    assert len(reduce_only) == expected, reduce_only
+
+
+def test_gelu_stays_within_f32_rounding_of_the_exact_definition():
+    # fused.gelu writes Phi through erf where jax.nn.gelu uses erfc. Bound:
+    # 4 f32 ulps of max(|x|, 1): a couple for x * (1 + erf) * 0.5's own
+    # roundings, a couple for XLA's erf polynomial (about 1 ulp of 1), which
+    # 1 + erf turns into an absolute error on the negative side.
+    import math
+
+    from fp8jax.activations import gelu
+
+    x = np.linspace(-12, 12, 48001, dtype=np.float32)
+    exact = np.array([v * 0.5 * math.erfc(-v / math.sqrt(2)) for v in x.astype(np.float64)])
+    slope = np.array(
+        [0.5 * math.erfc(-v / math.sqrt(2)) + v * math.exp(-v * v / 2) / math.sqrt(2 * math.pi)
+         for v in x.astype(np.float64)]
+    )  # fmt: skip
+    ulps = 4 * 2.0**-23 * np.maximum(np.abs(x), 1)
+    value = np.asarray(jax.jit(gelu)(x), np.float64)
+    grad = np.asarray(jax.jit(jax.vmap(jax.grad(gelu)))(x), np.float64)
+    assert np.all(np.abs(value - exact) <= ulps)
+    assert np.all(np.abs(grad - slope) <= ulps)
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_norm_backward_writes_no_f32_tokens_by_hidden_array(recipe):
+    # dgamma and dbeta are column sums of dy * xhat and dy. With the row mean
+    # recomputed inside the fusion (a row reduction), XLA cannot also
+    # column-reduce there and wrote dy * xhat to HBM in f32; from the saved
+    # mean, the products fuse into the column reduction (norm.normalize_backward).
+    # At the benchmarks' shape: XLA's choice depends on the size, and at
+    # 4096 x 1024 tokens x hidden it still writes one f32 product either way.
+    tokens, hidden = 16384, 4096
+    results = _results_of_mlp_step(("silu", "linear"), recipe, "f32", tokens, hidden, ffn=16384)
+    assert [r for r in results if r[1] == (tokens, hidden)] == []
+
+
+ACTIVATIONS = [
+    ("gelu", "linear"),
+    ("silu", "linear"),
+    ("relu", "linear"),
+    ("gelu_tanh", "linear"),
+    ("gelu",),
+    ("relu",),
+    ("silu",),
+    ("linear",),
+]
+# Largest |derivative| of each activation (gelu: 1.129 at x ~ 2.4; silu:
+# 1.0998 at x ~ 2.4); they carry the first GEMM's error into the second.
+LIPSCHITZ = {"gelu": 1.13, "gelu_tanh": 1.13, "silu": 1.1, "relu": 1.0, "linear": 1.0}
+NP_ACT = {
+    "gelu": lambda v: jax.nn.gelu(v, approximate=False),
+    "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "linear": lambda v: v,
+}
+
+
+def _mlp_inputs(n_act, hidden=32, ffn=64, dtype=jnp.float32):
+    x, gamma, beta = _params("layernorm", hidden, dtype, seed=4)
+    k1 = (jax.random.normal(jax.random.key(5), (hidden, n_act, ffn)) / hidden**0.5).astype(dtype)
+    k2 = (jax.random.normal(jax.random.key(6), (ffn, hidden)) / ffn**0.5).astype(dtype)
+    return x, gamma, beta, k1, k2
+
+
+def _ref_mlp(x, gamma, beta, k1, k2, activations, einsum=jnp.einsum):
+    n = ref_norm(x, gamma, beta, "layernorm", False)
+    pre = einsum("th,haf->taf", n, k1.astype(jnp.float32))
+    h = NP_ACT[activations[0]](pre[:, 0])
+    for i, name in enumerate(activations[1:], start=1):
+        h = h * NP_ACT[name](pre[:, i])
+    return einsum("tf,fo->to", h, k2.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS, ids="-".join)
+def test_layernorm_mlp_forward_within_propagated_fp8_bound(activations):
+    x, gamma, beta, k1, k2 = _mlp_inputs(len(activations))
+    y = fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=activations)
+    n = np.asarray(ref_norm(x, gamma, beta, "layernorm", False), np.float64)
+    k1s, k2s = np.asarray(k1, np.float64), np.asarray(k2, np.float64)
+    pre = np.einsum("th,haf->taf", n, k1s)
+    pre_bound = gemm_error_bound(
+        n,
+        k1s,
+        "e4m3",
+        "e4m3",
+        current_scale(n, "e4m3"),
+        current_scale(k1s, "e4m3"),
+        "th,haf->taf",
+        jnp.float32,
+    ) + 2.0**-18 * np.einsum("th,haf->taf", np.abs(n), np.abs(k1s))
+    acts = [
+        np.asarray(NP_ACT[a](jnp.asarray(pre[:, i], jnp.float32)), np.float64)
+        for i, a in enumerate(activations)
+    ]
+    errs = [LIPSCHITZ[a] * pre_bound[:, i] for i, a in enumerate(activations)]
+    h, h_bound = acts[0], errs[0]
+    if len(activations) == 2:
+        # |ab - a'b'| <= |a||db| + |b||da| + |da||db|
+        h, h_bound = (
+            h * acts[1],
+            (np.abs(acts[0]) * errs[1] + np.abs(acts[1]) * errs[0] + errs[0] * errs[1]),
+        )
+    h_bound = h_bound + 2.0**-20 * np.abs(h)  # f32 activation arithmetic
+    h_scale = 448.0 / (np.abs(h).max() + h_bound.max())
+    y_bound = gemm_error_bound(
+        h,
+        k2s,
+        "e4m3",
+        "e4m3",
+        h_scale,
+        current_scale(k2s, "e4m3"),
+        "tf,fo->to",
+        jnp.float32,
+        a_error=h_bound,
+    )
+    assert_within(y, h @ k2s, y_bound, "mlp forward")
+
+
+@pytest.mark.parametrize(
+    "activations", [("gelu", "linear"), ("silu", "linear"), ("relu",)], ids="-".join
+)
+def test_layernorm_mlp_gradients_match_fake_quant_and_f32(activations):
+    x, gamma, beta, k1, k2 = _mlp_inputs(len(activations))
+    r = jax.random.normal(jax.random.key(8), (48, 32))
+
+    def loss(x, gamma, beta, k1, k2):
+        return jnp.sum(fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, activations=activations) * r)
+
+    def emulated(x, gamma, beta, k1, k2):
+        return jnp.sum(_ref_mlp(x, gamma, beta, k1, k2, activations, fake_quant_einsum) * r)
+
+    def exact(x, gamma, beta, k1, k2):
+        return jnp.sum(
+            _ref_mlp(
+                x,
+                gamma,
+                beta,
+                k1,
+                k2,
+                activations,
+                lambda s, a, b: jnp.einsum(s, a, b, precision="highest"),
+            )
+            * r
+        )
+
+    args = (x, gamma, beta, k1, k2)
+    got = jax.grad(loss, argnums=range(5))(*args)
+    fake = jax.grad(emulated, argnums=range(5))(*args)
+    ref = jax.grad(exact, argnums=range(5))(*args)
+    for name, g, f, e in zip(["dx", "dgamma", "dbeta", "dk1", "dk2"], got, fake, ref, strict=True):
+        # Same arithmetic as the emulation: only f32 roundoff (about 2**-16
+        # after a few dozen operations and 64-term sums) and the rare FP8
+        # flip it causes, one step (2**-3 of an element) in one of 48 x 64
+        # elements, normwise 2**-3 / sqrt(48 * 64) ~ 2**-8.8 each. 2**-8
+        # allows one such flip; an E5M2 operand where E4M3 belongs errs by
+        # about 2**-3 / sqrt(3) ~ 2**-3.8 normwise.
+        assert relative_error(g, f) < 2.0**-8, name
+        # Against exact f32: the gradient passes through at most three FP8
+        # GEMMs with an E5M2 operand. Independent rounding errors give each a
+        # relative error near sqrt(u5**2 + u4**2) / sqrt(3) = 0.08; allow the
+        # three to add up.
+        assert relative_error(g, e) < 3 * 0.081, name
+
+
+def test_llama_shape_swiglu_traces_six_fp8_gemms():
+    # hidden 4096, ffn 11008, SwiGLU: traced abstractly, nothing is allocated.
+    x = jax.ShapeDtypeStruct((2, 128, 4096), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    k1 = jax.ShapeDtypeStruct((4096, 2, 11008), jnp.float32)
+    k2 = jax.ShapeDtypeStruct((11008, 4096), jnp.float32)
+
+    def loss(x, gamma, k1, k2):
+        y = fp8jax.layernorm_mlp(
+            x, gamma, None, k1, k2, activations=("silu", "linear"), norm_type="rmsnorm"
+        )
+        return jnp.sum(y.astype(jnp.float32))
+
+    dots = jaxpr_dots(jax.grad(loss, argnums=(0, 1, 2, 3)), x, gamma, k1, k2)
+    assert len(dots) == 6 and all(d.is_fp8 for d in dots)
+    assert sorted(d.operand_formats for d in dots).count(("float8_e5m2", "float8_e5m2")) == 0
+
+
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.CurrentScaling(), fp8jax.DelayedScaling(amax_history_len=4)], ids=repr
+)
+def test_jaxpr_dot_counts(recipe):
+    x, gamma, beta, k1, k2 = _mlp_inputs(2)
+    mlp_state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+    dense_state = fp8jax.init_state(recipe)
+
+    def mlp_loss(x, k1, k2, state):
+        return jnp.sum(fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, recipe=recipe, state=state))
+
+    def ln_dense_loss(x, k1, state):
+        return jnp.sum(fp8jax.layernorm_dense(x, gamma, beta, k1, recipe=recipe, state=state))
+
+    mlp = jaxpr_dots(jax.grad(mlp_loss, argnums=(0, 1, 2, 3)), x, k1, k2, mlp_state)
+    ln_dense = jaxpr_dots(jax.grad(ln_dense_loss, argnums=(0, 1, 2)), x, k1, dense_state)
+    assert len(mlp) == 6 and all(d.is_fp8 for d in mlp)
+    assert [d.operand_formats for d in ln_dense] == [
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e5m2", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e5m2"),
+    ]
+
+
+def test_delayed_state_of_mlp_updates_every_tensor():
+    recipe = fp8jax.DelayedScaling(amax_history_len=4)
+    state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+    x, gamma, beta, k1, k2 = _mlp_inputs(2)
+    grads = jax.grad(
+        lambda s: jnp.sum(fp8jax.layernorm_mlp(x, gamma, beta, k1, k2, recipe=recipe, state=s))
+    )(state)
+    new = fp8jax.take_new_state(state, grads)
+    for leaf in jax.tree.leaves(new, is_leaf=lambda n: isinstance(n, fp8jax.ScaleState)):
+        assert float(leaf.amax_history[0]) > 0 and float(leaf.scale) != 1.0
+
+
+_X = jnp.ones((4, 32))
+_G = jnp.ones((32,))
+_K1 = jnp.ones((32, 2, 64))
+_K2 = jnp.ones((64, 32))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, _K2, activations=("gelu", "swish")),
+            ValueError,
+            r"activations must be one or two names from \['gelu', 'gelu_tanh', 'linear', "
+            r"'relu', 'silu'\].*got \('gelu', 'swish'\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, _K2, activations=("gelu",)),
+            ValueError,
+            r"kernel_1 must have shape \(hidden=32, len\(activations\)=1, ffn\), "
+            r"got \(32, 2, 64\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(jnp.ones((4, 16)), jnp.ones(16), None, _K1, _K2),
+            ValueError,
+            r"kernel_1 must have shape \(hidden=16",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, jnp.ones((63, 32))),
+            ValueError,
+            r"kernel_2 must have shape \(ffn=64, hidden_out\), got \(63, 32\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(_X, _G, None, _K1, _K2, epsilon=0.0),
+            ValueError,
+            "epsilon must be a number > 0, got 0.0",
+        ),
+        (
+            lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((16, 8))),
+            ValueError,
+            r"kernel must have shape \(hidden=32, \*features\), got \(16, 8\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((32, 4, 8)), split=(2, 1)),
+            ValueError,
+            r"split must be positive integers summing to the output's axis -2 \(4\), got \(2, 1\)",
+        ),
+        (
+            lambda: fp8jax.dense(_X, jnp.ones((32, 4, 8)), split=(3, 2)),
+            ValueError,
+            r"split must be positive integers summing to the output's axis -2 \(4\), got \(3, 2\)",
+        ),
+        (
+            lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((32, 8)), split=(4, 4)),
+            ValueError,
+            r"split_axis must name one of the output's 1 feature axes, counted from the end "
+            r"\(-1 to -1\), got -2",
+        ),
+        (
+            lambda: fp8jax.layernorm_mlp(
+                _X,
+                _G,
+                None,
+                _K1,
+                _K2,
+                recipe=fp8jax.DelayedScaling(amax_history_len=2),
+                state=fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=2)),
+            ),
+            TypeError,
+            r"state must be a MlpScaleState from fp8jax.init_state\(recipe, MlpScaleState\)",
+        ),
+    ],
+)
+def test_bad_input_is_explained(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_live_mlp_step_transposes_fp8_only_with_tiled_kernels(recipe):
+    # Before the forward kernel became an explicit matrix transpose
+    # (ops.gemm.as_kernel_matrices), XLA relayouted both GeGLU kernels with untiled kLoop
+    # transposes at ~0.3 TB/s on the H200 (jaxlib 0.11.2; docs/design.md).
+    # Shapes are the benchmark's, scaled down 4x in each dimension.
+    from fp8jax import verify
+
+    tokens, hidden, ffn = 4096, 1024, 4096
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+    gamma = jax.ShapeDtypeStruct((hidden,), jnp.float32)
+    k1 = jax.ShapeDtypeStruct((hidden, 2, ffn), jnp.bfloat16)
+    k2 = jax.ShapeDtypeStruct((ffn, hidden), jnp.bfloat16)
+    state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+
+    def loss(x, gamma, k1, k2, state):
+        y = fp8jax.layernorm_mlp(x, gamma, gamma, k1, k2, recipe=recipe, state=state)
+        return jnp.sum(y.astype(jnp.float32))
+
+    step = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    hlo = verify.compile_for(step, x, gamma, k1, k2, state, target="live")
+    relayouts = verify.fp8_relayouts(hlo)
+    assert relayouts, "expected the wgrad transposes of the activations at least"
+    assert [r for r in relayouts if r.untiled_transpose] == []
