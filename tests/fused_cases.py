@@ -21,6 +21,13 @@ def ref_norm(x, gamma, beta, norm_type, zero_centered):
 
 
 RECIPES = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]
+# The deviceless compiles use XLA's default flags, under which fp8jax's FP8 GEMMs
+# are cuBLASLt calls (fp8jax.ops.gemm.fp8_dot_general), as they were under
+# fp8jax.compiler_options() before. cuBLASLt reads FP8 operands with the contracted
+# axis minor, so on XLA's path (no cast kernel) XLA writes a transposed FP8 copy, and
+# some fusions then split apart as they did with the options; their one-pass forms
+# were those of a Triton GEMM fusion, which reads any layout.
+CUBLASLT_FORM = "cuBLASLt's operand layout splits XLA's fusion (also with compiler_options)"
 
 # Deviceless H100 compiles, by a key that names the program: several tests read the same
 # program's HLO (the same op, recipe and shapes), which is compiled once. Tests only read it.

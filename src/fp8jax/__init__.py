@@ -3,6 +3,7 @@
 The public API is what this module re-exports.
 """
 
+from fp8jax import optim
 from fp8jax.formats import ALL_E4M3, E4M3, E5M2, HYBRID, FormatPair, Fp8Format
 from fp8jax.ops.attention import dot_product_attention
 from fp8jax.ops.dense import dense
@@ -62,6 +63,7 @@ __all__ = [
     "layernorm_dense",
     "layernorm_mlp",
     "moe_mlp",
+    "optim",
     "permuted_ragged_dot",
     "quantize",
     "ragged_dot",

@@ -1,13 +1,17 @@
 """XLA compiler options for programs whose GEMMs are fp8jax's FP8 GEMMs.
 
-On a live GPU, XLA's default pipeline wraps each FP8 ``dot_general``
-together with its output scale into a Triton GEMM fusion, autotunes it
-against cuBLASLt, and then compiles the Triton kernels it picked: a first
-compile of minutes for one transformer layer. With Triton GEMMs off the same
-program compiles in seconds, and every GEMM becomes a cuBLASLt FP8 call with
-the scale folded into it (docs/design.md#first-compile-time has the
+On a live GPU, XLA's default pipeline wraps an FP8 ``dot_general`` together
+with its output scale into a Triton GEMM fusion, autotunes it against
+cuBLASLt, and then compiles the Triton kernels it picked: a first compile of
+minutes for one transformer layer. fp8jax's own FP8 dots name their FP8
+algorithm when lowered for CUDA, which Triton does not take, so a plain
+``jax.jit`` already gives cuBLASLt FP8 calls
+(:func:`fp8jax.ops.gemm.fp8_dot_general`). Under a mesh, XLA's sharding pass
+can drop a dot's algorithm (jaxlib 0.10.2) and Triton takes that GEMM again;
+with Triton GEMMs off every GEMM is a cuBLASLt FP8 call with the scale folded
+into it, whatever the mesh (docs/design.md#first-compile-time has the
 measurements and what it costs). ``fp8jax train`` and the benchmarks compile
-with these options; pass them to your own ``jax.jit`` the same way::
+with these options; sharded programs of your own can too::
 
     step = jax.jit(train_step, compiler_options=fp8jax.compiler_options())
 

@@ -12,12 +12,13 @@ import breakdown  # noqa: E402
 DATA = ROOT / "tests" / "verify" / "data"
 
 
-def test_triton_fp8_gemms_and_quantize_kernels_are_told_apart():
-    hlo = (DATA / "h100_dense_triton.hlo.txt").read_text()
+def test_fp8_gemms_and_quantize_kernels_are_told_apart():
+    hlo = (DATA / "h100_dense_default.hlo.txt").read_text()
     classes = breakdown.fusion_classes(hlo)
-    # dense fwd+bwd: three Triton FP8 GEMMs (XLA's nested-gemm fusion kind).
+    # dense fwd+bwd with default flags: three cuBLASLt FP8 calls (each dot names
+    # its FP8 algorithm, which Triton does not take).
     assert sorted(k for k, v in classes.items() if v == "gemm") == [
-        "gemm_fusion_dot", "gemm_fusion_dot_1", "gemm_fusion_dot_general_2",
+        "cublas_batch_gemm_2", "cublas_batch_gemm_3", "cublas_gemm_1",
     ]  # fmt: skip
     # x, the kernel and the gradient are each quantized from high precision by
     # one fp8jax.kernels.cast_transpose call; the trace names all three after the
@@ -27,15 +28,21 @@ def test_triton_fp8_gemms_and_quantize_kernels_are_told_apart():
     assert "fp8-relayout" not in classes.values()
 
 
-def test_sharded_quantize_fusions_and_the_fp8_transpose_are_told_apart():
+def test_sharded_quantize_fusions_and_the_fp8_transposes_are_told_apart():
     # Under FSDP the operands are quantized by XLA fusions, not the kernel
-    # (sample h100_dense_fsdp8_triton), and one FP8 transpose is a relayout.
-    classes = breakdown.fusion_classes((DATA / "h100_dense_fsdp8_triton.hlo.txt").read_text())
+    # (sample h100_dense_fsdp8_default), and FP8 transposes are relayouts.
+    classes = breakdown.fusion_classes((DATA / "h100_dense_fsdp8_default.hlo.txt").read_text())
     assert sorted(k for k, v in classes.items() if v == "quantize") == [
-        "input_convert_reduce_fusion", "loop_convert_fusion", "loop_convert_fusion_1",
+        "input_convert_reduce_fusion", "input_convert_transpose_fusion", "input_transpose_fusion",
+        "loop_convert_fusion",
     ]  # fmt: skip
-    assert [k for k, v in classes.items() if v == "fp8-relayout"] == ["transpose_1"]
-    assert sum(v == "gemm" for v in classes.values()) == 3
+    assert sorted(k for k, v in classes.items() if v == "fp8-relayout") == [
+        "transpose_1", "transpose_2_1_clone_1", "transpose_3_1",
+    ]  # fmt: skip
+    # Two cuBLASLt calls and the one Triton FP8 GEMM fusion the sample keeps.
+    assert sorted(k for k, v in classes.items() if v == "gemm") == [
+        "cublas_batch_gemm_1", "cublas_gemm_1", "gemm_fusion_dot_3",
+    ]  # fmt: skip
 
 
 def test_fp8_to_fp8_transposes_are_relayouts_not_quantization():

@@ -10,6 +10,7 @@ import pytest
 import fp8jax
 from fp8jax.kernels import norm_backward, norm_forward
 from fused_cases import (
+    CUBLASLT_FORM,
     EPS,
     NORMS,
     RECIPES,
@@ -232,7 +233,9 @@ def _biased_step_outputs(op, recipe) -> dict[str, list[tuple[str, tuple[int, ...
 @pytest.mark.deviceless
 @pytest.mark.parametrize("op", ["dense", "layernorm_dense"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
-def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe, monkeypatch):
+def test_output_gradient_and_bias_gradient_share_one_pass(op, recipe, monkeypatch, request):
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=CUBLASLT_FORM))
     # quantize_operand with column_sums, XLA's path (where the cast kernel
     # does not run, here switched off): the amax of
     # the output gradient is taken as column maxima, like the bias gradient's

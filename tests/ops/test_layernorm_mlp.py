@@ -10,6 +10,7 @@ import pytest
 import fp8jax
 from fp8jax.verify.jaxpr_dots import jaxpr_dots
 from fused_cases import (
+    CUBLASLT_FORM,
     RECIPES,
     _h100_hlos,
     _params,
@@ -251,7 +252,9 @@ def test_fp8jax_pallas_0_keeps_xla_cast_and_transpose(monkeypatch):
 @pytest.mark.deviceless
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("activations", [("gelu", "linear"), ("silu", "linear"), ("gelu",)])
-def test_activation_amax_takes_no_pass_of_its_own(activations, recipe):
+def test_activation_amax_takes_no_pass_of_its_own(activations, recipe, request):
+    if activations == ("gelu", "linear") and isinstance(recipe, fp8jax.DelayedScaling):
+        request.applymarker(pytest.mark.xfail(strict=True, reason=CUBLASLT_FORM))
     # Every kernel that reads an activation-sized array also writes one: the
     # activation's amax rides along with its FP8 cast or with the backward
     # (quantizing.Recomputed, and the stored pass). A pass that only reduces

@@ -73,7 +73,7 @@ def test_allow_excuses_gemms_by_source_or_op_name(qdq_hlo):
 
 
 def test_counts_of_fp8_gemms():
-    hlo = (DATA / "h100_dense_triton.hlo.txt").read_text()
+    hlo = (DATA / "h100_dense_default.hlo.txt").read_text()
     assert len(assert_fp8_gemms(hlo=hlo, expect=3).fp8_gemms) == 3
     assert_fp8_gemms(hlo=gemm_report(hlo), at_least=2)
     with pytest.raises(Fp8VerificationError, match="expected exactly 2 FP8 GEMMs, found 3"):

@@ -14,7 +14,7 @@ SAMPLES = sorted(p.name.removesuffix(".expect.json") for p in DATA.glob("*.expec
 
 def test_samples_are_present():
     # Deviceless and CPU samples from generate.py; live GPU samples join them.
-    assert {"h100_dense_triton", "h200_dense_cublas", "h100_qdq_triton", "cpu_dense"} <= set(
+    assert {"h100_dense_default", "h200_dense_cublas", "h100_qdq_triton", "cpu_dense"} <= set(
         SAMPLES
     )
 
@@ -53,7 +53,7 @@ def test_no_e5m2_by_e5m2_gemm_in_any_sample():
 
 
 def test_fsdp_sample_gathers_the_kernel_in_fp8():
-    report = gemm_report((DATA / "h100_dense_fsdp8_triton.hlo.txt").read_text())
+    report = gemm_report((DATA / "h100_dense_fsdp8_default.hlo.txt").read_text())
     gathers = [c for c in report.collectives if c.kind == "all-gather"]
     assert [(c.dtype, c.shape, c.bytes, c.is_async) for c in gathers] == [
         ("f8e4m3fn", (512, 1024), 512 * 1024, True)
@@ -145,7 +145,7 @@ def test_unfused_dot_on_upcast_operands():
 
 
 def test_source_is_the_innermost_frame_outside_libraries():
-    report = gemm_report((DATA / "h100_dense_triton.hlo.txt").read_text())
+    report = gemm_report((DATA / "h100_dense_default.hlo.txt").read_text())
     for gemm in report.gemms:
         assert "verify_programs.py" in gemm.source
         # The stack still shows where inside fp8jax the dot was built.
@@ -154,10 +154,10 @@ def test_source_is_the_innermost_frame_outside_libraries():
 
 
 def test_to_json_and_str():
-    report = gemm_report((DATA / "h100_dense_fsdp8_triton.hlo.txt").read_text())
+    report = gemm_report((DATA / "h100_dense_fsdp8_default.hlo.txt").read_text())
     data = json.loads(report.to_json())
     assert data["fp8_gemms"] == 3 and data["non_fp8_gemms"] == 0
-    assert {g["backend"] for g in data["gemms"]} == {"triton-fp8"}
+    assert {g["backend"] for g in data["gemms"]} == {"cublaslt-fp8", "triton-fp8"}
     assert all(g["is_fp8"] for g in data["gemms"])
     assert {"kind", "dtype", "shape", "bytes", "source"} <= set(data["collectives"][0])
     lines = str(report).splitlines()

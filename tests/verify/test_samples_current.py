@@ -30,5 +30,5 @@ def test_samples_of_fp8jax_programs_match_a_fresh_compile():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     # Every sample generate.py marks as an fp8jax program was compared.
-    for name in ("h100_dense_triton", "h200_dense_cublas", "h100_scan_cublas", "cpu_dense"):
+    for name in ("h100_dense_default", "h200_dense_cublas", "h100_scan_cublas", "cpu_dense"):
         assert f"{name} is current" in result.stdout, result.stdout

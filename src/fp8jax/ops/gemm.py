@@ -48,14 +48,47 @@ def scaled_dot(
         a_data, b_data, out_shape = matrices
         gemm_dims = (((a_data.ndim - 1,), (1,)), ((), ()))
     out_sharding = _partitioning.dot_out_sharding(a_data, b_data, gemm_dims, like, permutation)
-    y = lax.dot_general(
-        a_data, b_data, gemm_dims, precision=precision, preferred_element_type=out_dtype,
-        out_sharding=out_sharding,
-    )  # fmt: skip
+    y = fp8_dot_general(a_data, b_data, gemm_dims, precision, out_dtype, out_sharding)
     if out_shape is not None:
         y = y.reshape(out_shape)
     y = y * (a.scale_inv * b.scale_inv).astype(out_dtype)
     return y if permutation is None else jnp.transpose(y, permutation)
+
+
+# The cuBLASLt accumulation each lax.Precision asks for, as the FP8 dot
+# algorithm that names it: XLA's GPU backend gives fast accumulation to an FP8
+# dot of DEFAULT precision and to ANY_F8_ANY_F8_F32_FAST_ACCUM, split
+# accumulation to any other precision and to ANY_F8_ANY_F8_F32.
+_CUDA_ALGORITHM = {
+    lax.Precision.DEFAULT: lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM,
+    lax.Precision.HIGH: lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+    lax.Precision.HIGHEST: lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+}
+
+
+def fp8_dot_general(a, b, dims, precision, out_dtype, out_sharding=None) -> jax.Array:
+    """``lax.dot_general`` of FP8 operands, named by its FP8 algorithm where lowered for CUDA.
+
+    XLA's GEMM fusion hands Triton every dot whose algorithm Triton supports,
+    and a Triton GEMM fusion is autotuned against cuBLASLt on the first
+    compile (minutes for a layer). Triton supports no explicit FP8 algorithm,
+    so a dot that names one is left to the cuBLASLt FP8 rewrite, with the
+    same accumulation as ``precision`` (:data:`_CUDA_ALGORITHM`) and no flag
+    from the user (docs/design.md#first-compile-time). JAX refuses these
+    algorithms on the CPU, so other platforms lower the plain dot; only the
+    branch of the platform being compiled for is lowered.
+    """
+    precision = lax.Precision.DEFAULT if precision is None else precision
+
+    def dot(algorithm):
+        return lambda a, b: lax.dot_general(
+            a, b, dims, precision=algorithm, preferred_element_type=out_dtype,
+            out_sharding=out_sharding,
+        )  # fmt: skip
+
+    return lax.platform_dependent(
+        a, b, cuda=dot(_CUDA_ALGORITHM[precision]), default=dot(precision)
+    )
 
 
 def kernel_contraction(dims, a_ndim: int, kernel_ndim: int) -> int | None:

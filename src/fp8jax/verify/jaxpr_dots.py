@@ -79,9 +79,25 @@ def _walk(jaxpr, found: list[JaxprDot]) -> None:
                     rhs_contracting=tuple(int(a) for a in rhs_contracting),
                 )
             )
-        for param in eqn.params.values():
+        for param in _params_to_walk(eqn):
             for sub in _sub_jaxprs(param):
                 _walk(sub, found)
+
+
+def _params_to_walk(eqn):
+    """The equation's parameters, with a platform-dependent cond reduced to its default branch.
+
+    ``lax.platform_dependent`` traces one branch per platform and lowers only
+    the one compiled for; fp8jax's FP8 dots use it to name their FP8
+    algorithm on CUDA (:func:`fp8jax.ops.gemm.fp8_dot_general`). Walking
+    every branch would count each GEMM twice; the default branch holds the
+    same dot with the ``lax.Precision`` the recipe asked for.
+    """
+    platforms = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+    if not platforms or None not in platforms:
+        return eqn.params.values()
+    default = eqn.params["branches"][platforms.index(None)]
+    return [value for key, value in eqn.params.items() if key != "branches"] + [default]
 
 
 def jaxpr_dots(fn, *args, **kwargs) -> list[JaxprDot]:
