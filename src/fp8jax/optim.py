@@ -10,7 +10,7 @@ moments, the bias corrections, the weight decay and the learning rate are a
 single elementwise expression of that parameter's gradient, moments and
 value, which XLA compiles to one multi-output fusion per parameter (the
 optimizer's floor: read the parameter, its gradient and both moments once,
-write the moments once; docs/design.md#the-train-steps-ceiling).
+write the moments once; docs/design.md#the-ceiling-of-a-step-and-the-element-wise-floor).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def scanned_fp8_step(x, kernels):
     """fp8jax.dense applied by lax.scan over stacked kernels: GEMMs inside a while loop."""
 
     def layer(h, kernel):
-        return fp8jax.dense(h, kernel), None
+        return fp8jax.dense(h, kernel, preferred_element_type=h.dtype), None
 
     def loss(x, kernels):
         return jnp.sum(jnp.square(jax.lax.scan(layer, x, kernels)[0].astype(jnp.float32)))
