@@ -333,7 +333,9 @@ def main() -> None:
         start = time.time()
         rc, detail = _run_tests(src, tests_root, args.tests or own_tests, args.timeout,
                                 args.keyword or own_keyword)  # fmt: skip
-        verdict = "killed" if rc not in (0, None) else "SURVIVED" if rc == 0 else "timeout"
+        # pytest's 5: no test selected, which catches nothing (an older tests root
+        # may lack the tests a -k expression names).
+        verdict = {0: "SURVIVED", None: "timeout", 5: "no tests"}.get(rc, "killed")
         killed += verdict == "killed"
         print(f"[{i:2d}] {verdict:8s} {time.time() - start:6.0f}s  {name}: {detail}", flush=True)
     print(f"{killed} of {len(chosen)} mutants killed")
