@@ -133,3 +133,92 @@ def test_one_fusion_per_parameter_on_the_gpu():
         assert len(fusions) == 1, fusions
         outputs = re.match(r"\s*%\S+ = \((.*?)\) fusion\(", fusions[0]).group(1)
         assert outputs.count(f"f32[{','.join(map(str, leaf.shape))}]") == 3, fusions[0]
+
+
+# An independent reference: AdamW with clipping by the global norm, written out
+# in numpy f64 from the algorithm (Loshchilov & Hutter's decoupled decay, as
+# optax orders it: decay joins the Adam step, both times the learning rate).
+def _warmup(step):
+    """A hand-written schedule, the same formula in jnp (the op) and numpy f64 (the reference)."""
+    return 3e-3 * jnp.minimum(1.0, (step + 1.0) / 3.0)
+
+
+def _warmup_f64(step):
+    return 3e-3 * min(1.0, (step + 1.0) / 3.0)
+
+
+def _numpy_adamw(params, grads_per_step, *, lr, b1, b2, eps, weight_decay, max_grad_norm):
+    """Each step's params (f64) and each element's error budget against f32 arithmetic.
+
+    The budget adds, per step, the f32 roundings an element's update goes
+    through: about 12 (clip 2, moments 4 + 3, bias corrections 2, sqrt, eps,
+    divide), each a relative 2**-24 of the magnitude ``|m| / (sqrt(v) + eps)``
+    (``|m|`` the first moment of ``|g|``, which bounds cancellation in m), plus the
+    global norm's sum of squares over n elements, a relative (log2(n) + 2) 2**-24
+    at worst for a tree-ordered sum, times 32 to cover a linear order's partial
+    sums growing with sqrt(n) in practice; and 4 roundings of |p| (decay,
+    learning rate, apply). Budget unit: 2**-24, f32's half step.
+    """
+    u = 2.0**-24
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    mu = {k: np.zeros_like(v) for k, v in p.items()}
+    mu_abs = {k: np.zeros_like(v) for k, v in p.items()}
+    nu = {k: np.zeros_like(v) for k, v in p.items()}
+    budget = {k: np.zeros_like(v) for k, v in p.items()}
+    n = sum(v.size for v in p.values())
+    norm_units = 32 * (np.ceil(np.log2(n)) + 2)
+    history = []
+    for t, grads in enumerate(grads_per_step, start=1):
+        g = {k: np.asarray(v, np.float64) for k, v in grads.items()}
+        norm = np.sqrt(sum(np.sum(v * v) for v in g.values()))
+        if max_grad_norm is not None and norm >= max_grad_norm:
+            g = {k: v / norm * max_grad_norm for k, v in g.items()}
+        step = lr(t - 1) if callable(lr) else lr
+        for k in p:
+            mu[k] = b1 * mu[k] + (1 - b1) * g[k]
+            mu_abs[k] = b1 * mu_abs[k] + (1 - b1) * np.abs(g[k])
+            nu[k] = b2 * nu[k] + (1 - b2) * g[k] ** 2
+            denom = np.sqrt(nu[k] / (1 - b2**t)) + eps
+            update = (mu[k] / (1 - b1**t)) / denom + weight_decay * p[k]
+            magnitude = (mu_abs[k] / (1 - b1**t)) / denom
+            budget[k] = (
+                budget[k]
+                + step * u * (12 + norm_units) * magnitude
+                + 4 * u * (np.abs(p[k]) + step * weight_decay * np.abs(p[k]))
+            )
+            p[k] = p[k] - step * update
+        history.append(
+            ({k: v.copy() for k, v in p.items()}, {k: v.copy() for k, v in budget.items()})
+        )
+    return history
+
+
+def _flat(tree):
+    return {
+        jax.tree_util.keystr(path): np.asarray(v) for path, v in jax.tree.leaves_with_path(tree)
+    }
+
+
+@pytest.mark.parametrize("schedule", [True, False], ids=["warmup", "constant"])
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clip", "no-clip"])
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0], ids=["decay", "no-decay"])
+def test_within_derived_budgets_of_a_numpy_adamw(schedule, max_grad_norm, weight_decay):
+    # Gradient norms alternate about 4 (clipped to 1) and 0.4 (kept): both branches.
+    grad_scale, steps = 0.005, 5
+    kw = {"b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": weight_decay}
+    tx = fused_adamw(_warmup if schedule else 1e-3, **kw, max_grad_norm=max_grad_norm)
+    got = [_flat(params) for params, _ in _run(tx, steps, grad_scale)]
+    grads = [_flat(_grads(jax.random.key(1), i, grad_scale if i % 2 else 10 * grad_scale))
+             for i in range(steps)]  # fmt: skip
+    norms = [np.sqrt(sum(np.sum(np.float64(g) ** 2) for g in step.values())) for step in grads]
+    assert min(norms) < 1.0 < max(norms)  # the clip both acts and stays out
+    want = _numpy_adamw(_flat(_params(jax.random.key(0))), grads, lr=_warmup_f64 if schedule
+                        else 1e-3, **kw, max_grad_norm=max_grad_norm)  # fmt: skip
+    for step, (params, (ref, budget)) in enumerate(zip(got, want, strict=True)):
+        for name in ref:
+            err = np.abs(params[name].astype(np.float64) - ref[name])
+            worst = np.argmax(err - budget[name])
+            assert np.all(err <= budget[name]), (
+                f"step {step} {name}: |error| {err.flat[worst]:.3g} > budget "
+                f"{budget[name].flat[worst]:.3g}"
+            )

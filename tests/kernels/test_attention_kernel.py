@@ -26,11 +26,13 @@ def _operands(tq, tk, heads, kv_heads, d):
 
 
 # Interpretation is slow (a Python callback per shared-memory access): one CTA
-# under causality, and a GQA pair of CTAs over three key blocks, more blocks
-# than the two shared-memory slots, so slots are reused after their consumption.
+# under causality, and GQA's two groups of two heads over three key blocks, more
+# blocks than the two shared-memory slots, so slots are reused after their
+# consumption. Two kv heads of two query heads each tell h // group (right)
+# from h % kv_heads (wrong); one kv head could not.
 @pytest.mark.parametrize(
     "tq, tk, heads, kv_heads, d, causal",
-    [(128, 128, 1, 1, 64, True), (128, 384, 2, 1, 64, False)],
+    [(128, 128, 1, 1, 64, True), (128, 384, 4, 2, 64, False)],
     ids=["causal-one-block", "gqa-three-blocks"],
 )
 def test_kernel_in_interpret_mode_matches_its_xla_twin(tq, tk, heads, kv_heads, d, causal):
@@ -60,8 +62,8 @@ def _backward_operands(tq, tk, heads, kv_heads, d, causal):
 
 @pytest.mark.parametrize(
     "tq, tk, heads, kv_heads, d, causal",
-    [(128, 128, 1, 1, 64, True), (128, 128, 2, 1, 64, False)],
-    ids=["causal-one-block", "gqa-pair"],
+    [(128, 128, 1, 1, 64, True), (128, 128, 4, 2, 64, False)],
+    ids=["causal-one-block", "gqa-two-groups"],
 )
 def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, kv_heads, d,
                                                                  causal):  # fmt: skip

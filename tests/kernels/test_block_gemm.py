@@ -94,6 +94,9 @@ def test_tile_table_fills_the_sms():
     # 192 does not divide 8192; block scales never take a tile past one block.
     assert block_gemm.tile_n_for(8192, 8192, b_blocks=False) == 128
     assert block_gemm.tile_n_for(8192, 3072, b_blocks=True) == 128
+    # Even with late scales, where per-row scales take 192, a block-scaled tile
+    # stays within one 128-wide block: 192 would straddle two blocks' scales.
+    assert block_gemm.tile_n_for(8192, 3072, b_blocks=True, scales_first=False) == 128
     # More SMs, fewer waves: the table reads the device's count.
     assert block_gemm.tile_n_for(256, 256, b_blocks=True, sms=4) == 128
 

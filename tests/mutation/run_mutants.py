@@ -13,6 +13,10 @@ written to catch it (``ISSUE_57``; no ``--tests`` needed):
 
     .venv/bin/python tests/mutation/run_mutants.py --issue57
 
+``--round3`` runs the faults planted in this round's kernels and ops (FP8
+attention, the block-scaled GEMM's builds, fused_adamw, moe_mlp's capacity
+and aux loss), the same way (``ROUND_3``).
+
 ``--tests-root`` runs test files from another copy of ``tests/`` (an older
 commit's, from ``git archive``), to compare the suite before and after a change.
 """
@@ -139,13 +143,131 @@ ISSUE_57 = [
      ["ops/test_fine_scaling.py"], "fused_ops_are"),
 ]  # fmt: skip
 
+# This round's kernels and ops (issue 57's last item), each fault against the
+# tests written for it: ``--round3``. Where one fault touches several places
+# (a head mapping read in three layouts), ``old`` and ``new`` are tuples of
+# edits, each applied ``count`` times.
+_ATT, _ATT_K = "ops/test_attention.py", "kernels/test_attention_kernel.py"
+_FWD_K, _BWD_K = "kernel_in_interpret", "backward_kernels_in_interpret"
+ROUND_3 = [
+    ("attention: P not scaled by 2**8 before the E4M3 cast", "kernels/attention.py",
+     "P_SCALE = 256.0", "P_SCALE = 1.0", 1, [_ATT], None),
+    ("attention kernel: P cast to E4M3 unscaled (V's scale still divided)", "kernels/attention.py",
+     "p_smem[...] = (p * P_SCALE).astype(FP8)", "p_smem[...] = p.astype(FP8)", 1,
+     [_ATT_K], _FWD_K),
+    ("attention: query head h reads kv head h % kv_heads (XLA forward)", "kernels/attention.py",
+     ("q = jnp.transpose(q8.reshape(batch, tq, kv_heads, group, d), (0, 2, 3, 1, 4))",
+      "qs = q_scale.reshape(batch, kv_heads, group, tq, 1)",
+      "out = jnp.transpose(out, (0, 3, 1, 2, 4))",
+      "lse2 = (m + jnp.log2(l)).reshape(batch, heads, tq)"),
+     ("q = jnp.transpose(q8.reshape(batch, tq, group, kv_heads, d), (0, 3, 2, 1, 4))",
+      "qs = jnp.swapaxes(q_scale.reshape(batch, group, kv_heads, tq, 1), 1, 2)",
+      "out = jnp.transpose(out, (0, 3, 2, 1, 4))",
+      "lse2 = jnp.swapaxes(m + jnp.log2(l), 1, 2).reshape(batch, heads, tq)"), 1, [_ATT], None),
+    ("attention kernel: query head h reads kv head h % kv_heads", "kernels/attention.py",
+     "kv_head = lax.div(head, jnp.array(group, head.dtype))",
+     "kv_head = lax.rem(head, jnp.array(k_ref.shape[2], head.dtype))", 1, [_ATT_K], _FWD_K),
+    ("attention backward: query head h reads kv head h % kv_heads (XLA)",
+     "kernels/attention_backward.py",
+     ("x = x.reshape(batch, t, kv_heads, heads // kv_heads, *x.shape[3:])\n"
+      "    return jnp.moveaxis(x, 1, 3)",
+      "dq = jnp.moveaxis(dq, 3, 1).reshape(batch, tq, heads, d)"),
+     ("x = x.reshape(batch, t, heads // kv_heads, kv_heads, *x.shape[3:])\n"
+      "    return jnp.moveaxis(jnp.swapaxes(x, 2, 3), 1, 3)",
+      "dq = jnp.swapaxes(jnp.moveaxis(dq, 3, 1), 2, 3).reshape(batch, tq, heads, d)"), 1,
+     [_ATT], None),
+    ("attention dQ kernel: query head h reads kv head h % kv_heads",
+     "kernels/attention_backward.py",
+     "kv_head = lax.div(head, jnp.array(group, head.dtype))",
+     "kv_head = lax.rem(head, jnp.array(k8_ref.shape[2], head.dtype))", 1, [_ATT_K], _BWD_K),
+    ("attention dK/dV kernel: kv head's group taken as heads h % kv_heads",
+     "kernels/attention_backward.py", "head = kv_head * group + t // per_head",
+     "head = kv_head + (t // per_head) * k8_ref.shape[2]", 1, [_ATT_K], _BWD_K),
+    ("attention: causal mask lets a row see the next key (XLA forward)", "kernels/attention.py",
+     "jnp.where(rows >= cols + j * BLOCK, s, -jnp.inf)",
+     "jnp.where(rows + 1 >= cols + j * BLOCK, s, -jnp.inf)", 1, [_ATT], None),
+    ("attention backward: causal mask off by one (XLA)", "kernels/attention_backward.py",
+     "jnp.where(rows >= cols + j * block, p, 0.0)",
+     "jnp.where(rows + 1 >= cols + j * block, p, 0.0)", 1, [_ATT], None),
+    ("attention kernel: causal mask off by one", "kernels/attention.py",
+     "iota(shape, 0) + base >= iota(shape, 1) + j * BLOCK",
+     "iota(shape, 0) + base + 1 >= iota(shape, 1) + j * BLOCK", 1, [_ATT_K], _FWD_K),
+    ("attention dQ kernel: causal mask off by one", "kernels/attention_backward.py",
+     "jnp.where(iota(shape, 0) + base >= key, p, 0.0)",
+     "jnp.where(iota(shape, 0) + base + 1 >= key, p, 0.0)", 1, [_ATT_K], _BWD_K),
+    ("attention dK/dV kernel: causal mask off by one", "kernels/attention_backward.py",
+     "jnp.where(query >= iota(shape, 0) + base, pt, 0.0)",
+     "jnp.where(query + 1 >= iota(shape, 0) + base, pt, 0.0)", 1, [_ATT_K], _BWD_K),
+    ("attention: logsumexp saved in base e (XLA forward)", "kernels/attention.py",
+     "lse2 = (m + jnp.log2(l)).reshape(batch, heads, tq)",
+     "lse2 = ((m + jnp.log2(l)) / LOG2E).reshape(batch, heads, tq)", 1, [_ATT], None),
+    ("attention kernel: logsumexp saved in base e", "kernels/attention.py",
+     "lse_smem[...] = m + jnp.log2(l)", "lse_smem[...] = (m + jnp.log2(l)) / LOG2E", 1,
+     [_ATT_K], _FWD_K),
+    ("attention backward: dS without softmax's row term (XLA)", "kernels/attention_backward.py",
+     "ds = (p * (dp - dl) * scale).astype(BF16)", "ds = (p * dp * scale).astype(BF16)", 1,
+     [_ATT], None),
+    ("attention dQ kernel: dS without softmax's row term", "kernels/attention_backward.py",
+     "ds_w[wg] = (p * (dp - delta) * scale).astype(BF16)",
+     "ds_w[wg] = (p * dp * scale).astype(BF16)", 1, [_ATT_K], _BWD_K),
+    ("attention dK/dV kernel: dSᵀ without softmax's row term", "kernels/attention_backward.py",
+     "dst = pt * (dpt - lax.broadcast_in_dim(load(dl_r.at[slot], column), shape, [1]))",
+     "dst = pt * dpt", 1, [_ATT_K], _BWD_K),
+    ("block kernel: scales_first reads the previous slice's scales", "kernels/block_gemm.py",
+     ("plgpu.BlockSpec((1, CTA_M), lambda s: (s, 0)),",
+      "plgpu.BlockSpec((1, tile_n), lambda s: (s, 0)),"),
+     ("plgpu.BlockSpec((1, CTA_M), lambda s: (jnp.maximum(s - config.scales_first, 0), 0)),",
+      "plgpu.BlockSpec((1, tile_n), lambda s: (jnp.maximum(s - config.scales_first, 0), 0)),"),
+     1, ["kernels/test_block_gemm.py"], "interpret"),
+    ("block kernel: the tile table ignores block boundaries", "kernels/block_gemm.py",
+     'TILE_NS["blocks" if b_blocks else "rows"]', 'TILE_NS["rows"]', 1,
+     ["kernels/test_block_gemm.py"], "tile_table"),
+    ("fused_adamw: second moment's bias correction dropped", "optim.py",
+     'nu_hat = nu_new / s["bc2"].astype(nu_new.dtype)', "nu_hat = nu_new", 1,
+     ["test_optim.py"], "numpy"),
+    ("fused_adamw: weight decay of the update, not the parameter", "optim.py",
+     "update = update + weight_decay * p", "update = update + weight_decay * update", 1,
+     ["test_optim.py"], "numpy"),
+    ("fused_adamw: weight decay outside the learning rate", "optim.py",
+     "        update = update + weight_decay * p\n"
+     '    update = jnp.array(s["step_size"], dtype=update.dtype) * update\n',
+     '        update = jnp.array(s["step_size"], dtype=update.dtype) * update - weight_decay * p\n'
+     "    else:\n"
+     '        update = jnp.array(s["step_size"], dtype=update.dtype) * update\n', 1,
+     ["test_optim.py"], "numpy"),
+    ("fused_adamw: clipping by each leaf's norm", "optim.py",
+     'g = jax.lax.select(s["keep"], g, (g / s["g_norm"].astype(g.dtype)) * s["max_norm"])',
+     'g = jnp.where(jnp.linalg.norm(g) < s["max_norm"], g, '
+     'g / jnp.linalg.norm(g) * s["max_norm"])', 1, ["test_optim.py"], "numpy"),
+    ("fused_adamw: the schedule read one step late", "optim.py",
+     "step_size = -1 * learning_rate(lr_state.count)",
+     "step_size = -1 * learning_rate(lr_state.count + 1)", 1, ["test_optim.py"], "numpy"),
+    ("moe_mlp: capacity keeps each expert's last slots", "ops/moe.py",
+     "rank = jnp.arange(flat.size, dtype=jnp.int32) - starts[sorted_experts]",
+     "rank = starts[sorted_experts] + sizes[sorted_experts] - 1 - jnp.arange(flat.size)", 1,
+     ["ops/test_moe_mlp.py"], "token_order"),
+    ("moe_mlp: capacity counts the devices after this one first", "ops/moe.py",
+     "earlier = jnp.arange(everyone.shape[0])[:, None] < me",
+     "earlier = jnp.arange(everyone.shape[0])[:, None] > me", 1,
+     ["sharding/test_moe_capacity.py"], "single_device"),
+    ("moe_mlp: aux loss without its num_experts factor", "ops/moe.py",
+     "aux_loss = num_experts * jnp.sum(load * mean_probs)",
+     "aux_loss = jnp.sum(load * mean_probs)", 1, ["ops/test_moe_mlp.py"], "token_order"),
+    ("moe_mlp: aux loss's mean probability not divided by the tokens", "ops/moe.py",
+     "mean_probs = jnp.sum(probs, axis=0) / max(probs.shape[0], 1)",
+     "mean_probs = jnp.sum(probs, axis=0)", 1, ["ops/test_moe_mlp.py"], "token_order"),
+]  # fmt: skip
 
-def _apply(src: pathlib.Path, file: str, old: str, new: str, count: int) -> None:
+
+def _apply(src: pathlib.Path, file: str, old, new, count: int) -> None:
     path = src / "fp8jax" / file
     text = path.read_text()
-    if text.count(old) != count:
-        raise ValueError(f"{file}: expected {count} of {old!r}, found {text.count(old)}")
-    path.write_text(text.replace(old, new))
+    edits = zip(old, new, strict=True) if isinstance(old, tuple) else [(old, new)]
+    for before, after in edits:
+        if text.count(before) != count:
+            raise ValueError(f"{file}: expected {count} of {before!r}, found {text.count(before)}")
+        text = text.replace(before, after)
+    path.write_text(text)
 
 
 def _run_tests(src: pathlib.Path, tests_root: pathlib.Path, tests: list[str], timeout: float,
@@ -171,15 +293,18 @@ def main() -> None:
     parser.add_argument("--tests", nargs="+", help="paths under the tests root")
     parser.add_argument("--issue57", action="store_true",
                         help="issue 57's mutants, each against its own tests")  # fmt: skip
+    parser.add_argument("--round3", action="store_true",
+                        help="ROUND_3: this round's mutants, each against its tests")  # fmt: skip
     parser.add_argument("--tests-root", default=str(REPO / "tests"))
     parser.add_argument("--only", nargs="*", type=int, help="mutant indices to run")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--src", default=str(REPO / "src"), help="the source tree to mutate")
     parser.add_argument("-k", dest="keyword", help="pytest -k expression")
     args = parser.parse_args()
-    mutants = ISSUE_57 if args.issue57 else [(*m, None, None) for m in MUTANTS]
-    if not args.issue57 and not args.tests:
-        parser.error("--tests is required without --issue57")
+    own = ISSUE_57 if args.issue57 else ROUND_3 if args.round3 else None
+    mutants = own or [(*m, None, None) for m in MUTANTS]
+    if own is None and not args.tests:
+        parser.error("--tests is required without --issue57 or --round3")
     tests_root = pathlib.Path(args.tests_root).resolve()
     work = pathlib.Path(tempfile.mkdtemp(prefix="fp8jax-mutants-"))
     src = work / "src"
@@ -208,7 +333,9 @@ def main() -> None:
         start = time.time()
         rc, detail = _run_tests(src, tests_root, args.tests or own_tests, args.timeout,
                                 args.keyword or own_keyword)  # fmt: skip
-        verdict = "killed" if rc not in (0, None) else "SURVIVED" if rc == 0 else "timeout"
+        # pytest's 5: no test selected, which catches nothing (an older tests root
+        # may lack the tests a -k expression names).
+        verdict = {0: "SURVIVED", None: "timeout", 5: "no tests"}.get(rc, "killed")
         killed += verdict == "killed"
         print(f"[{i:2d}] {verdict:8s} {time.time() - start:6.0f}s  {name}: {detail}", flush=True)
     print(f"{killed} of {len(chosen)} mutants killed")

@@ -47,7 +47,9 @@ def _reference(x, logits, wi, wo, capacity=None):
             h = x[t] @ wi[e].reshape(H, 2 * F)
             gate, up = h[:F], h[F:]
             y[t] += gates[t, k] * ((gate / (1 + np.exp(-gate)) * up) @ wo[e])
-    return y, taken / taken.sum(), dropped / (x.shape[0] * K)
+    load = taken / taken.sum()
+    # Switch Transformer's balance loss: E * sum_e (share of slots) * (mean router probability).
+    return y, load, dropped / (x.shape[0] * K), E * np.sum(load * probs.mean(0))
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.5])
@@ -57,7 +59,7 @@ def test_values_follow_the_token_order_capacity_rule(capacity_factor):
                                                  capacity_factor=capacity_factor))(
         x, logits, wi, wo)  # fmt: skip
     cap = None if capacity_factor is None else int(np.ceil(capacity_factor * T * K / E))
-    want, load, dropped = _reference(x, logits, wi, wo, cap)
+    want, load, dropped, aux = _reference(x, logits, wi, wo, cap)
     if capacity_factor is not None:
         assert dropped > 0  # the skewed router overfills expert 0
     else:
@@ -65,6 +67,9 @@ def test_values_follow_the_token_order_capacity_rule(capacity_factor):
     np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=BUDGET * np.abs(want).max())
     np.testing.assert_allclose(np.asarray(stats.expert_load), load, rtol=1e-6)
     np.testing.assert_allclose(float(stats.dropped), dropped, rtol=1e-6)
+    # f32 softmax and sums over T tokens: a relative (T + E) 2**-24, 1e-6 covers it.
+    np.testing.assert_allclose(float(stats.aux_loss), aux, rtol=1e-6)
+    assert abs(aux - 1.0) > 0.05  # the skewed router is unbalanced: aux is not its floor 1
 
 
 def test_fp8_dropped_slots_get_no_value_and_no_gradient():
