@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import fp8jax.sharding as fs
 from fp8jax import kernels
@@ -43,8 +44,9 @@ def _f32(a):
 def _reference(x, w, g, sizes):
     """y, dx, dw and their magnitude sums, group by group in f64 numpy."""
     x, w, g = (np.asarray(a, np.float64) for a in (x, w, g))
-    y, dx, dw = np.zeros((M, N)), np.zeros((M, K)), np.zeros(w.shape)
-    my, mdx, mdw = np.zeros((M, N)), np.zeros((M, K)), np.zeros(w.shape)
+    m = x.shape[0]
+    y, dx, dw = np.zeros((m, N)), np.zeros((m, K)), np.zeros(w.shape)
+    my, mdx, mdw = np.zeros((m, N)), np.zeros((m, K)), np.zeros(w.shape)
     start = 0
     for i, size in enumerate(sizes):
         rows = slice(start, start + int(size))
@@ -183,3 +185,48 @@ def test_gpu_the_op_runs_three_mosaic_kernels_and_matches_the_reference():
     hlo = step.lower(x, w, g, sizes).compile().as_text()
     assert hlo.count('custom_call_target="mosaic_gpu') == 3, hlo
     _check_against_reference(step(x, w, g, sizes), x, w, g, sizes)
+
+
+@pytest.mark.gpu
+def test_gpu_the_op_inside_shard_map_matches_the_reference():
+    """Inside shard_map (the MoE blocks route each device's tokens there, JAX's default
+    check_vma) the kernels' results are typed as their operands vary (``varying_like``)."""
+    x, w, g, sizes = _inputs()
+    mesh = jax.make_mesh((1,), ("dp",), devices=jax.devices()[:1])
+    sharded = jax.shard_map(
+        bf16_grouped.ragged_dot, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp")
+    )
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda *a: _vjp(sharded, *a))(x, w, g, sizes)
+    _check_against_reference(got, x, w, g, sizes)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_the_kernel_path_inside_shard_map_sums_the_weights_gradient(check_vma):
+    """Each device runs its own rows (the MoE blocks' local routing); replicated weights'
+    gradient is the sum of the devices' (on the kernels' XLA twins here)."""
+    x, w, g, _ = _inputs()
+    local = jnp.array([3, 0, 5, 2], jnp.int32)  # of each device's 12 rows, 2 past the groups
+    mesh = fs.make_mesh(dp=8)
+    # Differentiated outside, as a model's loss is: the library's MoE shard_maps
+    # take check_vma=False, the default is True.
+    sharded = jax.shard_map(
+        bf16_grouped._kernel_path,
+        mesh=mesh,
+        in_specs=(P("dp"), P(), P()),
+        out_specs=P("dp"),
+        check_vma=check_vma,
+    )
+    with jax.set_mesh(mesh):
+        y, dx, dw = jax.jit(lambda *a: _vjp(sharded, *a))(x, w, g, local)
+    rows = M // 8
+    want_dw, magnitude = np.zeros(w.shape), np.zeros(w.shape)
+    for d in range(8):
+        part = slice(d * rows, (d + 1) * rows)
+        (yd, my), (dxd, mdx), (dwd, mdw) = _reference(x[part], w, g[part], np.asarray(local))
+        for got, want, mag in ((y[part], yd, my), (dx[part], dxd, mdx)):
+            assert np.all(np.abs(np.asarray(got, np.float64) - want) <= BUDGET * mag + 1e-30)
+        want_dw, magnitude = want_dw + dwd, magnitude + mdw
+    # The sum over 8 devices of BF16-rounded partials: one more rounding each.
+    err = np.abs(np.asarray(dw, np.float64) - want_dw)
+    assert np.all(err <= 8 * BUDGET * magnitude + 1e-30), float(err.max())

@@ -101,9 +101,7 @@ def _on_cuda(kernel_fn, xla_fn, *operands):
     where the wgrad kernel cannot be traced (module docstring)."""
     if not _gpu_host():
         return xla_fn(*operands)
-    out = lax.platform_dependent(*operands, cuda=kernel_fn, default=xla_fn)
-    # plgpu.kernel's results do not say which shard_map axes they vary along.
-    return dispatch.varying_like(out, operands)
+    return lax.platform_dependent(*operands, cuda=kernel_fn, default=xla_fn)
 
 
 def _forward_kernel(x, w, group_sizes):
@@ -111,6 +109,9 @@ def _forward_kernel(x, w, group_sizes):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     y = ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **TILES)
+    # plgpu.kernel's results do not say which shard_map axes they vary along, and the
+    # two branches of lax.platform_dependent must have one type.
+    y = dispatch.varying_like(y, (x, w, group_sizes))
     return _rows_in_groups(y, group_sizes)
 
 
@@ -119,6 +120,7 @@ def _dgrad_kernel(g, w, group_sizes):
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     dx = ragged_dot_mgpu.ragged_dot(g, w, group_sizes=group_sizes, transpose_rhs=True, **TILES)
+    dx = dispatch.varying_like(dx, (g, w, group_sizes))
     return _rows_in_groups(dx, group_sizes)
 
 
@@ -126,8 +128,8 @@ def _wgrad_kernel(x, g, group_sizes):
     """``x[rows of i]^T . g[rows of i]`` per group on ``transposed_ragged_dot_mgpu``."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=group_sizes,
-                                                            **TILES)  # fmt: skip
+    dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=group_sizes, **TILES)
+    return dispatch.varying_like(dw, (x, g, group_sizes))
 
 
 def _forward_xla(x, w, group_sizes):
@@ -206,4 +208,14 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Ar
         )
     if not placement(lhs.shape[1], rhs.shape[2], lhs.dtype).kernel:
         return lax.ragged_dot(lhs, rhs, group_sizes)
-    return _grouped(lhs, rhs, group_sizes)
+    return _kernel_path(lhs, rhs, group_sizes)
+
+
+def _kernel_path(lhs, rhs, group_sizes):
+    """:func:`_grouped`, ``rhs`` first typed to vary as the rows do inside shard_map.
+
+    The wgrad is a per-device partial sum; typed varying, a replicated ``rhs``'s
+    cotangent is summed over the devices by JAX (the transpose of ``pcast``),
+    as ``lax.ragged_dot``'s is.
+    """
+    return _grouped(lhs, dispatch.varying_like(rhs, (lhs, group_sizes)), group_sizes)
