@@ -81,6 +81,16 @@ def test_the_cpu_takes_lax_ragged_dot():
     assert "ragged_dot_general" in jaxpr and "custom_vjp" not in jaxpr, jaxpr
 
 
+def test_on_a_gpu_the_forward_traces_the_mosaic_kernel(monkeypatch):
+    """The public op's dispatch on a GPU host (its forward: the wgrad kernel cannot be traced
+    on a CPU host); no rows take lax.ragged_dot."""
+    monkeypatch.setattr(bf16_grouped, "_gpu_host", lambda: True)
+    x, w, _, sizes = _inputs()
+    assert "mpmd_map" in str(jax.make_jaxpr(bf16_grouped.ragged_dot)(x, w, sizes))
+    jaxpr = str(jax.make_jaxpr(bf16_grouped.ragged_dot)(x[:0], w, sizes))
+    assert "mpmd_map" not in jaxpr and "ragged_dot_general" in jaxpr, jaxpr
+
+
 def test_values_and_gradients_equal_lax_ragged_dot_on_the_cpu():
     x, w, g, sizes = _inputs()
     got = jax.jit(lambda *a: _vjp(bf16_grouped.ragged_dot, *a))(x, w, g, sizes)

@@ -206,6 +206,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Ar
             f"bf16_grouped.ragged_dot: lhs and rhs must have one dtype, got {lhs.dtype} and "
             f"{rhs.dtype}; cast rhs to lhs.dtype."
         )
+    if lhs.shape[0] == 0:  # nothing to multiply; the kernels' grids need a row
+        return lax.ragged_dot(lhs, rhs, group_sizes)
     if not placement(lhs.shape[1], rhs.shape[2], lhs.dtype).kernel:
         return lax.ragged_dot(lhs, rhs, group_sizes)
     return _kernel_path(lhs, rhs, group_sizes)
