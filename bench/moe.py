@@ -21,8 +21,9 @@ fwd+bwd, under each wgrad tiling of :data:`WGRAD_TILINGS`.
 
 Part ``block``: the MoE block forward and backward (router and permutation
 included) with fp8jax's FP8 experts against three BF16 blocks from the same
-parameters: the library's block with ``lax.ragged_dot`` experts, the same
-block on JAX's Mosaic GPU grouped GEMMs (:func:`grouped_moe`), and
+parameters: the library's BF16 block with its experts on ``lax.ragged_dot``
+(the kernels switched off), the same block on JAX's Mosaic GPU grouped GEMMs
+(:func:`grouped_moe`; the library's BF16 block runs these by default), and
 :func:`capacity_moe` (capacity-factor buffers and batched einsums, the way
 a Flax user writes an MoE without grouped GEMMs; it drops slots past
 1.25x a balanced share, so it may do less work than the others).
@@ -48,6 +49,7 @@ from harness import compiled_facts, dump, environment, time_ms
 from jax import lax
 
 import fp8jax
+from fp8jax.kernels import bf16_grouped
 from fp8jax.kernels import grouped_gemm as gg
 from fp8jax.ops import moe as moe_ops
 from fp8jax.ops import ragged_dot as rd
@@ -305,37 +307,10 @@ def _shared_experts(p, x):
     return (a_s @ p["shared_wo"].astype(x.dtype)).astype(F32)
 
 
-# JAX's Mosaic GPU grouped-GEMM kernels' tiling, as in the gemm part's bf16_mgpu row.
-MGPU_TILES = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4,
-              "grid_block_n": 1}  # fmt: skip
-
-
 def mgpu_ragged_dot():
-    """``lax.ragged_dot``'s BF16 forward and backward on JAX's Mosaic GPU kernels.
-
-    Forward and dgrad: ``ragged_dot_mgpu.ragged_dot`` (the dgrad reads the
-    weights transposed); wgrad: ``transposed_ragged_dot_mgpu``. Rows past the
-    groups are not used by the blocks here (the groups cover every slot).
-    """
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
-
-    @jax.custom_vjp
-    def gemm(x, w, sizes):
-        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, **MGPU_TILES)
-
-    def fwd(x, w, sizes):
-        return gemm(x, w, sizes), (x, w, sizes)
-
-    def bwd(residuals, g):
-        x, w, sizes = residuals
-        dx = ragged_dot_mgpu.ragged_dot(g, w, group_sizes=sizes, transpose_rhs=True,
-                                        **MGPU_TILES)  # fmt: skip
-        dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=sizes,
-                                                              **MGPU_TILES)  # fmt: skip
-        return dx, dw.astype(w.dtype), None
-
-    gemm.defvjp(fwd, bwd)
-    return gemm
+    """``lax.ragged_dot``'s BF16 forward and backward on JAX's Mosaic GPU kernels: the library's
+    :func:`fp8jax.kernels.bf16_grouped.ragged_dot`, which the BF16 MoE blocks call."""
+    return bf16_grouped.ragged_dot
 
 
 def grouped_moe(params, x, *, top_k: int, gemm):
@@ -357,9 +332,19 @@ def grouped_moe(params, x, *, top_k: int, gemm):
     return (y + _shared_experts(p, x)).astype(x.dtype)
 
 
+def _kernels_off(f):
+    """``f`` traced with fp8jax's kernels off: the library's BF16 block on ``lax.ragged_dot``."""
+
+    def off(*args):
+        with fp8jax.kernels.use_pallas(False):
+            return f(*args)
+
+    return off
+
+
 def block_rows(shape: Shape) -> list[dict]:
     """fwd+bwd of the block: fp8jax's MoEBlock, the same block in BF16 (``lax.ragged_dot``
-    experts) and :func:`capacity_moe`, all from the same BF16 parameters."""
+    experts, the kernels off) and :func:`capacity_moe`, all from the same BF16 parameters."""
     from fp8jax.flax.linen import moe as lmoe
 
     print(f"\nMoE block fwd+bwd: {shape}", flush=True)
@@ -387,7 +372,7 @@ def block_rows(shape: Shape) -> list[dict]:
         ("bf16_capacity", functools.partial(capacity_moe, top_k=shape.top_k)),
         # mgpu_ragged_dot imports Mosaic GPU when traced, inside the row's error handling
         ("bf16_mgpu", lambda p, x: grouped_moe(p, x, top_k=shape.top_k, gemm=mgpu_ragged_dot())),
-        ("bf16_ragged_dot", make(False)[1]),
+        ("bf16_ragged_dot", _kernels_off(make(False)[1])),
     )
     out = []
     for name, f in variants:

@@ -1,7 +1,8 @@
 """Checks the BF16 Mosaic GPU baseline of ``moe.py`` against f32 ``lax.ragged_dot``.
 
-The baseline's grouped GEMM (``moe.mgpu_ragged_dot``: JAX's ``ragged_dot_mgpu``
-forward and dgrad, ``transposed_ragged_dot_mgpu`` wgrad) is only a fair
+The baseline's grouped GEMM (``moe.mgpu_ragged_dot``, the library's
+``fp8jax.kernels.bf16_grouped.ragged_dot``: JAX's ``ragged_dot_mgpu`` forward
+and dgrad, ``transposed_ragged_dot_mgpu`` wgrad) is only a fair
 baseline if it computes what it should. On an H100 or H200, from ``bench/``:
 
     python -u moe_mgpu_check.py

@@ -62,8 +62,9 @@ class MoEConfig:
 
     Attributes:
       num_experts, top_k, gating, shared_experts, capacity_factor: as in ``MoEBlock``.
-      fp8: the experts' GEMMs in FP8; False runs them with ``lax.ragged_dot``
-        in the compute dtype (a baseline), the attention staying FP8.
+      fp8: the experts' GEMMs in FP8; False runs them with
+        ``fp8jax.kernels.bf16_grouped.ragged_dot`` in the compute dtype (a
+        baseline), the attention staying FP8.
     """
 
     num_experts: int

@@ -7,8 +7,9 @@ activation and its gradient inside FP8 casts
 (:mod:`fp8jax.kernels.activation_cast`), the norm's forward with its cast
 and its backward (:mod:`fp8jax.kernels.norm_forward`,
 :mod:`fp8jax.kernels.norm_backward`, over the row arithmetic of
-:mod:`fp8jax.kernels.norm_rows`), and the fine-grained and grouped GEMMs.
-This package imports nothing from :mod:`fp8jax.ops` or above
+:mod:`fp8jax.kernels.norm_rows`), and the fine-grained and grouped GEMMs
+(the BF16 baseline's on JAX's Mosaic GPU kernels:
+:mod:`fp8jax.kernels.bf16_grouped`). This package imports nothing from :mod:`fp8jax.ops` or above
 (tests/test_imports.py checks it).
 """
 

@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax import activations
+from fp8jax.kernels import bf16_grouped
 from fp8jax.ops import ragged_dot as ragged_dot_ops
 
 GATINGS = ("softmax", "sigmoid")
@@ -137,7 +138,9 @@ def gated(h: jax.Array, activation: str, dtype) -> jax.Array:
 def _gemm(fp8: bool, recipe):
     if fp8:
         return lambda a, b, sizes: ragged_dot_ops.ragged_dot(a, b, sizes, recipe=recipe)
-    return lambda a, b, sizes: lax.ragged_dot(a, b.astype(a.dtype), sizes)
+    # The BF16 baseline on JAX's Mosaic GPU grouped GEMMs where they run: XLA's GPU
+    # lax.ragged_dot does every group's FLOPs (docs/design.md#grouped-expert-gemms).
+    return lambda a, b, sizes: bf16_grouped.ragged_dot(a, b.astype(a.dtype), sizes)
 
 
 def experts_ffn(xs, sizes, wi, wo, activation: str, fp8: bool, recipe):
@@ -245,7 +248,8 @@ def moe_mlp(
     output is their gated MLPs' outputs weighted by those probabilities
     (renormalized over the ``top_k``). The experts run on FP8 grouped GEMMs
     (:func:`fp8jax.ragged_dot`), or in ``x``'s dtype with
-    ``lax.ragged_dot`` when ``fp8`` is False. Dropless by default: every
+    :func:`fp8jax.kernels.bf16_grouped.ragged_dot` (Mosaic GPU kernels on
+    GPUs, ``lax.ragged_dot`` elsewhere) when ``fp8`` is False. Dropless by default: every
     slot is computed.
 
     Args:

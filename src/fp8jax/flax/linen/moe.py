@@ -55,7 +55,8 @@ class MoEBlock(nn.Module):
         (SwiGLU), ``"gelu"`` (GeGLU, erf's gelu), ``"gelu_tanh"`` or ``"relu"``.
       shared_experts: how many always-on experts, run as one gated MLP.
       fp8: FP8 GEMMs (fp8jax.ragged_dot, fp8jax.dense); False runs the same
-        block with ``lax.ragged_dot`` in the input's dtype (a BF16 baseline).
+        block in the input's dtype (a BF16 baseline) on
+        ``fp8jax.kernels.bf16_grouped.ragged_dot``.
       capacity_factor: None (dropless), or a number > 0: each expert takes at
         most ``ceil(capacity_factor * tokens * top_k / num_experts)`` slots,
         the first in token order (:func:`fp8jax.moe_mlp`); under expert
