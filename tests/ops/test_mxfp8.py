@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import mx
+from fp8jax.ops import fine_grained
+from fp8jax.ops.quantizing import quantize_operand
 from numerics import assert_within, gemm_error_bound
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -44,7 +45,7 @@ def test_blocks_take_the_smallest_power_of_two_that_keeps_them_in_range():
         * jnp.array([1e-30, 1.0, 3e4, 1e30])[None, :, None]
     )
     x = x.at[0, 0, :MX].set(0.0)  # an all-zero block
-    blocks = mx._blocks(x, fp8jax.E4M3)
+    blocks = quantize_operand(x, fp8jax.E4M3, None, fp8jax.MXFP8Scaling(), role="x").fp8
     q, scale_inv = blocks.data, blocks.scale_inv
     s = np.asarray(scale_inv, np.float64)
     assert s.shape == (1, 4, 128 // MX)
@@ -115,9 +116,10 @@ def _device(platform, capability):
 
 def test_a_hopper_gpu_is_refused_by_name_and_capability():
     with pytest.raises(ValueError, match=r"compute capability 10\.0 or later .*GPU 9\.0 has 9\.0"):
-        mx.check_devices([_device("gpu", "9.0")])
-    mx.check_devices([_device("gpu", "10.0"), _device("gpu", "12.0")])  # Blackwell: no error
-    mx.check_devices([types.SimpleNamespace(platform="cpu")])
+        fine_grained.check_devices([_device("gpu", "9.0")])
+    # Blackwell: no error
+    fine_grained.check_devices([_device("gpu", "10.0"), _device("gpu", "12.0")])
+    fine_grained.check_devices([types.SimpleNamespace(platform="cpu")])
 
 
 def test_recipe_checks_its_formats():

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import fp8jax
-from fp8jax.ops import fine_quantize
 from fp8jax.ops.operand import QuantizedOperand
 from fp8jax.ops.quantizing import Recomputed, quantize_operand
 from fp8jax.recipes import PER_TENSOR, Granularity
@@ -68,33 +67,45 @@ def test_granularities_give_the_scale_shapes_finer_recipes_fill():
         Granularity("row", 128)
 
 
-def _fine_operands(recipe, role, x):
-    """What the fine-grained GEMMs quantize ``x`` (1, R, K) into for ``role``, as they call it."""
-    fmt = recipe.formats.forward
-    if isinstance(recipe, fp8jax.RowwiseScaling):
-        return fine_quantize.quantize_rows_and_columns(x, fmt)
-    if isinstance(recipe, fp8jax.MXFP8Scaling):
-        return fine_quantize.quantize_tiles(x, fmt, recipe.BLOCK, power_of_two=True)
-    if role == "kernel":
-        return fine_quantize.quantize_blocks(x, fmt, recipe.BLOCK)
-    return fine_quantize.quantize_tiles_both_ways(x, fmt, recipe.BLOCK)
+FINE = [fp8jax.RowwiseScaling(), fp8jax.BlockScaling(), fp8jax.MXFP8Scaling()]
 
 
-@pytest.mark.parametrize(
-    "recipe", [fp8jax.RowwiseScaling(), fp8jax.BlockScaling(), fp8jax.MXFP8Scaling()],
-    ids=lambda r: type(r).__name__,
-)  # fmt: skip
+@pytest.mark.parametrize("recipe", FINE, ids=lambda r: type(r).__name__)
 @pytest.mark.parametrize("role", ["x", "kernel", "grad"])
-def test_fine_operands_have_the_scale_shape_their_recipe_declares(recipe, role):
-    # The scale's shape says the granularity: what each quantizer returns for
-    # a (rows, K) operand is what recipe.granularity(role) declares.
+@pytest.mark.parametrize("transpose", [False, True], ids=["as-itself", "both-ways"])
+def test_fine_operands_have_the_scale_shape_their_recipe_declares(recipe, role, transpose):
+    # One entry point for every recipe: the scale's shape says the
+    # granularity recipe.granularity(role) declares, for a (1, rows, K) operand.
     rows, k = 256, 384
-    q = _fine_operands(recipe, role, _value((rows, k))[None])
     declared = recipe.granularity(role)
+    if transpose and declared.kind == "block":
+        pytest.skip("a block's scales serve its transpose: no second copy (tested below)")
+    q = quantize_operand(_value((1, rows, k)), recipe.formats.forward, None, recipe, role=role,
+                         transpose=transpose, rows_are_tokens=role != "kernel")  # fmt: skip
     assert isinstance(q, QuantizedOperand) and q.granularity == declared and q.amax is None
     assert q.scale_inv.shape == (1, *declared.scale_shape(rows, k))
-    if q.has_transposed:  # its own scales, along the other axis
+    assert q.has_transposed == transpose
+    if transpose:  # its own scales, along the other axis
         assert q.transposed.scale_inv.shape == (1, *declared.scale_shape(k, rows))
+
+
+def test_mx_operands_scales_are_powers_of_two_that_e8m0_holds():
+    q = quantize_operand(_value((1, 64, 256)) * 1e3, fp8jax.E4M3, None, fp8jax.MXFP8Scaling(),
+                         role="kernel")  # fmt: skip
+    s = np.asarray(q.scale_inv, np.float64)
+    assert q.granularity.power_of_two and s.shape == (1, 64, 256 // 32)
+    np.testing.assert_array_equal(np.exp2(np.round(np.log2(s))), s)
+    np.testing.assert_array_equal(np.asarray(q.scale_inv.astype(jnp.float8_e8m0fnu), np.float64), s)
+
+
+def test_fine_operands_refuse_what_has_no_meaning_at_their_granularity():
+    x, block = _value((1, 256, 256)), fp8jax.BlockScaling()
+    with pytest.raises(ValueError, match=r"needs the operand's role=.*got role=None"):
+        quantize_operand(x, fp8jax.E4M3, None, block)
+    with pytest.raises(ValueError, match=r"no state, rows_ndim.*column_sums=True"):
+        quantize_operand(x, fp8jax.E4M3, None, block, role="x", column_sums=True)
+    with pytest.raises(ValueError, match=r"per block, got Granularity\(kind='block'.*=True"):
+        quantize_operand(x, fp8jax.E4M3, None, block, role="kernel", transpose=True)
 
 
 def test_per_tensor_recipes_declare_one_scale_for_every_role():

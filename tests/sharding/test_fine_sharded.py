@@ -19,7 +19,7 @@ the per-tensor recipes:
   of test_sharded_train_step.py: there the per-tensor recipes' sharded
   programs compute bitwise what one device computes, so no FP8 rounding
   flips. These recipes' norm runs in XLA outside a fused op
-  (fp8jax.ops.fine_fused), whose sharded fusions add f32 sums in another
+  (fp8jax.ops.fine_grained), whose sharded fusions add f32 sums in another
   order (~1e-7). An element whose scaled value lies that close to a
   rounding midpoint then rounds the other way; measured on this layer, one
   such flip in the forward, passed through attention, the residual and

@@ -175,7 +175,7 @@ def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=Fals
                      block=BLOCK) -> jax.Array:  # fmt: skip
     """The same sums in XLA: one FP8 dot per ``block``-wide slice of K (f32 out), scaled, summed.
 
-    ``block``: the slice each scale covers, 128 here; MXFP8's 32 (:mod:`fp8jax.ops.mx`).
+    ``block``: the slice each scale covers, 128 here; MXFP8's 32 (:mod:`fp8jax.ops.fine_grained`).
     """
     if b_blocks:
         b_scale_inv = expand_blocks(b_scale_inv, block)

@@ -2,7 +2,7 @@
 
 A rowwise GEMM operand ``x`` (rows, columns) is needed twice: scaled per row
 for the GEMM that contracts its columns, and scaled per column, transposed,
-for the backward GEMM that contracts its rows (:mod:`fp8jax.ops.rowwise`).
+for the backward GEMM that contracts its rows (:mod:`fp8jax.ops.fine_grained`).
 Written in ``jnp``, XLA took the row maxima and the column maxima in two
 reductions and wrote both FP8 copies through its transpose emitter: four
 kernels, three reads of ``x`` (docs/design.md#the-rowwise-casts). On NVIDIA

@@ -3,7 +3,7 @@
 An activation ``x`` (tokens, K) or its gradient feeds two block-scaled GEMMs:
 one contracting K, which takes ``x`` in 1x128 tiles along K, and the weight
 gradient, contracting tokens, which takes ``x^T`` in 1x128 tiles along the
-tokens (:mod:`fp8jax.ops.blockwise`). Every such tile lies in one 128x128
+tokens (:mod:`fp8jax.ops.fine_grained`). Every such tile lies in one 128x128
 block of ``x``, so one pass over the blocks gives both: each program reads a
 block, takes the maxima of its 128 rows and of its 128 columns, and writes
 the block cast per row, its transpose cast per column, and both sets of

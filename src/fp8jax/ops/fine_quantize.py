@@ -1,8 +1,9 @@
 """Fine-grained FP8 quantization: one scale per row, per 1xB tile or per BxB block.
 
-The GEMM operands of :mod:`fp8jax.ops.rowwise`, :mod:`fp8jax.ops.blockwise`
-and :mod:`fp8jax.ops.mx` come here as (batch, rows, columns) arrays whose
-last axis is the one their GEMM contracts. Each function returns a
+The operands of the fine-grained GEMMs (:mod:`fp8jax.ops.fine_grained`)
+come here, through :func:`fp8jax.ops.quantizing.quantize_operand` and
+:func:`quantize`, as (batch, rows, columns) arrays whose last axis is the
+one their GEMM contracts. Each function returns a
 :class:`~fp8jax.ops.operand.QuantizedOperand`: the FP8 data in the array's
 shape and the f32 ``scale_inv`` (``value ~= data * scale_inv``) of each
 group, in the shape its :class:`~fp8jax.recipes.Granularity` gives (batch
@@ -149,3 +150,34 @@ def quantize_blocks(x: jax.Array, fmt: Fp8Format, block: int, margin: float = 0,
     q = quantize_with_scale(blocks, fmt, _scales(block_amax, fmt, margin, power_of_two))
     fp8 = Fp8Array(q.data.reshape(x.shape), q.scale_inv[:, :, 0, :, 0], fmt)
     return QuantizedOperand(fp8, None, granularity=Granularity("block", block, power_of_two))
+
+
+def quantize(x: jax.Array, fmt: Fp8Format, granularity: Granularity, margin: float = 0, *,
+             transpose: bool = False, rows_are_tokens: bool = True,
+             reduce_column_amax=None) -> QuantizedOperand:  # fmt: skip
+    """``x`` (B, R, C) scaled per ``granularity`` along C; with ``transpose``, also along R.
+
+    The one door to the functions above: ``transpose`` asks for the
+    transposed copy, scaled along R, from the same pass
+    (:func:`quantize_rows_and_columns`, :func:`quantize_tiles_both_ways`);
+    a block's scales serve ``x`` and its transpose alike, so a block
+    operand has none (swap the axes of its data and ``scale_inv``).
+    ``rows_are_tokens`` and ``reduce_column_amax`` are the both-ways passes'.
+    """
+    kind, block, power_of_two = granularity.kind, granularity.block, granularity.power_of_two
+    if kind == "row" and not power_of_two:
+        if transpose:
+            return quantize_rows_and_columns(x, fmt, margin, rows_are_tokens=rows_are_tokens,
+                                             reduce_column_amax=reduce_column_amax)  # fmt: skip
+        return quantize_rows(x, fmt, margin)
+    if kind == "tile":
+        if transpose:
+            return quantize_tiles_both_ways(x, fmt, block, margin, power_of_two,
+                                            rows_are_tokens=rows_are_tokens)  # fmt: skip
+        return quantize_tiles(x, fmt, block, margin, power_of_two)
+    if kind == "block" and not transpose:
+        return quantize_blocks(x, fmt, block, margin, power_of_two)
+    raise ValueError(
+        "fine_quantize.quantize: granularity must be per row, per tile or (transpose=False) per "
+        f"block, got {granularity!r} with transpose={transpose}."
+    )

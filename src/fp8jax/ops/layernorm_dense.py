@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fp8jax.ops import _fused, _partitioning, dimensions, fine_fused, fine_grained, gemm, norm
+from fp8jax.ops import _fused, _partitioning, dimensions, fine_grained, gemm, norm
 from fp8jax.ops._fused import FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -173,10 +173,10 @@ def layernorm_dense(
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     out_shape = (*x.shape[:-1], *kernel.shape[1:])
     pieces = make_split(split, split_axis, out_shape, kernel.ndim - 1)
-    if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_fused)
-        return fine_fused.layernorm_dense(x, gamma, beta, kernel, bias, norm, recipe, split=pieces,
-                                          return_normalized=return_normalized,
-                                          return_residual=return_residual)  # fmt: skip
+    if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_grained)
+        return fine_grained.layernorm_dense(x, gamma, beta, kernel, bias, norm, recipe,
+                                            split=pieces, return_normalized=return_normalized,
+                                            return_residual=return_residual)  # fmt: skip
     config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
                          return_normalized=return_normalized, return_residual=return_residual,
                          inputs=inputs, bias_dtype=bias_dtype, split=pieces)  # fmt: skip

@@ -29,7 +29,7 @@ from jax import lax
 from fp8jax import activations as activations_
 from fp8jax.activations import gated
 from fp8jax.kernels import activation_cast, dispatch
-from fp8jax.ops import _fused, _partitioning, dimensions, fine_fused, fine_grained, gemm, norm
+from fp8jax.ops import _fused, _partitioning, dimensions, fine_grained, gemm, norm
 from fp8jax.ops._fused import FusedConfig, NormSaved
 from fp8jax.ops.dot_general import check_state
 from fp8jax.ops.norm import NormConfig, check_norm_args
@@ -377,10 +377,10 @@ def layernorm_mlp(
     gemm.check_bias(bias_2, (kernel_2.shape[1],), "bias_2")
     recipe = resolve_recipe(recipe)
     check_state(state, recipe, MlpScaleState)
-    if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_fused)
-        return fine_fused.layernorm_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, norm,
-                                        recipe, activations,
-                                        return_residual=return_residual)  # fmt: skip
+    if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_grained)
+        return fine_grained.layernorm_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
+                                          norm, recipe, activations,
+                                          return_residual=return_residual)  # fmt: skip
     config = FusedConfig(
         norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel_1.dtype), jnp.dtype(kernel_2.dtype)),
         activations=activations, return_residual=return_residual,

@@ -11,12 +11,12 @@ as itself exists and XLA transposes inside the GEMM. A
 asks it for the layout it reads (:meth:`QuantizedOperand.for_wgrad`).
 
 Every quantize path returns one: :func:`fp8jax.ops.quantizing.quantize_operand`
-for a value, :func:`from_kernel` for the FP8 output of a fused kernel (the
-norm's, the activation's), and the fine-grained quantizers of
-:mod:`fp8jax.ops.fine_quantize` for RowwiseScaling's, BlockScaling's and
-MXFP8Scaling's operands. The shape of ``scale_inv`` says what one scale
-covers (:class:`fp8jax.recipes.Granularity`): () per tensor, (R, 1) per
-row, (R, K / 128) per 1x128 tile, (R / 128, K / 128) per block.
+for a value under every recipe (the fine-grained ones through
+:mod:`fp8jax.ops.fine_quantize`), and :func:`from_kernel` for the FP8
+output of a fused kernel (the norm's, the activation's). The shape of
+``scale_inv`` says what one scale covers (:class:`fp8jax.recipes.Granularity`):
+() per tensor, (R, 1) per row, (R, K / 128) per 1x128 tile (MX: 1x32,
+powers of two that E8M0 holds), (R / 128, K / 128) per block.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """The one entry point that quantizes a GEMM operand: :func:`quantize_operand`.
 
-Every op quantizes its operands here, and gets a
-:class:`~fp8jax.ops.operand.QuantizedOperand` back. What the caller says
+Every op quantizes its operands here, under every recipe, and gets a
+:class:`~fp8jax.ops.operand.QuantizedOperand` back whose ``scale_inv``'s
+shape says what one scale covers. The per-tensor recipes' passes are
+below; a fine-grained recipe's operand (per row, per tile, per block, MX)
+goes to :func:`fp8jax.ops.fine_quantize.quantize` by the granularity the
+recipe declares for its ``role``. What the caller says
 about the operand (does a GEMM read it transposed, are its rows tokens,
 does it need column sums, is its value costly to compute) picks the pass;
 whether the Pallas cast kernel writes it is decided first, once, by
@@ -24,11 +28,11 @@ from jax import lax
 
 from fp8jax.formats import Fp8Format
 from fp8jax.kernels import cast_transpose, dispatch
-from fp8jax.ops import _partitioning
+from fp8jax.ops import _partitioning, fine_quantize
 from fp8jax.ops.operand import QuantizedOperand, from_kernel, inverse
 from fp8jax.ops.split import SplitGradient
 from fp8jax.quantize import amax, quantize_with_scale
-from fp8jax.recipes import Recipe
+from fp8jax.recipes import PER_TENSOR, Recipe
 from fp8jax.scaling import ScaleState, scale_from_amax
 
 
@@ -53,6 +57,7 @@ def quantize_operand(
     state: ScaleState | None,
     recipe: Recipe,
     *,
+    role: str | None = None,
     rows_ndim: int | None = None,
     transpose: bool = False,
     rows_are_tokens: bool = False,
@@ -67,6 +72,11 @@ def quantize_operand(
         :class:`Recomputed` is computed here (delayed scaling only).
       fmt, state, recipe: the FP8 format, the operand's ScaleState (None
         under current scaling) and the recipe.
+      role: the operand's role in its GEMM (``"x"``, ``"kernel"`` or
+        ``"grad"``), whose granularity the recipe declares
+        (:meth:`fp8jax.recipes.RowwiseScaling.granularity`). Needed under a
+        fine-grained recipe, whose operand comes as a (batch, rows, K)
+        array and is quantized by :func:`_fine`; None: per tensor.
       rows_ndim: ``value``'s leading axes that are its rows, the rest its
         columns: for the transposed copy and the column sums.
       transpose: a GEMM reads the operand transposed to (columns, rows).
@@ -87,8 +97,28 @@ def quantize_operand(
         read back by the quantize pass (:func:`_stored`).
 
     Returns:
-      A :class:`~fp8jax.ops.operand.QuantizedOperand` with per-tensor scales.
+      A :class:`~fp8jax.ops.operand.QuantizedOperand`, its ``scale_inv``
+      shaped by the granularity: () per tensor, (B, R, 1) per row,
+      (B, R, K / t) per 1 x t tile (MX: t = 32, powers of two, E8M0 on the
+      GPU), (B, R / 128, K / 128) per block.
     """
+    granularity = PER_TENSOR if role is None else recipe.granularity(role)
+    if granularity != PER_TENSOR:
+        plain = not isinstance(value, (SplitGradient, Recomputed))
+        if state is not None or rows_ndim is not None or column_sums or stored or not plain:
+            state_text = "None" if state is None else "a ScaleState"
+            raise ValueError(
+                f"quantize_operand: a {type(recipe).__name__} operand is a plain (batch, rows, K) "
+                "array, with no state, rows_ndim, column_sums or stored; got "
+                f"value={type(value).__name__}, state={state_text}, rows_ndim={rows_ndim}, "
+                f"column_sums={column_sums}, stored={stored}."
+            )
+        return _fine(value, fmt, recipe, granularity, transpose, rows_are_tokens)
+    if recipe.granularity("x") != PER_TENSOR:
+        raise ValueError(
+            f"quantize_operand: {type(recipe).__name__} scales finer than per tensor, so it needs "
+            "the operand's role= ('x', 'kernel' or 'grad'); got role=None."
+        )
     if isinstance(value, Recomputed):
         if transpose or column_sums or stored or state is None:
             raise ValueError(
@@ -112,6 +142,24 @@ def quantize_operand(
     x_amax = _partitioning.reduce_amax(amax(value), recipe)
     return QuantizedOperand(quantize_with_scale(value, fmt, _scale(x_amax, fmt, state, recipe)),
                             x_amax)  # fmt: skip
+
+
+def _fine(value: jax.Array, fmt: Fp8Format, recipe: Recipe, granularity, transpose: bool,
+          rows_are_tokens: bool) -> QuantizedOperand:  # fmt: skip
+    """A fine-grained recipe's operand (B, R, K), scaled per ``granularity`` from its own values.
+
+    These recipes keep no state. MXFP8Scaling has no margin: its scales are the
+    smallest powers of two that keep each block in range. Column maxima
+    (the transposed copy's, over token rows) are max-reduced over the
+    recipe's ``amax_reduction_axes`` inside ``shard_map``; row maxima never
+    are: a row lies on one device.
+    """
+    reduce = None
+    if getattr(recipe, "amax_reduction_axes", ()):
+        reduce = functools.partial(_partitioning.reduce_amax, recipe=recipe)
+    return fine_quantize.quantize(value, fmt, granularity, getattr(recipe, "margin", 0),
+                                  transpose=transpose, rows_are_tokens=rows_are_tokens,
+                                  reduce_column_amax=reduce)  # fmt: skip
 
 
 def amax_for_update(maxima: jax.Array, recipe: Recipe) -> jax.Array:

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fp8jax import compile_cache, data
-from fp8jax.ops import mx
+from fp8jax.ops import fine_grained
 from fp8jax.training import distributed, gemm_count, mfu, summary
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training.config import OLD_RUN_DEFAULTS, RunConfig, TrainOptions, resolve
@@ -184,7 +184,7 @@ def _check_recipe_devices(config: RunConfig, mesh) -> None:
         return
     devices = jax.local_devices() if mesh is None else list(mesh.devices.flat)
     try:
-        mx.check_devices(devices, advice="Use --recipe block on Hopper.")
+        fine_grained.check_devices(devices, advice="Use --recipe block on Hopper.")
     except ValueError as e:
         raise ConfigError(f"--recipe mxfp8: {e}") from None
 
