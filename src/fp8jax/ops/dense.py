@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax
 
 from fp8jax.ops import dimensions
-from fp8jax.ops.dot_general import dot_with_bias, out_dtype, result_dtype
+from fp8jax.ops.dot_general import dot_with_bias
 from fp8jax.ops.gemm import check_bias
 from fp8jax.ops.split import make_split
 from fp8jax.quantize import check_high_precision
@@ -70,5 +70,4 @@ def dense(
     check_bias(bias, tuple(free))
     batch = [d for i, d in enumerate(x.shape) if i not in dims[0][0]]
     pieces = make_split(split, split_axis, (*batch, *free), len(free))
-    out = out_dtype(preferred_element_type, result_dtype(x.dtype, kernel.dtype))
-    return dot_with_bias(x, kernel, bias, dims, recipe, state, out, pieces)
+    return dot_with_bias(x, kernel, bias, dims, recipe, state, preferred_element_type, pieces)

@@ -37,6 +37,9 @@ class DotConfig:
     lhs_dtype: np.dtype
     rhs_dtype: np.dtype
     lhs_ndim: int
+    # The kernel's leading axes the product contracts (gemm.kernel_contraction),
+    # None where it is no kernel form.
+    kernel_contraction: int | None
     # What each input's cotangent must match: shard_map axes, Explicit sharding.
     inputs: tuple[_partitioning.InputType, ...] = ()
     # Trailing output axes a bias spans (0 without one), and its dtype.
@@ -63,8 +66,7 @@ def _fp8_dot(lhs, rhs, bias, state, config: DotConfig):
 
 def _fp8_dot_fwd(lhs, rhs, bias, state, config: DotConfig):
     recipe, fmt = config.recipe, config.recipe.formats.forward
-    dims = config.dimension_numbers
-    n_contract = gemm.kernel_contraction(dims, lhs.ndim, rhs.ndim)
+    dims, n_contract = config.dimension_numbers, config.kernel_contraction
     tokens_ndim = None if n_contract is None else lhs.ndim - n_contract
     # Each operand is read transposed by one of its GEMMs (lhs by the wgrad,
     # rhs by the forward) where the contraction is the kernel form.
@@ -81,8 +83,7 @@ def _fp8_dot_fwd(lhs, rhs, bias, state, config: DotConfig):
 def _fp8_dot_bwd(config: DotConfig, residuals: DotResiduals, g):
     recipe, dims = config.recipe, config.dimension_numbers
     state = residuals.state
-    lhs_ndim, rhs_ndim = config.lhs_ndim, residuals.rhs.data.ndim
-    n_contract = gemm.kernel_contraction(dims, lhs_ndim, rhs_ndim)
+    lhs_ndim, n_contract = config.lhs_ndim, config.kernel_contraction
     if config.split is not None:
         g = SplitGradient(tuple(g), config.split.axis)
     # g's leading (token) axes are its rows where the wgrad GEMM contracts
@@ -217,20 +218,28 @@ def dot_general(
     check_high_precision("lhs", lhs)
     check_high_precision("rhs", rhs)
     dims = dimensions.normalize(dimension_numbers, lhs.shape, rhs.shape)
-    out = out_dtype(preferred_element_type, result_dtype(lhs.dtype, rhs.dtype))
-    return dot_with_bias(lhs, rhs, None, dims, recipe, state, out)
+    return dot_with_bias(lhs, rhs, None, dims, recipe, state, preferred_element_type)
 
 
-def dot_with_bias(lhs, rhs, bias, dims, recipe, state, out_dtype, split: Split | None = None):
-    """:func:`dot_general` on checked inputs, plus a bias over the output's trailing axes."""
+def dot_with_bias(lhs, rhs, bias, dims, recipe, state, preferred_element_type,
+                  split: Split | None = None):  # fmt: skip
+    """:func:`dot_general` on checked inputs, plus a bias over the output's trailing axes.
+
+    Everything static is settled here, once, into the custom_vjp's config, so
+    the public wrappers call into this module once and its forward and
+    backward ask no other module again
+    (docs/design.md#the-path-of-one-fp8-dense-forward-and-backward).
+    """
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
+    out = out_dtype(preferred_element_type, result_dtype(lhs.dtype, rhs.dtype))
     if fine_grained.is_fine(recipe):  # scales per row or block: GEMMs of their own
-        return fine_grained.dot(lhs, rhs, bias, dims, recipe, out_dtype, split)
+        return fine_grained.dot(lhs, rhs, bias, dims, recipe, out, split)
     config = DotConfig(
         dimension_numbers=dims,
         recipe=recipe,
-        out_dtype=jnp.dtype(out_dtype),
+        out_dtype=out,
+        kernel_contraction=gemm.kernel_contraction(dims, lhs.ndim, rhs.ndim),
         lhs_dtype=jnp.dtype(lhs.dtype),
         rhs_dtype=jnp.dtype(rhs.dtype),
         lhs_ndim=lhs.ndim,
