@@ -225,14 +225,15 @@ def dot_with_bias(lhs, rhs, bias, dims, recipe, state, preferred_element_type,
                   split: Split | None = None):  # fmt: skip
     """:func:`dot_general` on checked inputs, plus a bias over the output's trailing axes.
 
-    Everything static is settled here, once, into the custom_vjp's config, so
-    the public wrappers call into this module once and its forward and
-    backward ask no other module again
+    Everything static (the output dtype, the kernel contraction) is settled
+    here, once, into the custom_vjp's config: the public wrappers call into
+    this module once, and the forward and backward read the config instead of
+    working it out again
     (docs/design.md#the-path-of-one-fp8-dense-forward-and-backward).
     """
+    out = out_dtype(preferred_element_type, result_dtype(lhs.dtype, rhs.dtype))
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
-    out = out_dtype(preferred_element_type, result_dtype(lhs.dtype, rhs.dtype))
     if fine_grained.is_fine(recipe):  # scales per row or block: GEMMs of their own
         return fine_grained.dot(lhs, rhs, bias, dims, recipe, out, split)
     config = DotConfig(
