@@ -17,7 +17,9 @@ registers), another per 128 queries walks the key blocks. Each has two
 compute warpgroups of 64 rows and a memory warpgroup streaming the other
 side's blocks by TMA, as the forward does. A Bᵀ operand comes K-major
 from shared memory; 16-bit ``wgmma`` also takes MN-major B, which dV, dK
-and dQ use (dO, Q, K as stored).
+and dQ use (dO, Q, K as stored), and takes its A operand (P, dS) from
+registers. Every kernel fits its registers without spilling at head_dim 64
+and 128 (the deviceless ptxas report, tests/kernels/test_attention_kernel.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from fp8jax.kernels import attention as fwd
 from fp8jax.kernels import dispatch
 
 STEP_ROWS = 64  # rows of the streamed side a step: keeps S, dP and two accumulators in registers
+# The dK/dV kernel's queries a step, per head_dim: its two f32 accumulators take
+# 2 * head_dim registers a thread, and at 128 the [64, 64] score tiles and
+# their per-query vectors no longer fit beside them in 232 (ptxas spills), so
+# a step takes 32 queries there (docs/design.md#fp8-attention).
+DKV_STEP_ROWS = {64: 64, 128: 32}
 STAGES = 2
 DKV_KERNEL = "fp8jax_attention_dkv"
 DQ_KERNEL = "fp8jax_attention_dq"
@@ -140,21 +147,29 @@ def _helpers(interpreted: bool):
 
         return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
-    def mma_add(acc, a_smem, b_smem):
-        """``acc + a . b`` with ``b`` stored (K, N): 16-bit wgmma takes it MN-major."""
+    def mma_add(acc, a, b_smem):
+        """``acc + a . b`` with ``b`` stored (K, N): 16-bit wgmma takes it MN-major.
+
+        ``a``: a 16-bit value in the accumulator's layout, which is ``wgmma``'s
+        register operand layout at 16 bits: no trip through shared memory.
+        """
         if interpreted:
-            return acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=jnp.float32)
+            return acc + jnp.dot(a, b_smem[...], preferred_element_type=jnp.float32)
 
         def product(ref):
-            plgpu.wgmma(ref, a_smem, b_smem)
+            plgpu.wgmma(ref, a, b_smem)
 
         return pl.run_state(product)(plgpu.ACC.init(acc))
 
     return pl, plgpu, load, laid_out, iota, mma_t, mma_add
 
 
-def _smem(plgpu, shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, shape[-1], dtype))
+def _smem(plgpu, shape, dtype, swizzle=None):
+    """Shared memory tiled and swizzled for ``wgmma``; ``swizzle`` (bytes) caps the row's."""
+    if swizzle is None:
+        return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, shape[-1], dtype))
+    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
 
 def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done):
@@ -180,20 +195,20 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
                 dk_ref, dv_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
     del k_ref
     pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
-    (k8_w, v_w, ks_w, pt_w, dst_w, dk_w,
-     q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped  # fmt: skip
+    (k8_w, v_w, ks_w, dk_w, q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
-    n_rows = q8_ref.shape[1] // STEP_ROWS
+    step_rows = DKV_STEP_ROWS[d]
+    n_rows = q8_ref.shape[1] // step_rows
     batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k")
     wg = lax.axis_index("wg")
     # Under causality, query rows before the CTA's first key see none of its keys.
-    first = tile * (fwd.CTA_ROWS // STEP_ROWS) if causal else 0
+    first = tile * (fwd.CTA_ROWS // step_rows) if causal else 0
     per_head = n_rows - first
     steps = group * per_head
 
     def rows_of(t):
         head = kv_head * group + t // per_head
-        return head, pl.ds((first + t % per_head) * STEP_ROWS, STEP_ROWS)
+        return head, pl.ds((first + t % per_head) * step_rows, step_rows)
 
     @pl.when(wg < 2)
     def _compute():
@@ -205,7 +220,7 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
         plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys], ks_w.at[wg], own.at[4 + wg])
         for i in (0, 2, 4):
             plgpu.barrier_wait(own.at[i + wg])
-        shape = (fwd.WG_ROWS, STEP_ROWS)
+        shape = (fwd.WG_ROWS, step_rows)
         ks = load(ks_w.at[wg], plgpu.Layout.WGMMA.reduce(1))
         zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -226,11 +241,12 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
                 pt = jnp.where(query >= iota(shape, 0) + base, pt, 0.0)
             dpt = mma_t(v_w.at[wg], do_r.at[slot], shape)
             dst = pt * (dpt - lax.broadcast_in_dim(load(dl_r.at[slot], column), shape, [1]))
-            pt_w[wg] = pt.astype(BF16)
-            dst_w[wg] = (dst * scale).astype(BF16)
-            plgpu.commit_smem()
-            dv = mma_add(dv, pt_w.at[wg], do_r.at[slot])
-            dk = mma_add(dk, dst_w.at[wg], q_r.at[slot])
+            # Pᵀ and dSᵀ enter wgmma from registers: 16-bit A operands share
+            # the accumulator's layout, and no shared-memory round trip or
+            # fence stands between the softmax and the products.
+            wgmma_layout = plgpu.Layout.WGMMA
+            dv = mma_add(dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
+            dk = mma_add(dk, laid_out((dst * scale).astype(BF16), wgmma_layout), q_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
@@ -270,7 +286,7 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
                dq_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
     del q_ref
     pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
-    (q8_w, do_w, qs_w, lse_w, dl_w, ds_w, dq_w, k8_r, k_r, v_r, ks_r, own, loaded, done) = scoped
+    (q8_w, do_w, qs_w, lse_w, dl_w, dq_w, k8_r, k_r, v_r, ks_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
     batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
     kv_head = lax.div(head, jnp.array(group, head.dtype))
@@ -309,9 +325,8 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 key = iota(shape, 1) + t * STEP_ROWS
                 p = jnp.where(iota(shape, 0) + base >= key, p, 0.0)
             dp = mma_t(do_w.at[wg], v_r.at[slot], shape)
-            ds_w[wg] = (p * (dp - delta) * scale).astype(BF16)
-            plgpu.commit_smem()
-            dq = mma_add(dq, ds_w.at[wg], k_r.at[slot])
+            ds = laid_out((p * (dp - delta) * scale).astype(BF16), plgpu.Layout.WGMMA)
+            dq = mma_add(dq, ds, k_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dq
 
@@ -365,16 +380,19 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
         )(*operands)  # fmt: skip
 
     kv_struct = jax.ShapeDtypeStruct(k8.shape, BF16)
+    kv_step = DKV_STEP_ROWS[d]
+    # dV += Pᵀ dO and dK += dSᵀ Q contract over the step's queries, and
+    # 16-bit wgmma contracts a B operand's swizzle width at a time: 32 queries
+    # take a 64-byte swizzle, and dPᵀ = V dOᵀ, reading V and dO, then takes it too.
+    swizzle = 2 * kv_step if 2 * kv_step < 128 else None
     dk, dv = launch(
         functools.partial(_dkv_kernel, **options), DKV_KERNEL,
         (kv_heads, tk // fwd.CTA_ROWS, batch), ("heads", "k", "batch"), (kv_struct, kv_struct),
-        [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
-         plgpu.SMEM((2, rows), jnp.float32),
-         _smem(plgpu, (2, rows, step), BF16), _smem(plgpu, (2, rows, step), BF16),
-         _smem(plgpu, (2, rows, d), BF16),
-         _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
-         _smem(plgpu, (stages, step, d), BF16),
-         *[plgpu.SMEM((stages, step), jnp.float32)] * 3],
+        [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16, swizzle),
+         plgpu.SMEM((2, rows), jnp.float32), _smem(plgpu, (2, rows, d), BF16),
+         _smem(plgpu, (stages, kv_step, d), f8), _smem(plgpu, (stages, kv_step, d), BF16, swizzle),
+         _smem(plgpu, (stages, kv_step, d), BF16, swizzle),
+         *[plgpu.SMEM((stages, kv_step), jnp.float32)] * 3],
         [plgpu.Barrier(num_barriers=6), [plgpu.Barrier(num_barriers=stages)] * 6,
          plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
     )  # fmt: skip
@@ -383,8 +401,7 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
         (heads, tq // fwd.CTA_ROWS, batch), ("heads", "q", "batch"),
         (jax.ShapeDtypeStruct(q8.shape, BF16),),
         [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
-         *[plgpu.SMEM((2, rows), jnp.float32)] * 3,
-         _smem(plgpu, (2, rows, step), BF16), _smem(plgpu, (2, rows, d), BF16),
+         *[plgpu.SMEM((2, rows), jnp.float32)] * 3, _smem(plgpu, (2, rows, d), BF16),
          _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
          _smem(plgpu, (stages, step, d), BF16), plgpu.SMEM((stages, step), jnp.float32)],
         [plgpu.Barrier(num_barriers=10), [plgpu.Barrier(num_barriers=stages)] * 4,
