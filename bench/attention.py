@@ -4,9 +4,10 @@ Two parts; every row is printed and appended to ``--out`` (JSON lines) as it
 is measured.
 
 * **Speed.** Per shape, the forward and the forward + backward (``jax.vjp``
-  under a random output gradient) of ``fp8jax.dot_product_attention``,
-  cuDNN BF16 (``jax.nn.dot_product_attention(implementation="cudnn")``) and
-  cuDNN FP8, each timed by bench/harness.py (synchronized median after a
+  under a random output gradient) of ``fp8jax.dot_product_attention``
+  (without and with ``hadamard=True``), cuDNN BF16
+  (``jax.nn.dot_product_attention(implementation="cudnn")``) and cuDNN FP8,
+  each timed by bench/harness.py (synchronized median after a
   heating spell). ``vs_bf16`` is cuDNN BF16's median over the row's (> 1:
   faster than cuDNN BF16). Shapes: ``llama-3b``'s attention (8 x 4096, 24
   query and 8 kv heads of 128, causal), the TE layer's (bench/layer.py's
@@ -14,8 +15,8 @@ is measured.
 * **Errors.** On the same BF16 inputs (one ``llama-3b`` sequence, head_dim
   128, causal and not, Gaussian and with outlier channels in Q and K): the
   relative Frobenius error of the output and of dq, dk, dv against f32
-  attention (XLA, f32 inputs holding the BF16 values), for fp8jax, cuDNN FP8
-  and cuDNN BF16.
+  attention (XLA, f32 inputs holding the BF16 values), for fp8jax (without
+  and with its Hadamard rotation), cuDNN FP8 and cuDNN BF16.
 
 cuDNN FP8: ``jax.nn.dot_product_attention`` takes no FP8 scales (jax 0.10
 and 0.11), so this calls JAX's private cuDNN entry,
@@ -95,8 +96,8 @@ def bf16_attention(implementation: str, causal: bool):
     return attend
 
 
-def fp8jax_attention(causal: bool):
-    return functools.partial(fp8jax.dot_product_attention, causal=causal)
+def fp8jax_attention(causal: bool, hadamard: bool = False):
+    return functools.partial(fp8jax.dot_product_attention, causal=causal, hadamard=hadamard)
 
 
 def reference(causal: bool):
@@ -229,6 +230,7 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
     fns = {
         baseline: bf16_attention(baseline.removesuffix("_bf16"), causal),
         "fp8jax": fp8jax_attention(causal),
+        "fp8jax_hadamard": fp8jax_attention(causal, hadamard=True),
     }
     times = {}
     for impl, fn in fns.items():
@@ -271,6 +273,7 @@ def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bo
     want = jax.jit(with_backward(reference(causal)))(q, k, v, g)
     runs = {
         "fp8jax": jax.jit(with_backward(fp8jax_attention(causal))),
+        "fp8jax_hadamard": jax.jit(with_backward(fp8jax_attention(causal, hadamard=True))),
         baseline: jax.jit(with_backward(bf16_attention(baseline.removesuffix("_bf16"), causal))),
     }
     label = {"case": case, "causal": causal, "shape": list(error_shape)}
@@ -292,8 +295,9 @@ def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bo
         except Exception as error:  # cuDNN's refusal is the row's result
             log({"errors_vs_f32": "cudnn_fp8", **label, "refused": _refused(error)})
     if "cudnn_fp8" in errors:
-        ratios = {p: errors["fp8jax"][p] / errors["cudnn_fp8"][p] for p in errors["fp8jax"]}
-        log({"fp8jax_error_over_cudnn_fp8": ratios, **label})
+        for impl in ("fp8jax", "fp8jax_hadamard"):
+            ratios = {p: errors[impl][p] / errors["cudnn_fp8"][p] for p in errors[impl]}
+            log({f"{impl}_error_over_cudnn_fp8": ratios, **label})
     print(f"errors {case} causal={causal}: " + "; ".join(
         f"{impl} " + " ".join(f"{p} {e:.2e}" for p, e in errs.items())
         for impl, errs in errors.items()), flush=True)  # fmt: skip
