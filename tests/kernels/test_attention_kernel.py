@@ -164,6 +164,12 @@ def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal
         (ptxas,) = [p.read_text() for p in tmp_path.glob(f"{name}*.ptxas")]
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
         assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
+    # P and dS enter dV, dK and dQ's products as wgmma's register operand (the
+    # A operand in braces, not a shared-memory descriptor).
+    register_a = r"wgmma\.mma_async\S*\.f32\.bf16\.bf16\s*\{[^}]*\},\s*\{"
+    for name in (attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
+        (ptx,) = [p.read_text() for p in tmp_path.glob(f"{name}*.ptx")]
+        assert re.search(register_a, ptx), name
 
 
 def test_under_data_parallelism_each_device_attends_its_batch_rows():
