@@ -60,8 +60,8 @@ def _backward_operands(tq, tk, heads, kv_heads, d, causal):
             op._dequantized(v8, vs), g, lse2, jnp.swapaxes(delta, 1, 2))  # fmt: skip
 
 
-# At head_dim 128 the dK/dV kernel walks 32 queries a step (DKV_STEP_ROWS), four
-# steps a query head here, over a GQA group of two under causality.
+# Head_dim 128 (P and dS as register operands beside two 128-wide accumulators)
+# over a GQA group of two under causality.
 @pytest.mark.parametrize(
     "tq, tk, heads, kv_heads, d, causal",
     [(128, 128, 1, 1, 64, True), (128, 128, 4, 2, 64, False), (128, 128, 2, 1, 128, True)],

@@ -34,11 +34,6 @@ from fp8jax.kernels import attention as fwd
 from fp8jax.kernels import dispatch
 
 STEP_ROWS = 64  # rows of the streamed side a step: keeps S, dP and two accumulators in registers
-# The dK/dV kernel's queries a step, per head_dim: its two f32 accumulators take
-# 2 * head_dim registers a thread, and at 128 the [64, 64] score tiles and
-# their per-query vectors no longer fit beside them in 232 (ptxas spills), so
-# a step takes 32 queries there (docs/design.md#fp8-attention).
-DKV_STEP_ROWS = {64: 64, 128: 32}
 STAGES = 2
 DKV_KERNEL = "fp8jax_attention_dkv"
 DQ_KERNEL = "fp8jax_attention_dq"
@@ -164,15 +159,11 @@ def _helpers(interpreted: bool):
     return pl, plgpu, load, laid_out, iota, mma_t, mma_add
 
 
-def _smem(plgpu, shape, dtype, swizzle=None):
-    """Shared memory tiled and swizzled for ``wgmma``; ``swizzle`` (bytes) caps the row's."""
-    if swizzle is None:
-        return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, shape[-1], dtype))
-    tiling = plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
+def _smem(plgpu, shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, shape[-1], dtype))
 
 
-def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done):
+def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted):
     """The memory warpgroup: step ``t``'s blocks of every source into slot ``t % stages``."""
 
     @pl.loop(0, steps)
@@ -186,6 +177,12 @@ def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done):
         for i, (source, ring) in enumerate(zip(sources, rings, strict=True)):
             plgpu.copy_gmem_to_smem(source(t), ring.at[slot], loaded[i].at[slot])
 
+    if not interpreted:
+        # On the GPU the compute warpgroups outlive this one and nothing waits
+        # for their last releases; waiting anyway kept the barriers' addresses
+        # live through the compute warpgroups' code, where ptxas spilled them.
+        return
+
     @pl.loop(lax.max(steps - stages, 0), steps)  # every barrier phase observed (interpreter)
     def _drain(t):
         plgpu.barrier_wait(done.at[lax.rem(t, jnp.array(stages, t.dtype))])
@@ -197,18 +194,17 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
     pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
     (k8_w, v_w, ks_w, dk_w, q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
-    step_rows = DKV_STEP_ROWS[d]
-    n_rows = q8_ref.shape[1] // step_rows
+    n_rows = q8_ref.shape[1] // STEP_ROWS
     batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k")
     wg = lax.axis_index("wg")
     # Under causality, query rows before the CTA's first key see none of its keys.
-    first = tile * (fwd.CTA_ROWS // step_rows) if causal else 0
+    first = tile * (fwd.CTA_ROWS // STEP_ROWS) if causal else 0
     per_head = n_rows - first
     steps = group * per_head
 
     def rows_of(t):
         head = kv_head * group + t // per_head
-        return head, pl.ds((first + t % per_head) * step_rows, step_rows)
+        return head, pl.ds((first + t % per_head) * STEP_ROWS, STEP_ROWS)
 
     @pl.when(wg < 2)
     def _compute():
@@ -220,7 +216,7 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
         plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys], ks_w.at[wg], own.at[4 + wg])
         for i in (0, 2, 4):
             plgpu.barrier_wait(own.at[i + wg])
-        shape = (fwd.WG_ROWS, step_rows)
+        shape = (fwd.WG_ROWS, STEP_ROWS)
         ks = load(ks_w.at[wg], plgpu.Layout.WGMMA.reduce(1))
         zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -279,7 +275,7 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
         sources = [*map(rows_source, (q8_ref, q_ref, do_ref)),
                    *map(vector_source, (qs_ref, lse_ref, delta_ref))]  # fmt: skip
         rings = [q8_r, q_r, do_r, qs_r, lse_r, dl_r]
-        _stream(plgpu, pl, steps, stages, sources, rings, loaded, done)
+        _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted)
 
 
 def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -349,7 +345,8 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
             return at
 
         sources = [source(k8_ref), source(k_ref), source(v_ref), source(ks_ref, vector=True)]
-        _stream(plgpu, pl, steps, stages, sources, [k8_r, k_r, v_r, ks_r], loaded, done)
+        rings = [k8_r, k_r, v_r, ks_r]
+        _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted)
 
 
 def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, scale,
@@ -380,19 +377,14 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
         )(*operands)  # fmt: skip
 
     kv_struct = jax.ShapeDtypeStruct(k8.shape, BF16)
-    kv_step = DKV_STEP_ROWS[d]
-    # dV += Pᵀ dO and dK += dSᵀ Q contract over the step's queries, and
-    # 16-bit wgmma contracts a B operand's swizzle width at a time: 32 queries
-    # take a 64-byte swizzle, and dPᵀ = V dOᵀ, reading V and dO, then takes it too.
-    swizzle = 2 * kv_step if 2 * kv_step < 128 else None
     dk, dv = launch(
         functools.partial(_dkv_kernel, **options), DKV_KERNEL,
         (kv_heads, tk // fwd.CTA_ROWS, batch), ("heads", "k", "batch"), (kv_struct, kv_struct),
-        [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16, swizzle),
+        [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
          plgpu.SMEM((2, rows), jnp.float32), _smem(plgpu, (2, rows, d), BF16),
-         _smem(plgpu, (stages, kv_step, d), f8), _smem(plgpu, (stages, kv_step, d), BF16, swizzle),
-         _smem(plgpu, (stages, kv_step, d), BF16, swizzle),
-         *[plgpu.SMEM((stages, kv_step), jnp.float32)] * 3],
+         _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
+         _smem(plgpu, (stages, step, d), BF16),
+         *[plgpu.SMEM((stages, step), jnp.float32)] * 3],
         [plgpu.Barrier(num_barriers=6), [plgpu.Barrier(num_barriers=stages)] * 6,
          plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
     )  # fmt: skip
