@@ -1,24 +1,45 @@
-"""FP8 attention (fp8jax.dot_product_attention) against cuDNN's BF16 attention, one process.
+"""FP8 attention against cuDNN in one process: speed against its BF16, errors against its FP8.
 
-For each shape, four timed rows (bench/harness.py: synchronized median after
-a heating spell) and the errors of both against an f32 reference:
+Two parts; every row is printed and appended to ``--out`` (JSON lines) as it
+is measured.
 
-* ``cudnn_fwd`` / ``fp8_fwd``: the forward alone;
-* ``cudnn_fwd_bwd`` / ``fp8_fwd_bwd``: forward and backward under a random
-  output gradient (``jax.vjp``, the gradients of q, k and v).
+* **Speed.** Per shape, the forward and the forward + backward (``jax.vjp``
+  under a random output gradient) of ``fp8jax.dot_product_attention``
+  (without and with ``hadamard=True``), cuDNN BF16
+  (``jax.nn.dot_product_attention(implementation="cudnn")``) and cuDNN FP8,
+  each timed by bench/harness.py (synchronized median after a
+  heating spell). ``vs_bf16`` is cuDNN BF16's median over the row's (> 1:
+  faster than cuDNN BF16). Shapes: ``llama-3b``'s attention (8 x 4096, 24
+  query and 8 kv heads of 128, causal), the TE layer's (bench/layer.py's
+  ``te``: 8 x 2048, 32 heads of 128, causal) and issue 60's targets.
+* **Errors.** On the same BF16 inputs (one ``llama-3b`` sequence, head_dim
+  128, causal and not, Gaussian and with outlier channels in Q and K): the
+  relative Frobenius error of the output and of dq, dk, dv against f32
+  attention (XLA, f32 inputs holding the BF16 values), for fp8jax (without
+  and with its Hadamard rotation), cuDNN FP8 and cuDNN BF16.
 
-Speed is printed as cuDNN's time over fp8jax's (> 1: FP8 faster). Errors
-are relative Frobenius norms against ``jax.nn.dot_product_attention`` in f32
-(XLA) on the first batch element, for the output and dq, dk, dv. Each row
-is printed and appended to ``--out`` (JSON lines) as it is measured.
+cuDNN FP8: ``jax.nn.dot_product_attention`` takes no FP8 scales (jax 0.10
+and 0.11), so this calls JAX's private cuDNN entry,
+``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True)``,
+with BF16 in and out as a user calls it (the casts are inside the timed
+function) and the scales TransformerEngine's recipe gives it: one current
+scale per tensor for Q, K, V and dO; P at a fixed 2**8, fp8jax's; for the
+output, dP, dQ, dK and dV, which cuDNN writes in E4M3, amax / 448 from a
+first call on the same inputs (the best scales it could have). Where cuDNN
+refuses (head_dim 64 with FP8, a missing entry) the row says why.
 
-Run on an H200:
-  PYTHONPATH=src python bench/attention.py --out bench/results/attention.jsonl
+Run on an H200 (speed and errors apart, each within ten minutes):
+  PYTHONPATH=src python bench/attention.py --skip-errors --out bench/results/attention.jsonl
+  PYTHONPATH=src python bench/attention.py --skip-speed --out bench/results/attention.jsonl
+The wiring on a CPU (tiny shapes, XLA BF16 standing in for cuDNN BF16, the
+cuDNN rows skipped with the reason):
+  JAX_PLATFORMS=cpu PYTHONPATH=src python bench/attention.py --dry-run --out /tmp/a.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import harness
@@ -27,28 +48,68 @@ import jax.numpy as jnp
 
 import fp8jax
 
+BF16, F32, F8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+P_SCALE = 256.0  # P in [0, 1] to E4M3, fp8jax's fixed scale (docs/design.md#fp8-attention)
+
 # (name, batch, seq, q heads, kv heads, head_dim, causal)
 SHAPES = [
+    ("llama-3b_b8_s4096_causal_24q8kv", 8, 4096, 24, 8, 128, True),
+    ("te_b8_s2048_causal_32q32kv", 8, 2048, 32, 32, 128, True),
     ("d128_s4096_causal_32q8kv", 2, 4096, 32, 8, 128, True),
     ("d64_s4096_causal_32q8kv", 2, 4096, 32, 8, 64, True),
-    ("d128_s2048_causal_32q8kv", 4, 2048, 32, 8, 128, True),
     ("d128_s8192_causal_32q8kv", 1, 8192, 32, 8, 128, True),
     ("d128_s4096_full_32q8kv", 2, 4096, 32, 8, 128, False),
 ]
+ERROR_SHAPE = (1, 4096, 24, 8, 128)  # (batch, seq, q heads, kv heads, head_dim): llama-3b's
+DRY_SHAPES = [("dry_d128_s256_causal_4q2kv", 1, 256, 4, 2, 128, True)]
+DRY_ERROR_SHAPE = (1, 128, 2, 1, 128)
+CASES = ("gaussian", "outliers")
+GRADIENTS = ("dq", "dk", "dv")
 
 
-def attention_fns(causal: bool):
-    def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+def inputs(batch, seq, heads, kv_heads, d, case="gaussian", seed=0):
+    """BF16 q, k, v and an output gradient; ``outliers``: 4 channels of Q and K 10x the rest.
 
-    def fp8(q, k, v):
-        return fp8jax.dot_product_attention(q, k, v, causal=causal)
+    Outlier channels are what trained models' queries and keys carry: they
+    set a block's scale and leave the other channels few E4M3 steps. Q and K
+    are then brought back to unit RMS, so that the logits' spread (about 4)
+    stays that of a sharp trained head.
+    """
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (batch, seq, heads, d), F32)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, d), F32)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, d), F32)
+    g = jax.random.normal(keys[3], (batch, seq, heads, d), F32)
+    if case == "outliers":
+        channels = jnp.ones((d,), F32).at[jnp.array([3, 17, 40, 61])].set(10.0)
+        channels = channels / jnp.sqrt(jnp.mean(jnp.square(channels)))
+        q, k = q * channels[None, None, None, :], k * channels[None, None, None, :]
+    return tuple(x.astype(BF16) for x in (q, k, v, g))
 
-    def reference(q, k, v):
-        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        return jax.nn.dot_product_attention(*f32, is_causal=causal, implementation="xla")
 
-    return {"cudnn": cudnn, "fp8": fp8, "reference": reference}
+def bf16_attention(implementation: str, causal: bool):
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=implementation
+        )
+
+    return attend
+
+
+def fp8jax_attention(causal: bool, hadamard: bool = False):
+    return functools.partial(fp8jax.dot_product_attention, causal=causal, hadamard=hadamard)
+
+
+def reference(causal: bool):
+    """f32 attention (XLA) on the inputs' values: the errors' reference."""
+
+    def attend(q, k, v):
+        f32 = [x.astype(F32) for x in (q, k, v)]
+        with jax.default_matmul_precision("highest"):
+            return jax.nn.dot_product_attention(*f32, is_causal=causal, implementation="xla")
+
+    return attend
 
 
 def with_backward(fn):
@@ -59,74 +120,228 @@ def with_backward(fn):
     return run
 
 
+# cuDNN FP8 ------------------------------------------------------------------
+
+SCALED = ("o", "dP", "dQ", "dK", "dV")  # cuDNN's E4M3 results whose scales are calibrated
+
+
+def _cudnn():
+    """JAX's cuDNN attention module: private, as jax.nn's entry takes no FP8 scales."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
+def _amax(x):
+    return jnp.max(jnp.abs(x.astype(F32)))
+
+
+def _descale(amax):
+    """The per-tensor factor that maps ``amax`` to E4M3's largest value (x ≈ x8 * descale)."""
+    return jnp.maximum(amax, 2.0**-60) / E4M3_MAX
+
+
+def _to_e4m3(x, descale):
+    return (x.astype(F32) / descale).astype(F8)
+
+
+def _fp8_params(descale_q, descale_k, descale_v, descale_do, descales: dict) -> dict:
+    """cuDNN's seventeen FP8 parameters: descale_X multiplies E4M3 X back, scale_X divides."""
+
+    def one(x):
+        return jnp.reshape(jnp.asarray(x, F32), (1, 1, 1, 1))
+
+    params = {name: one(0.0) for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+    params |= {
+        "descale_q": one(descale_q), "descale_k": one(descale_k),
+        "descale_v": one(descale_v), "descale_dO": one(descale_do),
+        "descale_s": one(1.0 / P_SCALE), "scale_s": one(P_SCALE),
+        "descale_o": one(descales["o"]), "scale_o": one(1.0 / descales["o"]),
+        "descale_dP": one(descales["dP"]), "scale_dP": one(1.0 / descales["dP"]),
+        "scale_dQ": one(1.0 / descales["dQ"]), "scale_dK": one(1.0 / descales["dK"]),
+        "scale_dV": one(1.0 / descales["dV"]),
+    }  # fmt: skip
+    return params
+
+
+def cudnn_fp8(causal: bool, scale: float):
+    """``(forward, fwd_bwd)``: cuDNN FP8 attention with BF16 inputs and results.
+
+    ``forward(q, k, v, descales)`` -> out; ``fwd_bwd(q, k, v, g, descales)`` ->
+    ``((out, dq, dk, dv), amaxes)``, ``descales`` and ``amaxes`` keyed by
+    :data:`SCALED`.
+    """
+    module = _cudnn()
+    mask = module.MaskType.CAUSAL if causal else module.MaskType.NO_MASK
+
+    def attend(q8, k8, v8, params):
+        return module.dot_product_attention(
+            q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask, use_fp8=True
+        )
+
+    def quantized(q, k, v, g, descales):
+        per_tensor = [_descale(_amax(x)) for x in (q, k, v, g)]
+        e4m3 = [_to_e4m3(x, s) for x, s in zip((q, k, v, g), per_tensor, strict=True)]
+        return e4m3, _fp8_params(*per_tensor, descales)
+
+    def forward(q, k, v, descales):
+        (q8, k8, v8, _), params = quantized(q, k, v, q, descales)
+        out8, _, _ = attend(q8, k8, v8, params)
+        return (out8.astype(F32) * descales["o"]).astype(BF16)
+
+    def fwd_bwd(q, k, v, g, descales):
+        (q8, k8, v8, g8), params = quantized(q, k, v, g, descales)
+        (out8, _, amax_o), vjp = jax.vjp(attend, q8, k8, v8, params)
+        unit = jnp.ones((1, 1, 1, 1), F32)  # the amax outputs' cotangents: unused
+        dq8, dk8, dv8, dparams = vjp((g8, unit, unit))
+        results = [
+            (x.astype(F32) * descales[name]).astype(BF16)
+            for x, name in zip((out8, dq8, dk8, dv8), ("o", "dQ", "dK", "dV"), strict=True)
+        ]
+        amaxes = {"o": amax_o} | {n: dparams[f"amax_{n}"] for n in ("dP", "dQ", "dK", "dV")}
+        return tuple(results), {n: jnp.reshape(a, ()) for n, a in amaxes.items()}
+
+    return forward, fwd_bwd
+
+
+def calibrated_descales(fwd_bwd, q, k, v, g) -> dict:
+    """Per-tensor descales of cuDNN's E4M3 results, from a first call with unit scales."""
+    unit = {name: jnp.float32(1.0) for name in SCALED}
+    _, amaxes = jax.jit(fwd_bwd)(q, k, v, g, unit)
+    return {name: _descale(amaxes[name]) for name in SCALED}
+
+
+# Rows -------------------------------------------------------------------------
+
+
 def relative(x, ref) -> float:
-    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    x, ref = x.astype(F32), ref.astype(F32)
     return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
 
 
-def errors(fns, q, k, v, g) -> dict:
-    """Relative errors of cuDNN and fp8jax against f32 on batch element 0."""
-    one = [x[:1] for x in (q, k, v, g)]
-    want = jax.jit(with_backward(fns["reference"]))(*one)
-    out = {}
-    for name in ("cudnn", "fp8"):
-        got = jax.jit(with_backward(fns[name]))(*one)
-        out[name] = {
-            part: relative(a, b)
-            for part, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
-        }
-    return out
+def _refused(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
-def main():
+def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
+    """Times every implementation on one shape; the summary row, with the ratios."""
+    name, batch, seq, heads, kv_heads, d, causal = shape
+    q, k, v, g = inputs(batch, seq, heads, kv_heads, d)
+    scale = d**-0.5
+    fns = {
+        baseline: bf16_attention(baseline.removesuffix("_bf16"), causal),
+        "fp8jax": fp8jax_attention(causal),
+        "fp8jax_hadamard": fp8jax_attention(causal, hadamard=True),
+    }
+    times = {}
+    for impl, fn in fns.items():
+        for part, jitted, call in (
+            ("fwd", jax.jit(fn), (q, k, v)),
+            ("fwd_bwd", jax.jit(with_backward(fn)), (q, k, v, g)),
+        ):
+            times[(impl, part)] = harness.time_ms(jitted, *call, iters=args.iters)
+            log({"shape": name, "impl": impl, "part": part, **times[(impl, part)]})
+    if not cudnn_ok:
+        log({"shape": name, "impl": "cudnn_fp8", "skipped": "cuDNN needs an NVIDIA GPU"})
+    else:
+        try:
+            forward, fwd_bwd = cudnn_fp8(causal, scale)
+            descales = calibrated_descales(fwd_bwd, q, k, v, g)
+            for part, jitted, call in (
+                ("fwd", jax.jit(forward), (q, k, v, descales)),
+                ("fwd_bwd", jax.jit(fwd_bwd), (q, k, v, g, descales)),
+            ):
+                times[("cudnn_fp8", part)] = harness.time_ms(jitted, *call, iters=args.iters)
+                log({"shape": name, "impl": "cudnn_fp8", "part": part,
+                     **times[("cudnn_fp8", part)]})  # fmt: skip
+        except Exception as error:  # cuDNN's refusal is the row's result
+            log({"shape": name, "impl": "cudnn_fp8", "refused": _refused(error)})
+    summary = {"shape": name, "baseline": baseline, "vs_bf16": {}}
+    for (impl, part), t in times.items():
+        if impl != baseline:
+            base = times[(baseline, part)]["median_ms"]
+            summary["vs_bf16"][f"{impl}_{part}"] = base / t["median_ms"]
+    log(summary)
+    print(f"{name}: " + ", ".join(f"{k} {r:.3f}x" for k, r in summary["vs_bf16"].items())
+          + f" {baseline}", flush=True)  # fmt: skip
+    return summary
+
+
+def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bool, log):
+    """Relative errors against f32 of every implementation on the same inputs."""
+    batch, seq, heads, kv_heads, d = error_shape
+    q, k, v, g = inputs(batch, seq, heads, kv_heads, d, case=case, seed=1)
+    want = jax.jit(with_backward(reference(causal)))(q, k, v, g)
+    runs = {
+        "fp8jax": jax.jit(with_backward(fp8jax_attention(causal))),
+        "fp8jax_hadamard": jax.jit(with_backward(fp8jax_attention(causal, hadamard=True))),
+        baseline: jax.jit(with_backward(bf16_attention(baseline.removesuffix("_bf16"), causal))),
+    }
+    label = {"case": case, "causal": causal, "shape": list(error_shape)}
+    errors = {}
+    for impl, run in runs.items():
+        got = run(q, k, v, g)
+        errors[impl] = dict(zip(("out", *GRADIENTS), map(relative, got, want), strict=True))
+        log({"errors_vs_f32": impl, **label, **errors[impl]})
+    if not cudnn_ok:
+        log({"errors_vs_f32": "cudnn_fp8", **label, "skipped": "cuDNN needs an NVIDIA GPU"})
+    else:
+        try:
+            _, fwd_bwd = cudnn_fp8(causal, d**-0.5)
+            descales = calibrated_descales(fwd_bwd, q, k, v, g)
+            got, _ = jax.jit(fwd_bwd)(q, k, v, g, descales)
+            errors["cudnn_fp8"] = dict(zip(("out", *GRADIENTS), map(relative, got, want),
+                                           strict=True))  # fmt: skip
+            log({"errors_vs_f32": "cudnn_fp8", **label, **errors["cudnn_fp8"]})
+        except Exception as error:  # cuDNN's refusal is the row's result
+            log({"errors_vs_f32": "cudnn_fp8", **label, "refused": _refused(error)})
+    if "cudnn_fp8" in errors:
+        for impl in ("fp8jax", "fp8jax_hadamard"):
+            ratios = {p: errors[impl][p] / errors["cudnn_fp8"][p] for p in errors[impl]}
+            log({f"{impl}_error_over_cudnn_fp8": ratios, **label})
+    print(f"errors {case} causal={causal}: " + "; ".join(
+        f"{impl} " + " ".join(f"{p} {e:.2e}" for p, e in errs.items())
+        for impl, errs in errors.items()), flush=True)  # fmt: skip
+    return errors
+
+
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="attention.jsonl", help="JSON lines, one per row")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--only", default=None, help="run only the shape of this name")
+    parser.add_argument("--only", default=None, help="time only the shape of this name")
+    parser.add_argument("--skip-errors", action="store_true", help="time only")
+    parser.add_argument("--skip-speed", action="store_true", help="measure the errors only")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes, XLA's BF16 baseline: a CPU check"
+    )
     harness.add_heat_argument(parser)
     harness.add_compile_cache_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     env = harness.start(args)
-    print(json.dumps(env), flush=True)
+    cudnn_ok = jax.default_backend() == "gpu"
+    if not cudnn_ok and not args.dry_run:
+        parser.error(f"cuDNN needs an NVIDIA GPU, the backend is {jax.default_backend()}; "
+                     "pass --dry-run to check the wiring on it.")  # fmt: skip
+    baseline = "xla_bf16" if args.dry_run else "cudnn_bf16"
+    rows = []
 
     def log(row):
+        rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    log({"environment": env})
-    for name, batch, seq, heads, kv_heads, d, causal in SHAPES:
-        if args.only and name != args.only:
-            continue
-        keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (batch, seq, heads, d), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (batch, seq, kv_heads, d), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (batch, seq, kv_heads, d), jnp.bfloat16)
-        g = jax.random.normal(keys[3], (batch, seq, heads, d), jnp.bfloat16)
-        fns = attention_fns(causal)
-        times = {}
-        for impl in ("cudnn", "fp8"):
-            fwd = jax.jit(fns[impl])
-            both = jax.jit(with_backward(fns[impl]))
-            times[f"{impl}_fwd"] = harness.time_ms(fwd, q, k, v, iters=args.iters)
-            log({"shape": name, "row": f"{impl}_fwd", **times[f"{impl}_fwd"]})
-            times[f"{impl}_fwd_bwd"] = harness.time_ms(both, q, k, v, g, iters=args.iters)
-            log({"shape": name, "row": f"{impl}_fwd_bwd", **times[f"{impl}_fwd_bwd"]})
-        summary = {
-            "shape": name,
-            "fwd_speedup_vs_cudnn": times["cudnn_fwd"]["median_ms"] / times["fp8_fwd"]["median_ms"],
-            "fwd_bwd_speedup_vs_cudnn": (
-                times["cudnn_fwd_bwd"]["median_ms"] / times["fp8_fwd_bwd"]["median_ms"]
-            ),
-            "errors_vs_f32": errors(fns, q, k, v, g),
-        }
-        log(summary)
-        print(
-            f"{name}: forward {summary['fwd_speedup_vs_cudnn']:.3f}x cuDNN BF16, "
-            f"forward+backward {summary['fwd_bwd_speedup_vs_cudnn']:.3f}x; errors "
-            f"{summary['errors_vs_f32']}",
-            flush=True,
-        )
+    log({"environment": env, "baseline": baseline})
+    for shape in DRY_SHAPES if args.dry_run else SHAPES:
+        if not args.skip_speed and args.only in (None, shape[0]):
+            speed_rows(shape, args, baseline, cudnn_ok, log)
+    if not args.skip_errors:
+        for causal in (True, False):
+            for case in CASES:
+                error_shape = DRY_ERROR_SHAPE if args.dry_run else ERROR_SHAPE
+                error_rows(error_shape, causal, case, baseline, cudnn_ok, log)
+    return rows
 
 
 if __name__ == "__main__":

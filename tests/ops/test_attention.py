@@ -40,6 +40,7 @@ import pytest
 
 import fp8jax
 from fp8jax.kernels import attention as kernel
+from fp8jax.ops import attention as op
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -223,6 +224,89 @@ def test_the_budget_catches_a_wrong_gqa_mapping():
     assert np.any(np.abs(np.asarray(swapped, np.float64)[:, :, [0, 2, 1, 3]] - ref) > budget)
 
 
+def channel_outliers(shape_q, kv_heads, *, seed=0):
+    """BF16 q, k, v, g with 4 of head_dim's channels of Q and K 10x the rest, at unit RMS.
+
+    Trained models' queries and keys carry such channels; a block's E4M3
+    scale then leaves the other channels few steps.
+    """
+    q, k, v, g = (np.asarray(x, np.float32) for x in inputs(shape_q, kv_heads, seed=seed))
+    channels = np.ones(q.shape[-1], np.float32)
+    channels[[3, 17, 40, 61]] = 10.0
+    channels /= np.sqrt(np.mean(channels**2))
+    cast = functools.partial(jnp.asarray, dtype=jnp.bfloat16)
+    return cast(q * channels), cast(k * channels), cast(v), cast(g)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hadamard_rotation_keeps_the_logits_exactly(d):
+    """(Q R_q)(K R_k)ᵀ = Q Kᵀ: ±1 entries and power-of-two factors, all exact in BF16."""
+    signed, q_factor, k_factor = op.hadamard_rotation(d)
+    assert set(np.unique(signed)) == {-1.0, 1.0}
+    np.testing.assert_array_equal(signed @ signed.T * (q_factor * k_factor), np.eye(d))
+    for factor in (q_factor, k_factor):
+        assert factor == 2.0 ** round(np.log2(factor))
+    assert not np.array_equal(signed, op.hadamard_rotation(d, seed=1)[0])  # the signs are drawn
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_hadamard_forward_and_backward_within_the_rotated_inputs_budgets(causal):
+    """With ``hadamard=True`` the op is the FP8 attention of Q R_q and K R_k.
+
+    The derived budgets (``reference``) apply to the rotated inputs, which the
+    op's own rotation makes (its exactness is the test above). dq and dk go
+    back through the rotation: dq = dq' R_qᵀ in f32, then one BF16 rounding,
+    so their budgets are the rotated ones carried through |R_q|ᵀ.
+    """
+    shape, kv_heads = (1, 256, 4, 128), 2
+    q, k, v, g = channel_outliers(shape, kv_heads)
+    qr, kr = op._rotated(q, k)
+    ref, budget, ref_grads, budgets = reference(qr, kr, v, g, causal)
+
+    def f(q, k, v):
+        return fp8jax.dot_product_attention(q, k, v, causal=causal, hadamard=True)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    grads = dict(zip(("dq", "dk", "dv"), vjp(g), strict=True))
+    assert_within("out", out, ref, budget)
+    assert_within("dv", grads["dv"], ref_grads["dv"], budgets["dv"])
+    signed, q_factor, k_factor = op.hadamard_rotation(shape[-1])
+    for name, factor in (("dq", q_factor), ("dk", k_factor)):
+        back = factor * ref_grads[name] @ signed.T
+        carried = factor * budgets[name] @ np.abs(signed).T
+        assert_within(name, grads[name], back, carried + U16 * np.abs(back))
+
+
+def test_hadamard_rotation_cuts_the_fp8_error_where_channels_carry_outliers(monkeypatch):
+    """Against unquantized attention, the rotation at least halves every relative error.
+
+    Outlier channels (``channel_outliers``) leave the others about 2**-1 of
+    E4M3's range in a block; the rotation spreads them over all 128 channels.
+    On Gaussian inputs, which have no outliers to spread, it changes little.
+    """
+    shape, kv_heads = (1, 256, 4, 128), 2
+    monkeypatch.setitem(globals(), "fake_quant", lambda x: np.asarray(x, np.float32))
+    for case, most in (("outliers", 0.5), ("gaussian", 1.25)):
+        q, k, v, g = channel_outliers(shape, kv_heads) if case == "outliers" else inputs(
+            shape, kv_heads)  # fmt: skip
+        want, _, want_grads, _ = reference(q, k, v, g, True)  # exact: fake_quant is patched out
+        errors = {}
+        for hadamard in (False, True):
+
+            def f(q, k, v, hadamard=hadamard):
+                return fp8jax.dot_product_attention(q, k, v, causal=True, hadamard=hadamard)
+
+            out, vjp = jax.vjp(f, q, k, v)
+            got = dict(zip(("out", "dq", "dk", "dv"), (out, *vjp(g)), strict=True))
+            errors[hadamard] = {
+                name: np.linalg.norm(np.asarray(x, np.float64) - w) / np.linalg.norm(w)
+                for name, x, w in zip(got, got.values(),
+                                      (want, *want_grads.values()), strict=True)
+            }  # fmt: skip
+        for name in errors[False]:
+            assert errors[True][name] <= most * errors[False][name], (case, name, errors)
+
+
 REFUSALS = {
     "head-dim-96": ((1, 128, 2, 96), (1, 128, 2, 96), {}, ValueError,
                     r"head_dim must be one of \(64, 128\).*got 96"),
@@ -237,6 +321,8 @@ REFUSALS = {
                "recipe must be None"),
     "cudnn": ((1, 128, 2, 64), (1, 128, 2, 64), {"implementation": "cudnn"}, ValueError,
               "implementation must be one of"),
+    "hadamard-str": ((1, 128, 2, 64), (1, 128, 2, 64), {"hadamard": "yes"}, TypeError,
+                     "hadamard must be a bool, got 'yes'"),
 }  # fmt: skip
 
 

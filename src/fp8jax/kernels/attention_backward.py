@@ -17,7 +17,9 @@ registers), another per 128 queries walks the key blocks. Each has two
 compute warpgroups of 64 rows and a memory warpgroup streaming the other
 side's blocks by TMA, as the forward does. A Bᵀ operand comes K-major
 from shared memory; 16-bit ``wgmma`` also takes MN-major B, which dV, dK
-and dQ use (dO, Q, K as stored).
+and dQ use (dO, Q, K as stored), and takes its A operand (P, dS) from
+registers. Every kernel fits its registers without spilling at head_dim 64
+and 128 (the deviceless ptxas report, tests/kernels/test_attention_kernel.py).
 """
 
 from __future__ import annotations
@@ -140,13 +142,17 @@ def _helpers(interpreted: bool):
 
         return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
 
-    def mma_add(acc, a_smem, b_smem):
-        """``acc + a . b`` with ``b`` stored (K, N): 16-bit wgmma takes it MN-major."""
+    def mma_add(acc, a, b_smem):
+        """``acc + a . b`` with ``b`` stored (K, N): 16-bit wgmma takes it MN-major.
+
+        ``a``: a 16-bit value in the accumulator's layout, which is ``wgmma``'s
+        register operand layout at 16 bits: no trip through shared memory.
+        """
         if interpreted:
-            return acc + jnp.dot(a_smem[...], b_smem[...], preferred_element_type=jnp.float32)
+            return acc + jnp.dot(a, b_smem[...], preferred_element_type=jnp.float32)
 
         def product(ref):
-            plgpu.wgmma(ref, a_smem, b_smem)
+            plgpu.wgmma(ref, a, b_smem)
 
         return pl.run_state(product)(plgpu.ACC.init(acc))
 
@@ -157,7 +163,7 @@ def _smem(plgpu, shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, shape[-1], dtype))
 
 
-def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done):
+def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted):
     """The memory warpgroup: step ``t``'s blocks of every source into slot ``t % stages``."""
 
     @pl.loop(0, steps)
@@ -171,6 +177,12 @@ def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done):
         for i, (source, ring) in enumerate(zip(sources, rings, strict=True)):
             plgpu.copy_gmem_to_smem(source(t), ring.at[slot], loaded[i].at[slot])
 
+    if not interpreted:
+        # On the GPU the compute warpgroups outlive this one and nothing waits
+        # for their last releases; waiting anyway kept the barriers' addresses
+        # live through the compute warpgroups' code, where ptxas spilled them.
+        return
+
     @pl.loop(lax.max(steps - stages, 0), steps)  # every barrier phase observed (interpreter)
     def _drain(t):
         plgpu.barrier_wait(done.at[lax.rem(t, jnp.array(stages, t.dtype))])
@@ -180,8 +192,7 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
                 dk_ref, dv_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
     del k_ref
     pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
-    (k8_w, v_w, ks_w, pt_w, dst_w, dk_w,
-     q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped  # fmt: skip
+    (k8_w, v_w, ks_w, dk_w, q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
     n_rows = q8_ref.shape[1] // STEP_ROWS
     batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k")
@@ -226,11 +237,12 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
                 pt = jnp.where(query >= iota(shape, 0) + base, pt, 0.0)
             dpt = mma_t(v_w.at[wg], do_r.at[slot], shape)
             dst = pt * (dpt - lax.broadcast_in_dim(load(dl_r.at[slot], column), shape, [1]))
-            pt_w[wg] = pt.astype(BF16)
-            dst_w[wg] = (dst * scale).astype(BF16)
-            plgpu.commit_smem()
-            dv = mma_add(dv, pt_w.at[wg], do_r.at[slot])
-            dk = mma_add(dk, dst_w.at[wg], q_r.at[slot])
+            # Pᵀ and dSᵀ enter wgmma from registers: 16-bit A operands share
+            # the accumulator's layout, and no shared-memory round trip or
+            # fence stands between the softmax and the products.
+            wgmma_layout = plgpu.Layout.WGMMA
+            dv = mma_add(dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
+            dk = mma_add(dk, laid_out((dst * scale).astype(BF16), wgmma_layout), q_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
@@ -263,14 +275,14 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
         sources = [*map(rows_source, (q8_ref, q_ref, do_ref)),
                    *map(vector_source, (qs_ref, lse_ref, delta_ref))]  # fmt: skip
         rings = [q8_r, q_r, do_r, qs_r, lse_r, dl_r]
-        _stream(plgpu, pl, steps, stages, sources, rings, loaded, done)
+        _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted)
 
 
 def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                dq_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
     del q_ref
     pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
-    (q8_w, do_w, qs_w, lse_w, dl_w, ds_w, dq_w, k8_r, k_r, v_r, ks_r, own, loaded, done) = scoped
+    (q8_w, do_w, qs_w, lse_w, dl_w, dq_w, k8_r, k_r, v_r, ks_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
     batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
     kv_head = lax.div(head, jnp.array(group, head.dtype))
@@ -309,9 +321,8 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 key = iota(shape, 1) + t * STEP_ROWS
                 p = jnp.where(iota(shape, 0) + base >= key, p, 0.0)
             dp = mma_t(do_w.at[wg], v_r.at[slot], shape)
-            ds_w[wg] = (p * (dp - delta) * scale).astype(BF16)
-            plgpu.commit_smem()
-            dq = mma_add(dq, ds_w.at[wg], k_r.at[slot])
+            ds = laid_out((p * (dp - delta) * scale).astype(BF16), plgpu.Layout.WGMMA)
+            dq = mma_add(dq, ds, k_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dq
 
@@ -334,7 +345,8 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
             return at
 
         sources = [source(k8_ref), source(k_ref), source(v_ref), source(ks_ref, vector=True)]
-        _stream(plgpu, pl, steps, stages, sources, [k8_r, k_r, v_r, ks_r], loaded, done)
+        rings = [k8_r, k_r, v_r, ks_r]
+        _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted)
 
 
 def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, scale,
@@ -369,9 +381,7 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
         functools.partial(_dkv_kernel, **options), DKV_KERNEL,
         (kv_heads, tk // fwd.CTA_ROWS, batch), ("heads", "k", "batch"), (kv_struct, kv_struct),
         [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
-         plgpu.SMEM((2, rows), jnp.float32),
-         _smem(plgpu, (2, rows, step), BF16), _smem(plgpu, (2, rows, step), BF16),
-         _smem(plgpu, (2, rows, d), BF16),
+         plgpu.SMEM((2, rows), jnp.float32), _smem(plgpu, (2, rows, d), BF16),
          _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
          _smem(plgpu, (stages, step, d), BF16),
          *[plgpu.SMEM((stages, step), jnp.float32)] * 3],
@@ -383,8 +393,7 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
         (heads, tq // fwd.CTA_ROWS, batch), ("heads", "q", "batch"),
         (jax.ShapeDtypeStruct(q8.shape, BF16),),
         [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
-         *[plgpu.SMEM((2, rows), jnp.float32)] * 3,
-         _smem(plgpu, (2, rows, step), BF16), _smem(plgpu, (2, rows, d), BF16),
+         *[plgpu.SMEM((2, rows), jnp.float32)] * 3, _smem(plgpu, (2, rows, d), BF16),
          _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
          _smem(plgpu, (stages, step, d), BF16), plgpu.SMEM((stages, step), jnp.float32)],
         [plgpu.Barrier(num_barriers=10), [plgpu.Barrier(num_barriers=stages)] * 4,

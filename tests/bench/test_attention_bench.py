@@ -1,0 +1,62 @@
+"""bench/attention.py on the CPU: its rows and the cuDNN FP8 call's wiring, never its speed."""
+
+import json
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+import attention as bench
+
+
+def test_dry_run_times_fp8jax_against_bf16_and_measures_every_error(tmp_path):
+    out = tmp_path / "attention.jsonl"
+    # jax.nn's XLA attention promotes BF16 logits with f32 inside, which the
+    # suite's strict promotion refuses; the script runs under JAX's default.
+    with jax.numpy_dtype_promotion("standard"):
+        rows = bench.main(["--dry-run", "--iters", "2", "--heat", "0", "--out", str(out)])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+    (summary,) = [r for r in rows if "vs_bf16" in r]
+    # No cuDNN on a CPU: XLA's BF16 attention is the named baseline.
+    assert summary["baseline"] == "xla_bf16"
+    assert sorted(summary["vs_bf16"]) == [
+        "fp8jax_fwd", "fp8jax_fwd_bwd", "fp8jax_hadamard_fwd", "fp8jax_hadamard_fwd_bwd"
+    ]  # fmt: skip
+    assert all(r > 0 for r in summary["vs_bf16"].values())
+    skipped = [r for r in rows if "cudnn_fp8" in (r.get("impl"), r.get("errors_vs_f32"))]
+    assert len(skipped) == 5 and all("NVIDIA GPU" in r["skipped"] for r in skipped)
+    errors = [r for r in rows if r.get("errors_vs_f32", "cudnn_fp8") != "cudnn_fp8"]
+    assert {(r["case"], r["causal"]) for r in errors} == {
+        (case, causal) for case in bench.CASES for causal in (True, False)
+    }
+    for row in errors:
+        values = [row[p] for p in ("out", "dq", "dk", "dv")]
+        assert all(math.isfinite(e) and e > 0 for e in values), row
+        # E4M3's Q and K err by up to 2**-4 an element, BF16's by 2**-9: FP8 above BF16,
+        # both far below 1 (a wrong head, mask or scale errs by about 1).
+        bound = 2.0**-6 if row["errors_vs_f32"] == "xla_bf16" else 0.5
+        assert max(values) < bound, row
+
+
+def test_cudnn_fp8_call_traces_with_every_scale_and_bf16_results(monkeypatch):
+    """JAX's private cuDNN FP8 entry, traced on the CPU: the parameters it checks, the shapes."""
+    module = bench._cudnn()
+    monkeypatch.setattr(module, "check_cudnn_version", lambda: 91900)  # no cuDNN here
+    params = bench._fp8_params(1.0, 1.0, 1.0, 1.0, dict.fromkeys(bench.SCALED, 1.0))
+    assert sorted(params) == sorted(module.fp8_params_keys)
+    forward, fwd_bwd = bench.cudnn_fp8(causal=True, scale=128**-0.5)
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    descales = dict.fromkeys(bench.SCALED, jax.ShapeDtypeStruct((), jnp.float32))
+    out = jax.eval_shape(forward, q, kv, kv, descales)
+    assert (out.shape, out.dtype) == (q.shape, jnp.bfloat16)
+    results, amaxes = jax.eval_shape(fwd_bwd, q, kv, kv, q, descales)
+    assert [(r.shape, r.dtype) for r in results] == [
+        (q.shape, jnp.bfloat16), (q.shape, jnp.bfloat16),
+        (kv.shape, jnp.bfloat16), (kv.shape, jnp.bfloat16),
+    ]  # fmt: skip
+    assert sorted(amaxes) == sorted(bench.SCALED)
+    assert all(a.shape == () and a.dtype == jnp.float32 for a in amaxes.values())
