@@ -147,27 +147,17 @@ class GptConfig:
 
 
 class _Block(nn.Module):
-    """One layer, in the (carry, x) -> (carry, y) form nn.scan wants.
-
-    With ``fold_adds`` the carry is the pair ``(stream, branch)`` whose sum is
-    the layer's input: each residual add happens in the pass of the norm that
-    reads the sum (``TransformerLayer``'s ``defer_residual_add``), so the
-    stream is read once per norm.
-    """
+    """One layer, in the (carry, x) -> (carry, y) form nn.scan wants."""
 
     precision: str
     kwargs: dict
-    fold_adds: bool = False
 
     @nn.compact
-    def __call__(self, carry, _):
+    def __call__(self, h, _):
         layer = fnn.TransformerLayer if self.precision == "fp8" else Bf16TransformerLayer
         # An explicit name: both layer classes must create their params under
         # the same scope, so the same key gives the same initial weights.
-        if not self.fold_adds:
-            return layer(**self.kwargs, name="layer")(carry), None
-        h, m = carry
-        return layer(**self.kwargs, defer_residual_add=True, name="layer")(h, branch=m), None
+        return layer(**self.kwargs, name="layer")(h), None
 
 
 class Gpt(nn.Module):
@@ -277,12 +267,7 @@ class Gpt(nn.Module):
             unroll=c.layers if self.unroll_layers else 1,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        # FP8 dense blocks add each residual inside the next fused norm's pass
-        # (_Block); the first layer's branch is zero.
-        fold = self.precision == "fp8" and not c.experts
-        carry = (h, jnp.zeros_like(h)) if fold else h
-        carry, _ = stack(self.precision, kwargs, fold, name="blocks")(carry, None)
-        h = constrain(carry[0] + carry[1], RESIDUAL) if fold else carry
+        h, _ = stack(self.precision, kwargs, name="blocks")(h, None)
         h = fnn.LayerNorm(norm_type="rmsnorm", dtype=jnp.bfloat16, name="final_norm")(h)
         logits = nn.Dense(
             c.vocab_size,

@@ -91,9 +91,8 @@ class MultiHeadAttention(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None,
-                 residual=None):  # fmt: skip
-        """Attends ``x`` ``(batch, seq, hidden)`` (``x + residual`` with ``residual``) to itself.
+    def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
+        """Attends ``x`` ``(batch, seq, hidden)`` to itself.
 
         Args:
           x: the input, rank 3.
@@ -101,10 +100,6 @@ class MultiHeadAttention(nn.Module):
             True attends.
           positions: RoPE positions ``(seq,)`` or ``(batch, seq)``; default ``arange(seq)``.
           deterministic: overrides the attribute; needed when dropout_rate > 0.
-          residual: None, or a branch output shaped like ``x`` (the previous
-            block's, not yet added to the stream): added to ``x`` in the input
-            norm's own pass (:func:`fp8jax.layernorm_dense`), the sum returned
-            as the residual with return_residual. Needs input_layernorm.
 
         Returns:
           ``(batch, seq, hidden)``, or ``(y, normalized_x)`` with return_layernorm_output,
@@ -117,11 +112,6 @@ class MultiHeadAttention(nn.Module):
         d = _common.head_dim(owner, hidden, n, self.head_dim)
         group = n // n_kv
         x = x.astype(self.dtype or x.dtype)
-        if residual is not None and not self.input_layernorm:
-            raise ValueError(
-                f"{owner}: residual= is added in the input norm's pass, so it needs "
-                "input_layernorm=True; add it to x before the call instead."
-            )
         common = {
             "use_bias": self.use_bias,
             "dtype": self.dtype,
@@ -143,7 +133,7 @@ class MultiHeadAttention(nn.Module):
                 name="qkv",
                 **qkv_shape,
                 **common,
-            )(x, residual)
+            )(x)
         else:
             qkv = DenseGeneral(name="qkv", **qkv_shape, **common)(x)
         # The normalized input or the input itself, as the fused norm returns it.

@@ -163,18 +163,11 @@ class LayerNormDenseGeneral(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        """``x`` ``(..., hidden)`` -> ``(..., *features)``, or a tuple (see the class).
-
-        ``residual``: None, or a branch output shaped like ``x``, added to it in
-        the norm's own pass (:func:`fp8jax.layernorm_dense`); with
-        ``return_residual`` the sum is returned as the residual.
-        """
+    def __call__(self, x: jax.Array):
         owner = type(self).__name__
         _common.rank(owner, x, at_least=1)
         features = _common.features(owner, self.features)
         x = x.astype(self.dtype or x.dtype)
-        residual = None if residual is None else residual.astype(x.dtype)
         hidden, pd = x.shape[-1], self.param_dtype
         gamma_init = _common.gamma_init(self.zero_centered_gamma, self.scale_init)
         gamma = param(self, "scale", gamma_init, (hidden,), pd, (EMBED,))
@@ -205,7 +198,6 @@ class LayerNormDenseGeneral(nn.Module):
             state=scale_state(self, self.recipe, kernel),
             return_normalized=self.return_layernorm_output,
             return_residual=self.return_residual,
-            residual=residual,
             split=self.split,
             split_axis=self.split_axis,
         )

@@ -30,11 +30,6 @@ class TransformerLayer(nn.Module):
     ``y = h + mlp(norm(h))``, both norms fused into the following GEMM.
     ``residual_from_norm=True`` takes each residual from the norm's output
     instead (TransformerEngine's ``apply_residual_connection_post_layernorm``).
-    Each add of a pre-norm layer happens in the pass of the norm that reads its
-    sum (``residual=`` of the fused ops): ``h``'s in the MLP's norm, and, for a
-    stack of layers, ``y``'s in the next layer's attention norm:
-    ``defer_residual_add=True`` returns ``(h, m)`` unsummed, and the next layer
-    takes them as ``layer(h, branch=m)``.
 
     ``norm_position="post"`` (original Transformer, BERT):
     ``h = norm_1(x + attn(x))``, ``y = norm_2(h + mlp(h))``. ``norm_1`` is the
@@ -62,9 +57,6 @@ class TransformerLayer(nn.Module):
       norm_type: ``"layernorm"`` or ``"rmsnorm"``, for every norm.
       norm_position: ``"pre"`` or ``"post"``.
       residual_from_norm: pre-norm only; see above.
-      defer_residual_add: pre-norm only (not with residual_from_norm): return
-        ``(h, m)``, whose sum is the layer's output, for the next layer's
-        ``branch``; see above.
       zero_centered_gamma, epsilon: norm settings.
       use_bias: biases on every GEMM.
       dropout_rate: dropout on the attention and MLP outputs, before each residual add.
@@ -91,7 +83,6 @@ class TransformerLayer(nn.Module):
     norm_type: str = "layernorm"
     norm_position: str = "pre"
     residual_from_norm: bool = False
-    defer_residual_add: bool = False
     zero_centered_gamma: bool = False
     epsilon: float = 1e-6
     causal: bool = False
@@ -122,30 +113,15 @@ class TransformerLayer(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None,
-                 branch=None):  # fmt: skip
-        """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention.
-
-        ``branch``: None, or the previous layer's deferred branch output (see
-        ``defer_residual_add``): the layer's input is ``x + branch``, added in
-        the attention norm's pass.
-        """
-        owner = type(self).__name__
-        _common.rank(owner, x, expected=3)
+    def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
+        """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
+        _common.rank(type(self).__name__, x, expected=3)
         # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         pre, from_norm = self.norm_position == "pre", self.residual_from_norm
         # Pre-norm, each residual is the norm's input, passed back by the fused
         # op so that its gradient joins the norm's backward (fp8jax.kernels.norm_backward).
         passed_residual = pre and not from_norm
-        if (branch is not None or self.defer_residual_add) and not passed_residual:
-            raise ValueError(
-                f"{owner}: branch= and defer_residual_add=True add the residual in the next "
-                "norm's pass, which needs norm_position='pre' and residual_from_norm=False; got "
-                f"norm_position={self.norm_position!r}, residual_from_norm={from_norm}."
-            )
-        if branch is not None:
-            branch = constrain(branch.astype(x.dtype), RESIDUAL)
         norm = {
             "norm_type": self.norm_type,
             "zero_centered_gamma": self.zero_centered_gamma,
@@ -175,7 +151,7 @@ class TransformerLayer(nn.Module):
             name="attention",
             **norm,
             **dense,
-        )(x, mask, positions, deterministic, branch)
+        )(x, mask, positions, deterministic)
         a, residual = a if pre else (a, x)
         mlp = functools.partial(
             LayerNormMLP,
@@ -214,7 +190,5 @@ class TransformerLayer(nn.Module):
         if self.dropout_rate > 0:
             deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
             m = nn.Dropout(self.dropout_rate)(m, deterministic=deterministic)
-        if self.defer_residual_add:
-            return residual, constrain(m, RESIDUAL)
         y = constrain(residual + m, RESIDUAL)
         return y if pre else LayerNorm(name="output_norm", **norm)(y)
