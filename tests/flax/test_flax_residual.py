@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-import fp8jax
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
 from fp8jax.ops import norm
@@ -63,49 +62,3 @@ def test_nnx_layer_passes_its_residuals(monkeypatch, kwargs, want):
         return jax.grad(loss)(state)
 
     assert sorted(_residual_given_per_norm(monkeypatch, grad_of_layer)) == sorted(want)
-
-
-def _mlp_residual_given(monkeypatch, grad_of_layer) -> list[bool]:
-    seen = []
-    original = fp8jax.layernorm_mlp
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("residual") is not None)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(fp8jax, "layernorm_mlp", spy)
-    jax.eval_shape(grad_of_layer)
-    return seen
-
-
-# Pre-norm the attention output is added to the stream in the MLP norm's own pass
-# (fp8jax.kernels.norm_forward); the other positions add it outside.
-ADD_CASES = [({}, [True]), ({"residual_from_norm": True}, [False]),
-             ({"norm_position": "post"}, [False])]  # fmt: skip
-
-
-@pytest.mark.parametrize(("kwargs", "want"), ADD_CASES, ids=IDS)
-def test_linen_layer_adds_the_attention_output_in_the_mlp_norm(monkeypatch, kwargs, want):
-    layer = fnn.TransformerLayer(4, 64, **kwargs)
-    x = jnp.ones((2, 64, 32), jnp.bfloat16)
-    variables = ref.init(layer, x)
-
-    def grad_of_layer():
-        return jax.grad(lambda v: jnp.sum(layer.apply(v, x).astype(jnp.float32)))(variables)
-
-    assert _mlp_residual_given(monkeypatch, grad_of_layer) == want
-
-
-@pytest.mark.parametrize(("kwargs", "want"), ADD_CASES, ids=IDS)
-def test_nnx_layer_adds_the_attention_output_in_the_mlp_norm(monkeypatch, kwargs, want):
-    layer = fnnx.TransformerLayer(4, 32, 64, rngs=nnx.Rngs(0), **kwargs)
-    x = jnp.ones((2, 64, 32), jnp.bfloat16)
-    graph, state = nnx.split(layer)
-
-    def grad_of_layer():
-        def loss(state):
-            return jnp.sum(nnx.merge(graph, state)(x).astype(jnp.float32))
-
-        return jax.grad(loss)(state)
-
-    assert _mlp_residual_given(monkeypatch, grad_of_layer) == want

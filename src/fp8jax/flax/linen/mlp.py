@@ -77,19 +77,11 @@ class LayerNormMLP(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        """``x`` ``(..., hidden)`` -> the block's output, or a tuple (see the class).
-
-        ``residual``: None, or a branch output shaped like ``x`` (a pre-norm
-        layer's attention output): the block reads ``x + residual``, added in
-        the norm's own pass (:func:`fp8jax.layernorm_mlp`); with
-        ``return_residual`` the sum is returned as the residual.
-        """
+    def __call__(self, x: jax.Array):
         owner = type(self).__name__
         _common.rank(owner, x, at_least=1)
         acts = _common.activations(owner, self.activations)
         x = x.astype(self.dtype or x.dtype)
-        residual = None if residual is None else residual.astype(x.dtype)
         hidden, ffn, pd = x.shape[-1], self.intermediate_dim, self.param_dtype
         gamma_init = _common.gamma_init(self.zero_centered_gamma, self.scale_init)
         gamma = param(self, "scale", gamma_init, (hidden,), pd, (EMBED,))
@@ -112,11 +104,10 @@ class LayerNormMLP(nn.Module):
         y = fp8jax.layernorm_mlp(
             x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
             activations=acts, recipe=self.recipe, state=state,
-            return_residual=self.return_residual, residual=residual, **norm,
+            return_residual=self.return_residual, **norm,
         )  # fmt: skip
         if not self.return_layernorm_output:
             return y
-        x = x if residual is None else x + residual
         # The fused op does not return its normalized input; this recomputes it
         # with the same parameters (elementwise work XLA may share with the op).
         return y, fp8jax.layernorm(x, gamma, beta, **norm)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,26 +152,18 @@ class TransformerLayer(nn.Module):
             **dense,
         )(x, mask, positions, deterministic)
         a, residual = a if pre else (a, x)
-        mlp = functools.partial(
-            LayerNormMLP,
-            self.intermediate_dim,
-            activations=self.activations,
-            return_layernorm_output=from_norm or not pre,
-            return_residual=passed_residual,
-            name="mlp",
-            **norm,
-            **dense,
-        )
-        if self.moe is None and passed_residual:
-            # The residual add goes into the MLP norm's own pass over the stream,
-            # which returns the sum: the stream is read once for both
-            # (fp8jax.kernels.norm_forward).
-            m, residual = mlp()(residual, residual=constrain(a, RESIDUAL))
-            residual = constrain(residual, RESIDUAL)
-        elif self.moe is None:
-            m, residual = mlp()(constrain(residual + a, RESIDUAL))
+        h = constrain(residual + a, RESIDUAL)
+        if self.moe is None:
+            m, residual = LayerNormMLP(
+                self.intermediate_dim,
+                activations=self.activations,
+                return_layernorm_output=from_norm or not pre,
+                return_residual=passed_residual,
+                name="mlp",
+                **norm,
+                **dense,
+            )(h)
         else:
-            h = constrain(residual + a, RESIDUAL)
             # The router and the experts read the normalized input, so the
             # norm is a module of its own, not fused into a GEMM.
             normed = LayerNorm(name="moe_norm", **norm)(h)

@@ -93,12 +93,9 @@ class LayerNormMLP(nnx.Module):
         )
         self.scales = scale_state(recipe, MlpScaleState)
 
-    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
-        """``x`` ``(..., in_features)`` -> the block's output; ``residual`` as in the Linen
-        module: added to ``x`` in the norm's pass, the sum returned with ``return_residual``."""
+    def __call__(self, x: jax.Array):
         _common.in_features(type(self).__name__, x, (-1,), (self.in_features,))
         x = x.astype(self.dtype or x.dtype)
-        residual = None if residual is None else residual.astype(x.dtype)
         gamma, beta = self.scale[...], value_of(self.ln_bias)
         norm = {
             "norm_type": self.norm_type,
@@ -110,10 +107,9 @@ class LayerNormMLP(nnx.Module):
             value_of(self.bias_1), value_of(self.bias_2),
             activations=self.activations, recipe=self.recipe,
             state=state_value(self.scales, self.kernel_1[...], type(self).__name__),
-            return_residual=self.return_residual, residual=residual, **norm,
+            return_residual=self.return_residual, **norm,
         )  # fmt: skip
         if not self.return_layernorm_output:
             return y
-        x = x if residual is None else x + residual
         # As in the Linen module: the fused op's normalized input, recomputed.
         return y, fp8jax.layernorm(x, gamma, beta, **norm)

@@ -163,14 +163,10 @@ class TransformerLayer(nnx.Module):
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         a = self.attention(x, mask, positions, deterministic)
         a, residual = a if self.pre else (a, x)
-        if self.moe is None and self.mlp.return_residual:
-            # As in the Linen layer: the residual add in the MLP norm's pass.
-            m, residual = self.mlp(residual, residual=constrain(a, RESIDUAL))
-            residual = constrain(residual, RESIDUAL)
-        elif self.moe is None:
-            m, residual = self.mlp(constrain(residual + a, RESIDUAL))
+        h = constrain(residual + a, RESIDUAL)
+        if self.moe is None:
+            m, residual = self.mlp(h)
         else:
-            h = constrain(residual + a, RESIDUAL)
             normed = self.moe_norm(h)
             m = self.moe(normed)
             residual = normed if self.moe_residual_from_norm else h
