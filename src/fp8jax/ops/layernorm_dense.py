@@ -147,7 +147,10 @@ def layernorm_dense(
         ``x + attention(...)``): the op normalizes ``x + residual``, computed
         in the pass that reads ``x`` for the norm, and ``return_residual``
         returns that sum (the new residual stream). Both inputs' gradients
-        are the sum's, from the norm's one backward pass.
+        are the sum's, from the norm's one backward pass. A saving where the
+        branch is in memory anyway; straight after an FP8 GEMM, XLA fuses the
+        add with the GEMM's dequantizing multiply, which the kernel cannot
+        take, so there the add outside costs less (the layers keep it there).
 
     Returns:
       ``y`` of shape ``(..., *features)`` in ``x.dtype`` (a tuple of pieces
