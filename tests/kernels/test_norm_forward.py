@@ -1,5 +1,7 @@
 """fp8jax.kernels.norm_forward: the norm's forward and FP8 cast in one pass, against f64."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -303,3 +305,56 @@ def test_live_output_cast_again_gives_the_gradients_of_the_output_kept(op, recip
     assert _kernel_calls(kept.as_text(), "fp8jax_norm_forward") == (1, 0)
     for a, b in zip(jax.tree.leaves(again(*args)), jax.tree.leaves(kept(*args)), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _with_residual(norm_type, hidden=HIDDEN, seed=3):
+    x, gamma, beta = _inputs(norm_type, seed=seed, hidden=hidden)
+    branch = (jax.random.normal(jax.random.key(seed + 1), x.shape) * 0.5).astype(x.dtype)
+    return x, branch, gamma, beta
+
+
+@pytest.mark.parametrize("hidden", [HIDDEN, PADDED_HIDDEN])
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("path", ["interpret", "xla"])
+@pytest.mark.parametrize("cast", [True, False], ids=["cast", "maxima"])
+def test_the_residual_add_in_the_pass_matches_the_f64_norm_of_the_sum(norm_type, path, hidden,
+                                                                     cast):  # fmt: skip
+    """The kernel reads x and the branch output, writes their bf16 sum and the norm of it."""
+    x, branch, gamma, beta = _with_residual(norm_type, hidden)
+    kwargs = {"fmt": FMT if cast else None, "centred": norm_type == "layernorm", "epsilon": 1e-6}
+    scale = jnp.float32(SCALE) if cast else None
+    beta2 = None if beta is None else beta[None]
+    if path == "interpret":
+        out = norm_forward._pallas(x, gamma[None], beta2, scale, branch, interpret=True, **kwargs)
+    else:
+        out = norm_forward._xla(x, gamma[None], beta2, scale, branch, **kwargs)
+    *rest, total, maxima = out
+    # The sum is the bf16 add's: exact f32 sum of two bf16 values, rounded once.
+    exact = np.asarray(x, np.float64) + np.asarray(branch, np.float64)
+    assert total.dtype == x.dtype and total.shape == x.shape
+    assert np.all(np.abs(np.asarray(total, np.float64) - exact) <= 2**-8 * np.abs(exact))
+    np.testing.assert_array_equal(total, x + branch)
+    want_y, _, _ = _reference(norm_type, total, gamma, beta)
+    # The maxima are those of the f32 output of the sum, within its 1e-5 relative error.
+    np.testing.assert_allclose(float(jnp.max(maxima)), np.abs(want_y).max(), rtol=1e-5)
+    if cast:
+        # Bound as in test_kernel_and_xla_path_match_the_f64_forward.
+        y = np.asarray(rest[0].astype(jnp.float32), np.float64) / SCALE
+        bound = 2**-4 * np.abs(want_y) + 2e-5 * (np.abs(want_y) + 1) + 2**-10 / SCALE
+        assert np.all(np.abs(y - want_y) <= bound), float(np.max(np.abs(y - want_y) - bound))
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("path", ["interpret", "xla"])
+def test_the_residual_add_in_the_pass_gives_the_bytes_of_the_pass_over_the_sum(norm_type, path):
+    """Folding the add in changes no value: same FP8 bytes, statistics and maxima."""
+    x, branch, gamma, beta = _with_residual(norm_type)
+    kwargs = {"fmt": FMT, "centred": norm_type == "layernorm", "epsilon": 1e-6}
+    beta2 = None if beta is None else beta[None]
+    fn = (functools.partial(norm_forward._pallas, interpret=True) if path == "interpret"
+          else norm_forward._xla)  # fmt: skip
+    fused = fn(x, gamma[None], beta2, jnp.float32(SCALE), branch, **kwargs)
+    separate = fn(x + branch, gamma[None], beta2, jnp.float32(SCALE), **kwargs)
+    np.testing.assert_array_equal(fused[-2], x + branch)
+    for got, want in zip((*fused[:-2], fused[-1]), separate, strict=True):
+        np.testing.assert_array_equal(got, want)

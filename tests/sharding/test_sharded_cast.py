@@ -299,3 +299,60 @@ def test_data_parallel_step_runs_the_activation_kernels_per_device(activations, 
     high = [c for c in report.collectives
             if c.kind == "all-gather" and not c.dtype.startswith("f8")]  # fmt: skip
     assert all(c.bytes < 4096 for c in high), high
+
+
+def _residual_mlp_step(mesh, recipe, tokens=8 * 128):
+    """layernorm_mlp(x, residual=r) and its abstract arguments, x's and r's rows split."""
+    hidden, ffn, bf16 = 256, 512, jnp.bfloat16
+    rows = NamedSharding(mesh, fs.logical_spec(("batch", None), mesh=mesh))
+    stream = jax.ShapeDtypeStruct((tokens, hidden), bf16, sharding=rows)
+    kernels = (
+        jax.ShapeDtypeStruct((hidden, 2, ffn), bf16),
+        jax.ShapeDtypeStruct((ffn, hidden), bf16),
+    )
+    args = (stream, stream, jax.ShapeDtypeStruct((hidden,), jnp.float32), *kernels)
+    state = None
+    if isinstance(recipe, fp8jax.DelayedScaling):
+        state = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+
+    def loss(x, r, gamma, k1, k2, state):
+        y, h = fp8jax.layernorm_mlp(
+            x, gamma, None, k1, k2, activations=("silu", "linear"), recipe=recipe, state=state,
+            residual=r, return_residual=True,
+        )  # fmt: skip
+        return jnp.sum(jnp.square(y.astype(jnp.float32))) + jnp.sum(h.astype(jnp.float32))
+
+    return jax.grad(loss, argnums=tuple(range(6))), (*args, state)
+
+
+@pytest.mark.deviceless
+def test_data_parallel_residual_add_runs_in_the_norm_kernel_on_each_devices_rows():
+    """With residual=, the norm's forward kernel reads x's and the residual's local rows and
+    writes their local sum: in the maxima pass (current scaling) or the one cast pass
+    (delayed), with nothing gathered in high precision."""
+    from fp8jax import verify
+
+    mesh = fs.make_mesh(**DP_FSDP)
+    recipes = [fp8jax.CurrentScaling(), fp8jax.DelayedScaling()]
+    with fs.use_mesh(mesh):
+        hlos = verify.compile_many([_residual_mlp_step(mesh, r) for r in recipes], target="h100",
+                                   devices=8)  # fmt: skip
+    local = 1024 // 8
+    programs = local // norm_forward.ROWS_PER_PROGRAM
+    total, maxima = ("bf16", (local, 256)), ("f32", (programs, 1))
+    cast = {("f8e4m3fn", (local, 256)), ("f32", (local, 1)), maxima}
+    for recipe, hlo in zip(recipes, hlos, strict=True):
+        forward = _cast_kernel_outputs(hlo, "fp8jax_norm_forward", fp8_only=False)
+        maxima_pass = _cast_kernel_outputs(hlo, "fp8jax_norm_maxima", fp8_only=False)
+        if isinstance(recipe, fp8jax.CurrentScaling):
+            # The maxima pass writes the sum, which the cast pass and its recast read.
+            assert maxima_pass == [frozenset({total, maxima})]
+            assert forward == [frozenset(cast)] * 2
+        else:
+            assert maxima_pass == []
+            # The forward's cast writes the sum; the backward's recast reads it.
+            assert forward == sorted([frozenset(cast | {total}), frozenset(cast)], key=sorted)
+        report = verify.gemm_report(hlo)
+        assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6
+        gathers = [c for c in report.collectives if c.kind == "all-gather"]
+        assert all(c.bytes < 4096 for c in gathers if not c.dtype.startswith("f8"))

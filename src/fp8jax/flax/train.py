@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import optax
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from fp8jax.flax import _hoist
 from fp8jax.flax._common import positive_int
 from fp8jax.recipes import DelayedScaling
 from fp8jax.scaling import ScaleState, combine_states, take_new_state
@@ -209,18 +210,25 @@ def grads_and_fp8_state(
             f"model uses> to merge micro-batch states by max; got recipe={recipe!r}."
         )
 
-    def micro_step(acc, micro):
-        grad_sum, merged, loss_sum, carry = acc
+    def micro_step(invariant, acc_micro):
+        params, fp8_state = invariant
+        (grad_sum, merged, loss_sum, carry), micro = acc_micro
         (loss, carry), (grads, state_grads) = value_and_grad(params, fp8_state, carry, micro)
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
         if _has_state(fp8_state):
             merged = combine_states(merged, state_grads, recipe=recipe)
-        return (grad_sum, merged, loss_sum + loss.astype(jnp.float32), carry), None
+        return grad_sum, merged, loss_sum + loss.astype(jnp.float32), carry
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     init = (zeros, _combine_identity(fp8_state), jnp.zeros((), jnp.float32), carry)
+    micro_batches = _micro_batches(batch, n)
+    # The weights' FP8 (and BF16) copies depend on the weights alone: made once
+    # here, read by every micro-batch (fp8jax.flax._hoist).
+    example = (init, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                  micro_batches))  # fmt: skip
+    loop_body, kept = _hoist.hoist_invariants(micro_step, (params, fp8_state), example)
     (grad_sum, merged, loss_sum, carry), _ = jax.lax.scan(
-        micro_step, init, _micro_batches(batch, n)
+        lambda acc, micro: (loop_body(kept, (acc, micro)), None), init, micro_batches
     )
     grads = jax.tree.map(lambda g: g / jnp.asarray(n, g.dtype), grad_sum)
     return loss_sum / jnp.float32(n), grads, take_new_state(fp8_state, merged), carry

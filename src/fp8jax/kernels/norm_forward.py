@@ -56,18 +56,24 @@ def fits(shape: tuple[int, int], row_shards: int = 1) -> bool:
     return norm_backward.hidden_fits(hidden) and rows % (row_shards * ROWS_PER_PROGRAM) == 0
 
 
-def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float, *refs):
-    """A program's rows: with ``fmt`` their FP8 cast, statistics and maximum; else the maximum."""
+def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, has_residual: bool,
+            epsilon: float, *refs):  # fmt: skip
+    """A program's rows: with ``fmt`` their FP8 cast, statistics and maximum; else the maximum.
+
+    With ``has_residual`` the rows normalized are ``x + residual``, written out too.
+    """
     from jax.experimental import pallas as pl
 
     refs = list(refs)
     x_ref, gamma_ref = refs.pop(0), refs.pop(0)
     beta = norm_backward.load_rows(refs.pop(0), 0, 1) if has_beta else None
+    residual_ref = refs.pop(0) if has_residual else None
     cast = fmt is not None
     scale = refs.pop(0)[0] if cast else None
     q_ref = refs.pop(0) if cast else None
     mean_ref = refs.pop(0) if cast and centred else None
     rstd_ref = refs.pop(0) if cast else None
+    total_ref = refs.pop(0) if has_residual else None
     (max_ref,) = refs
     gamma = norm_backward.load_rows(gamma_ref, 0, 1)
     width = norm_backward.true_width(x_ref.shape[1])
@@ -75,8 +81,14 @@ def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float
     steps = ROWS_PER_PROGRAM // ROWS_PER_STEP
 
     def load(i):
-        return norm_backward.load_rows(x_ref, jnp.minimum(i, steps - 1) * ROWS_PER_STEP,
-                                       ROWS_PER_STEP)  # fmt: skip
+        start = jnp.minimum(i, steps - 1) * ROWS_PER_STEP
+        x = norm_backward.load_rows(x_ref, start, ROWS_PER_STEP)
+        if residual_ref is None:
+            return x
+        # The residual add rounded to the stream's dtype once, as XLA's add
+        # of the unfused block rounds it: the norm reads the stream's value.
+        residual = norm_backward.load_rows(residual_ref, start, ROWS_PER_STEP)
+        return (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x_ref.dtype)
 
     # The next rows' load is issued before this step's statistics, so that
     # its latency overlaps them (as in fp8jax.kernels.norm_backward).
@@ -86,6 +98,8 @@ def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float
         rows = pl.ds(i * ROWS_PER_STEP, ROWS_PER_STEP)
         y, mean, rstd = norm_rows.normalize_rows(x.astype(jnp.float32), gamma, beta, centred,
                                                  epsilon, width)  # fmt: skip
+        if total_ref is not None:
+            norm_backward.store_rows(total_ref, i * ROWS_PER_STEP, x)
         if cast:
             q = quantize_with_scale(y, fmt, scale).data
             norm_backward.store_rows(q_ref, i * ROWS_PER_STEP, q)
@@ -97,12 +111,15 @@ def _kernel(fmt: Fp8Format | None, centred: bool, has_beta: bool, epsilon: float
     max_ref[...] = lax.fori_loop(0, steps, step, (jnp.zeros((1, 1), jnp.float32), load(0)))[0]
 
 
-def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
+def _pallas(x, gamma, beta, scale, residual=None, *, fmt, centred, epsilon, interpret=False):
     """The kernel on (rows, hidden) ``x``: q, (mean,) rstd, and one amax per program.
 
     With ``fmt`` None (and ``scale`` None) only ``(maxima,)``: the first pass
-    of current scaling (:func:`output_maxima`).
+    of current scaling (:func:`output_maxima`). With ``residual`` (rows like
+    ``x``; or ``x`` the pair ``(x, residual)``) the norm is of ``x + residual``,
+    returned before the maxima.
     """
+    x, residual = x if isinstance(x, tuple) else (x, residual)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
 
@@ -111,8 +128,11 @@ def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
     by_rows = pl.BlockSpec((ROWS_PER_PROGRAM, hidden), lambda i: (i, 0))
     stats = pl.BlockSpec((ROWS_PER_PROGRAM, 1), lambda i: (i, 0))
     whole_row = pl.BlockSpec((1, hidden), lambda i: (0, 0))
-    operands = [x, gamma] + ([] if beta is None else [beta])
+    operands = (
+        [x, gamma] + ([] if beta is None else [beta]) + ([] if residual is None else [residual])
+    )
     in_specs = [by_rows, whole_row] + ([] if beta is None else [whole_row])
+    in_specs += [] if residual is None else [by_rows]
     out_specs, out_shape = [], []
     if fmt is not None:
         operands.append(scale.reshape(1))
@@ -121,11 +141,14 @@ def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
         out_specs = [by_rows] + [stats] * n_stats
         out_shape = [jax.ShapeDtypeStruct((rows, hidden), fmt.dtype)]
         out_shape += [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * n_stats
+    if residual is not None:
+        out_specs.append(by_rows)
+        out_shape.append(jax.ShapeDtypeStruct((rows, hidden), x.dtype))
     out_specs.append(pl.BlockSpec((1, 1), lambda i: (i, 0)))
     out_shape.append(jax.ShapeDtypeStruct((programs, 1), jnp.float32))
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
     outputs = dispatch.pallas_call(
-        functools.partial(_kernel, fmt, centred, beta is not None, epsilon),
+        functools.partial(_kernel, fmt, centred, beta is not None, residual is not None, epsilon),
         grid=(programs,),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -137,15 +160,19 @@ def _pallas(x, gamma, beta, scale, *, fmt, centred, epsilon, interpret=False):
     return outputs
 
 
-def _xla(x, gamma, beta, scale, *, fmt, centred, epsilon):
+def _xla(x, gamma, beta, scale, residual=None, *, fmt, centred, epsilon):
     """:func:`_pallas`'s values from XLA, one amax per block of ROWS_PER_PROGRAM rows."""
+    x, residual = x if isinstance(x, tuple) else (x, residual)
+    total = () if residual is None else (x + residual,)
+    x = x if residual is None else total[0]
     y, mean, rstd = norm_rows.normalize_rows(x.astype(jnp.float32), gamma, beta, centred,
                                              epsilon)  # fmt: skip
     maxima = cast_transpose.tile_maxima(y, (ROWS_PER_PROGRAM, x.shape[1]))
     if fmt is None:
-        return (maxima,)
+        return (*total, maxima)
     q = quantize_with_scale(y, fmt, scale).data
-    return (q, rstd, maxima) if mean is None else (q, mean, rstd, maxima)
+    stats = (rstd,) if mean is None else (mean, rstd)
+    return (q, *stats, *total, maxima)
 
 
 def decide(x) -> dispatch.Placement:
@@ -153,32 +180,42 @@ def decide(x) -> dispatch.Placement:
     return norm_backward.decide(x, fits)
 
 
-def row_maxima(matrix, gamma, beta, *, centred: bool, epsilon: float, row_axes=()) -> jax.Array:
+def _on_each_device(matrix, residual, gamma, beta, scale, kwargs, row_axes):
+    n_out = (1 if kwargs["fmt"] is None else 3 + kwargs["centred"]) + (residual is not None)
+    # The residual travels with x as one operand, so that shard_map splits both by rows.
+    rows = matrix if residual is None else (matrix, residual)
+    return dispatch.on_each_device(
+        functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
+        (rows, gamma, beta, scale), 1, ("rows",) * n_out, tuple(row_axes),
+    )  # fmt: skip
+
+
+def row_maxima(matrix, gamma, beta, *, centred: bool, epsilon: float, row_axes=(),
+               residual=None):  # fmt: skip
     """The maxima of the norm's f32 output magnitude on (rows, hidden) ``matrix``, alone.
 
     One per ROWS_PER_PROGRAM rows: current scaling's first pass, whose
     scale goes to :func:`cast_rows`. ``gamma`` is the effective (1, hidden)
-    f32 scale, ``beta`` (1, hidden) f32 or None.
+    f32 scale, ``beta`` (1, hidden) f32 or None. With ``residual`` (like
+    ``matrix``) the norm is of ``matrix + residual``, and the result is
+    ``(sum, maxima)``: the sum written by the same pass
+    (docs/design.md#the-norms-forward-under-current-scaling).
     """
     kwargs = {"fmt": None, "centred": centred, "epsilon": epsilon}
-    (maxima,) = dispatch.on_each_device(
-        functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
-        (matrix, gamma, beta, None), 1, ("rows",), tuple(row_axes),
-    )  # fmt: skip
-    return maxima
+    out = _on_each_device(matrix, residual, gamma, beta, None, kwargs, row_axes)
+    return out[0] if residual is None else out
 
 
 def cast_rows(matrix, gamma, beta, scale, fmt: Fp8Format, *, centred: bool, epsilon: float,
-              row_axes=()):  # fmt: skip
+              row_axes=(), residual=None):  # fmt: skip
     """The norm of (rows, hidden) ``matrix`` cast to ``fmt`` at ``scale``, in one pass.
 
     Returns the kernel's outputs: ``(q, mean, rstd, maxima)``, without
     ``mean`` uncentred; ``maxima`` one per ROWS_PER_PROGRAM rows. Arguments
-    as for :func:`row_maxima`; ``row_axes``: :func:`decide`'s.
+    as for :func:`row_maxima`; ``row_axes``: :func:`decide`'s. With
+    ``residual`` the norm is of ``matrix + residual``, the sum returned
+    before ``maxima``.
     """
     kwargs = {"fmt": fmt, "centred": centred, "epsilon": epsilon}
-    return dispatch.on_each_device(
-        functools.partial(_pallas, **kwargs), functools.partial(_xla, **kwargs),
-        (matrix, gamma, beta, scale.astype(jnp.float32)), 1,
-        ("rows",) * (4 if centred else 3), tuple(row_axes),
-    )  # fmt: skip
+    return _on_each_device(matrix, residual, gamma, beta, scale.astype(jnp.float32), kwargs,
+                           row_axes)  # fmt: skip

@@ -45,6 +45,7 @@ class FusedConfig:
     inputs: tuple[_partitioning.InputType, ...] = ()
     bias_dtype: jnp.dtype | None = None  # layernorm_dense's bias, None without one
     split: Split | None = None  # layernorm_dense's output returned in pieces
+    has_residual: bool = False  # the norm reads x + residual (the last input)
 
 
 class NormSaved(NamedTuple):
@@ -68,9 +69,14 @@ def normalized(x, gamma, beta, config: FusedConfig) -> jax.Array:
 
 
 def normalize_and_quantize(
-    x, gamma, beta, state: ScaleState | None, config: FusedConfig
+    x, gamma, beta, state: ScaleState | None, config: FusedConfig, residual=None
 ) -> tuple[QuantizedOperand, NormSaved]:
     """The norm's output in FP8, and what the norm's backward reads.
+
+    With ``residual`` the norm is of ``x + residual`` (the residual add of a
+    pre-norm block), which ``NormSaved.x`` holds: the kernel pass that reads
+    ``x`` reads ``residual`` too and writes the sum, so the stream is not read
+    by an add of its own first (docs/design.md#the-norms-forward-under-current-scaling).
 
     In one kernel where it runs (:mod:`fp8jax.kernels.norm_forward`): at
     delayed scaling's stored scale (``state``, the output's ScaleState), or
@@ -83,20 +89,49 @@ def normalize_and_quantize(
     placement = norm_forward.decide(x)
     if placement.kernel:
         if state is None:
-            maxima = output_maxima(x, gamma, beta, config.norm, placement.row_axes)
+            maxima = output_maxima(x, gamma, beta, config.norm, placement.row_axes, residual)
+            if residual is not None:
+                (x, maxima), residual = maxima, None
             amax, scale = current_amax_and_scale(maxima, fmt, recipe)
         else:
             scale = state.scale
-        q, maxima, mean, rstd = normalize_and_cast(
-            x, gamma, beta, config.norm, scale, fmt, placement.row_axes
+        q, maxima, mean, rstd, *total = normalize_and_cast(
+            x, gamma, beta, config.norm, scale, fmt, placement.row_axes, residual
         )
+        x = total[0] if total else x
         if state is not None:
             amax = amax_for_update(maxima, recipe)
         normed = from_kernel(q, inverse(scale), fmt, amax)
         return normed, NormSaved(x, gamma, beta, mean, rstd, scale)
+    if residual is not None:
+        x = x + residual  # XLA fuses the add into the norm's passes, writing the sum.
     _, mean, rstd = normalize(x, gamma, beta, config.norm)
     value = normalized(x, gamma, beta, config).astype(jnp.float32)
     return quantize_operand(value, fmt, state, recipe), NormSaved(x, gamma, beta, mean, rstd)
+
+
+def check_residual(x, residual) -> None:
+    """Raises a named ValueError unless ``residual`` is None or shaped and typed like ``x``."""
+    if residual is None:
+        return
+    shape, dtype = getattr(residual, "shape", None), getattr(residual, "dtype", None)
+    if shape is None or tuple(shape) != tuple(x.shape) or jnp.dtype(dtype) != jnp.dtype(x.dtype):
+        raise ValueError(
+            f"residual must have x's shape {tuple(x.shape)} and dtype {jnp.dtype(x.dtype)} (it "
+            f"is added to x before the norm), got shape {shape} and dtype {dtype}; cast or "
+            "reshape it first."
+        )
+
+
+def with_residual_cotangent(cotangents: tuple, dx, config: FusedConfig) -> tuple:
+    """A fused op's matched cotangents and its last input's, ``residual``: ``dx`` or None.
+
+    The norm read ``x + residual``, so both take the sum's gradient (``config.inputs[-1]``
+    is the residual's type).
+    """
+    if not config.has_residual:
+        return (*cotangents, None)
+    return (*cotangents, _partitioning.match_cotangents((dx,), None, config.inputs[-1:])[0])
 
 
 def saved_output(normed: QuantizedOperand, norm: NormSaved) -> Fp8Array | None:

@@ -44,14 +44,16 @@ class LnDenseResiduals(NamedTuple):
 
 # The bias is an input, as in dense: its gradient comes out of the pass that
 # quantizes the output gradient (quantize_operand's column_sums).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ln_dense(x, gamma, beta, kernel, bias, state, config: FusedConfig):
-    return _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ln_dense(x, gamma, beta, kernel, bias, state, residual, config: FusedConfig):
+    return _ln_dense_fwd(x, gamma, beta, kernel, bias, state, residual, config)[0]
 
 
-def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, config: FusedConfig):
+def _ln_dense_fwd(x, gamma, beta, kernel, bias, state, residual, config: FusedConfig):
     recipe = config.recipe
-    normed, norm = _fused.normalize_and_quantize(x, gamma, beta, state and state.x, config)
+    normed, norm = _fused.normalize_and_quantize(x, gamma, beta, state and state.x, config,
+                                                 residual)  # fmt: skip
+    x = norm.x  # with a residual, the sum the norm read
     kernel_q = quantize_operand(kernel, recipe.formats.forward, state and state.kernel, recipe,
                                 rows_ndim=1, transpose=True)  # fmt: skip
     y = gemm.scaled_dot(normed.fp8, kernel_q, dimensions.contract_last(x.ndim), config.x_dtype,
@@ -88,8 +90,9 @@ def _ln_dense_bwd(config: FusedConfig, saved: LnDenseResiduals, cotangent):
     d_bias = None
     if config.bias_dtype is not None:
         d_bias = g_q.column_sums.astype(config.bias_dtype)
-    return _partitioning.match_cotangents((dx, dgamma, dbeta, d_kernel, d_bias), new_state,
-                                          config.inputs)  # fmt: skip
+    return _fused.with_residual_cotangent(
+        _partitioning.match_cotangents((dx, dgamma, dbeta, d_kernel, d_bias), new_state,
+                                       config.inputs[:-1]), dx, config)  # fmt: skip
 
 
 _ln_dense.defvjp(*saved_as_bits(_ln_dense_fwd, _ln_dense_bwd))
@@ -111,6 +114,7 @@ def layernorm_dense(
     return_residual: bool = False,
     split: Sequence[int] | None = None,
     split_axis: int = -2,
+    residual: jax.Array | None = None,
 ):
     """LayerNorm/RMSNorm followed by an FP8 dense, fused.
 
@@ -139,10 +143,19 @@ def layernorm_dense(
         straight from the pieces, where slicing outside the op makes XLA
         write their sum in bf16 first (:mod:`fp8jax.ops.split`).
       split_axis: the feature axis ``split`` cuts, counted from the end.
+      residual: None, or a branch output shaped like ``x`` (a pre-norm block's
+        ``x + attention(...)``): the op normalizes ``x + residual``, computed
+        in the pass that reads ``x`` for the norm, and ``return_residual``
+        returns that sum (the new residual stream). Both inputs' gradients
+        are the sum's, from the norm's one backward pass. A saving where the
+        branch is in memory anyway; straight after an FP8 GEMM, XLA fuses the
+        add with the GEMM's dequantizing multiply, which the kernel cannot
+        take, so there the add outside costs less (the layers keep it there).
 
     Returns:
       ``y`` of shape ``(..., *features)`` in ``x.dtype`` (a tuple of pieces
-      with ``split``), or ``(y, normalized)``, or ``(y, x)``.
+      with ``split``), or ``(y, normalized)``, or ``(y, x)`` (``x + residual``
+      with ``residual``).
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -156,6 +169,7 @@ def layernorm_dense(
     """
     norm = NormConfig(norm_type, zero_centered_gamma, epsilon)
     check_norm_args(x, gamma, beta, norm)
+    _fused.check_residual(x, residual)
     if return_normalized and return_residual:
         raise ValueError(
             "return_normalized and return_residual are alternatives (a residual taken after the "
@@ -169,15 +183,17 @@ def layernorm_dense(
     gemm.check_bias(bias, kernel.shape[1:])
     recipe = resolve_recipe(recipe)
     check_state(state, recipe)
-    inputs = _partitioning.input_types(x, gamma, beta, kernel, bias, state)
+    inputs = _partitioning.input_types(x, gamma, beta, kernel, bias, state, residual)
     bias_dtype = None if bias is None else jnp.dtype(bias.dtype)
     out_shape = (*x.shape[:-1], *kernel.shape[1:])
     pieces = make_split(split, split_axis, out_shape, kernel.ndim - 1)
     if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_grained)
+        x = x if residual is None else x + residual
         return fine_grained.layernorm_dense(x, gamma, beta, kernel, bias, norm, recipe,
                                             split=pieces, return_normalized=return_normalized,
                                             return_residual=return_residual)  # fmt: skip
     config = FusedConfig(norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel.dtype),),
                          return_normalized=return_normalized, return_residual=return_residual,
-                         inputs=inputs, bias_dtype=bias_dtype, split=pieces)  # fmt: skip
-    return _ln_dense(x, gamma, beta, kernel, bias, state, config)
+                         inputs=inputs, bias_dtype=bias_dtype, split=pieces,
+                         has_residual=residual is not None)  # fmt: skip
+    return _ln_dense(x, gamma, beta, kernel, bias, state, residual, config)

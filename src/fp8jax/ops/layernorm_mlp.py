@@ -70,15 +70,16 @@ class MlpResiduals(NamedTuple):
     amaxes: MlpAmaxes
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _mlp(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
-    return _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _mlp(x, gamma, beta, k1, b1, k2, b2, state, residual, config: FusedConfig):
+    return _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, residual, config)[0]
 
 
-def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, config: FusedConfig):
+def _mlp_fwd(x, gamma, beta, k1, b1, k2, b2, state, residual, config: FusedConfig):
     recipe, fwd = config.recipe, config.recipe.formats.forward
     fc1, fc2 = (None, None) if state is None else state
-    normed, norm = _fused.normalize_and_quantize(x, gamma, beta, fc1 and fc1.x, config)
+    normed, norm = _fused.normalize_and_quantize(x, gamma, beta, fc1 and fc1.x, config, residual)
+    x = norm.x  # with a residual, the sum the norm read
     # kernel_1 goes in as (hidden, ffn, n), so that the GEMM writes pre interleaved.
     # Gated (n > 1), that view is a transpose, which XLA fuses into its own
     # quantize pass; the cast kernel would need it written out first.
@@ -206,7 +207,8 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved: MlpResiduals, dpre: Qu
                     (amaxes.h, amaxes.kernel_2, g_q.amax)), recipe,
         )  # fmt: skip
     cotangents = (dx, dgamma, dbeta, dk1, db1, dk2, db2)
-    return _partitioning.match_cotangents(cotangents, new_state, config.inputs)
+    matched = _partitioning.match_cotangents(cotangents, new_state, config.inputs[:-1])
+    return _fused.with_residual_cotangent(matched, dx, config)
 
 
 _mlp.defvjp(*saved_as_bits(_mlp_fwd, _mlp_bwd))
@@ -314,6 +316,7 @@ def layernorm_mlp(
     recipe: Recipe | None = None,
     state: MlpScaleState | None = None,
     return_residual: bool = False,
+    residual: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Norm -> FP8 GEMM -> (gated) activation -> FP8 GEMM: a transformer MLP block.
 
@@ -339,9 +342,13 @@ def layernorm_mlp(
       return_residual: also return ``x`` itself, for the residual connection
         around the block: its gradient then joins the norm's backward in one
         pass (see :func:`layernorm_dense`).
+      residual: None, or a branch output shaped like ``x``: the block is
+        applied to ``x + residual``, added in the norm's pass over ``x``
+        (see :func:`layernorm_dense`); ``return_residual`` returns the sum.
 
     Returns:
-      ``(..., hidden_out)`` in ``x.dtype``, or ``(y, x)`` with ``return_residual``.
+      ``(..., hidden_out)`` in ``x.dtype``, or ``(y, x)`` with ``return_residual``
+      (``x + residual`` with ``residual``).
 
     Raises:
       ValueError: for an unknown activation, kernels that do not fit the
@@ -360,6 +367,7 @@ def layernorm_mlp(
     activations = activations_.check(activations)
     norm = NormConfig(norm_type, zero_centered_gamma, epsilon)
     check_norm_args(x, gamma, beta, norm)
+    _fused.check_residual(x, residual)
     check_high_precision("kernel_1", kernel_1)
     check_high_precision("kernel_2", kernel_2)
     hidden = x.shape[-1]
@@ -378,12 +386,14 @@ def layernorm_mlp(
     recipe = resolve_recipe(recipe)
     check_state(state, recipe, MlpScaleState)
     if fine_grained.is_fine(recipe):  # composed, not fused (fp8jax.ops.fine_grained)
+        x = x if residual is None else x + residual
         return fine_grained.layernorm_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2,
                                           norm, recipe, activations,
                                           return_residual=return_residual)  # fmt: skip
     config = FusedConfig(
         norm, recipe, jnp.dtype(x.dtype), (jnp.dtype(kernel_1.dtype), jnp.dtype(kernel_2.dtype)),
-        activations=activations, return_residual=return_residual,
-        inputs=_partitioning.input_types(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state),
+        activations=activations, return_residual=return_residual, has_residual=residual is not None,
+        inputs=_partitioning.input_types(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state,
+                                         residual),
     )  # fmt: skip
-    return _mlp(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state, config)
+    return _mlp(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, state, residual, config)

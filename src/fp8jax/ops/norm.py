@@ -134,20 +134,28 @@ def _matrix_operands(x, gamma, beta, config: NormConfig):
     return x.reshape(-1, x.shape[-1]), effective_gamma(gamma, config, 2), beta, centred
 
 
-def output_maxima(x, gamma, beta, config: NormConfig, row_axes=()) -> jax.Array:
+def output_maxima(x, gamma, beta, config: NormConfig, row_axes=(), residual=None):
     """The maxima of the norm's f32 output magnitude, one per kernel program's rows, alone.
 
     Current scaling's first pass: the kernel reads ``x`` and writes nothing
     else, and the scale from these maxima's maximum goes to
     :func:`normalize_and_cast`, which computes the same values again and
-    casts them. Arguments as for :func:`normalize_and_cast`.
+    casts them. Arguments as for :func:`normalize_and_cast`. With
+    ``residual`` (shaped like ``x``) the norm is of ``x + residual`` and the
+    result is ``(sum, maxima)``: the pass writes the sum, which the cast pass
+    then reads, so the residual add costs no pass of its own.
     """
     matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
-    return norm_forward.row_maxima(matrix, gamma, beta, centred=centred, epsilon=config.epsilon,
-                                   row_axes=row_axes)  # fmt: skip
+    kwargs = {"centred": centred, "epsilon": config.epsilon, "row_axes": row_axes}
+    if residual is None:
+        return norm_forward.row_maxima(matrix, gamma, beta, **kwargs)
+    total, maxima = norm_forward.row_maxima(matrix, gamma, beta, **kwargs,
+                                            residual=residual.reshape(matrix.shape))  # fmt: skip
+    return total.reshape(x.shape), maxima
 
 
-def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format, row_axes=()):
+def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format, row_axes=(),
+                       residual=None):  # fmt: skip
     """:func:`normalize`'s output cast to ``fmt`` at ``scale``, in one pass.
 
     Args:
@@ -159,21 +167,27 @@ def normalize_and_cast(x, gamma, beta, config: NormConfig, scale, fmt: Fp8Format
       fmt: the FP8 format of the output.
       row_axes: the ``row_axes`` of :func:`fp8jax.kernels.norm_forward.decide`'s
         placement, which must be the kernel's.
+      residual: None, or added to ``x`` (same shape and dtype) by the pass,
+        which normalizes the sum and returns it last.
 
     Returns:
       ``(q, maxima, mean, rstd)``: the FP8 data in ``x``'s shape; f32 maxima
       of the f32 output's magnitude, one per kernel program's rows, whose
       maximum is its amax (of this device's rows, inside ``shard_map``); the
-      statistics as ``normalize`` returns them (``mean`` None for RMSNorm).
+      statistics as ``normalize`` returns them (``mean`` None for RMSNorm);
+      with ``residual``, then the sum ``x + residual`` in ``x``'s shape.
     """
     matrix, gamma, beta, centred = _matrix_operands(x, gamma, beta, config)
+    rows = None if residual is None else residual.reshape(matrix.shape)
     q, *stats, maxima = norm_forward.cast_rows(
-        matrix, gamma, beta, scale, fmt, centred=centred, epsilon=config.epsilon, row_axes=row_axes
-    )
+        matrix, gamma, beta, scale, fmt, centred=centred, epsilon=config.epsilon, row_axes=row_axes,
+        residual=rows,
+    )  # fmt: skip
+    total = () if residual is None else (stats.pop().reshape(x.shape),)
     stats_shape = (*x.shape[:-1], 1)
     mean = stats.pop(0).reshape(stats_shape) if centred else None
     rstd = stats[0].reshape(stats_shape)
-    return q.reshape(x.shape), maxima, mean, rstd
+    return (q.reshape(x.shape), maxima, mean, rstd, *total)
 
 
 def layernorm(
