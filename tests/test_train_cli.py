@@ -64,7 +64,10 @@ def copy_of_run(run_dir, tmp_path):
     ("argv", "message"),
     [
         (["--data", "/no/such/path"], "does not exist"),
-        (["--config", "huge"], "--config must be one of ['deepseek', 'deepseek-tiny', "),
+        (
+            ["--config", "huge"],
+            "--config must be one of ['deepseek', 'deepseek-small', 'deepseek-tiny', ",
+        ),
         (["--precision", "fp16"], "--precision must be one of"),
         (["--precision", "bf16", "--recipe", "delayed"], "--recipe delayed applies to FP8"),
         (["--recipe", "rowwise"], "--recipe must be one of"),

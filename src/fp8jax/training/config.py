@@ -111,6 +111,20 @@ PRESETS = {
         seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=10, steps=40,
         log_every=10, eval_every=20, eval_batches=2, checkpoint_every=20,
     ),
+    # small's shape and schedule with MoE feed-forwards, for the three-seed convergence
+    # protocol (docs/train.md#moe-presets, bench/moe_convergence.py): minutes on an H200.
+    # Every expert GEMM width a multiple of 128, as the BF16 grouped kernels need.
+    "mixtral-small": Preset(
+        model=GptConfig(hidden=512, layers=8, heads=8, ffn=1536, experts=8, top_k=2),
+        seq_len=512, batch_size=8, learning_rate=1e-3, warmup_steps=200, steps=2000,
+        log_every=20, eval_every=200, eval_batches=32, checkpoint_every=500,
+    ),
+    "deepseek-small": Preset(
+        model=GptConfig(hidden=512, layers=8, heads=8, ffn=1536, experts=64, top_k=6,
+                        expert_ffn=256, shared_experts=2, dense_layers=1),
+        seq_len=512, batch_size=8, learning_rate=1e-3, warmup_steps=200, steps=2000,
+        log_every=20, eval_every=200, eval_batches=32, checkpoint_every=500,
+    ),
     "mixtral": Preset(
         model=GptConfig(hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, experts=8,
                         top_k=2),
