@@ -57,7 +57,8 @@ LLAMA_1B_BATCH = 16
 LLAMA_3B_BATCH = 8
 # Sequences per step of the MoE presets: the largest even batch whose BF16 train step,
 # compiled deviceless for an H200, peaks under 100 GiB, 95% of JAX's default share of
-# the H200 (bench/moe_memory.py; docs/design.md#moe-preset-batch-sizes): mixtral
+# the H200 (bench/moe_memory.py, docs/train.md#moe-presets; the design record "MoE
+# preset batch sizes"): mixtral
 # 92.4 GiB, deepseek 91.3 GiB; the FP8 steps peak lower.
 MIXTRAL_BATCH = 20
 DEEPSEEK_BATCH = 12
