@@ -65,7 +65,9 @@ def step_and_args(preset: str, variant: str, *, mesh_text: str | None = None,
     config = resolve(options)
     attention = VARIANTS[variant].get("attention", attention)
     axes = mesh_lib.parse_mesh(mesh_text)
-    mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
+    mesh = mesh_lib.build_mesh(
+        axes, batch_size=config.batch_size, hidden=config.model.hidden, experts=config.model.experts
+    )
     with jax.numpy_dtype_promotion("standard"):  # as fp8jax train: optax mixes int32 and f32
         program = TrainProgram(config, mesh, attention, unroll_layers)
     corpus = data.load_corpus(None)

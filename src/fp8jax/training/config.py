@@ -55,10 +55,13 @@ class Preset:
 # Sequences per step of the Llama presets (docs/train.md#llama-presets).
 LLAMA_1B_BATCH = 16
 LLAMA_3B_BATCH = 8
-# Sequences per step of the MoE presets: guesses from bench/train_memory.py's upper bound
-# (3 and 1 sequences), which gave 1 where 8 fit for llama-3b; not measured on a GPU.
-MIXTRAL_BATCH = 16
-DEEPSEEK_BATCH = 8
+# Sequences per step of the MoE presets: the largest even batch whose BF16 train step,
+# compiled deviceless for an H200, peaks under 100 GiB, 95% of JAX's default share of
+# the H200 (bench/moe_memory.py, docs/train.md#moe-presets; the design record "MoE
+# preset batch sizes"): mixtral
+# 92.4 GiB, deepseek 91.3 GiB; the FP8 steps peak lower.
+MIXTRAL_BATCH = 20
+DEEPSEEK_BATCH = 12
 
 PRESETS = {
     # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
@@ -98,8 +101,7 @@ PRESETS = {
     # Mixture-of-Experts presets (docs/train.md#moe-presets): Mixtral-shaped (8
     # SwiGLU experts, top-2) and DeepSeek-shaped (fine-grained: 64 routed experts,
     # top-6, 2 shared, the first layer dense). The -tiny ones run on a CPU in
-    # seconds; the others are sized for one H200 in BF16 (batch by estimate:
-    # bench/train_memory.py; the lead measures the compiled peak).
+    # seconds; the others are sized for one H200 in BF16 (MIXTRAL_BATCH above).
     "mixtral-tiny": Preset(
         model=GptConfig(hidden=64, layers=2, heads=4, ffn=128, experts=8, top_k=2),
         seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=10, steps=40,
@@ -110,6 +112,20 @@ PRESETS = {
                         expert_ffn=32, shared_experts=2, dense_layers=1),
         seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=10, steps=40,
         log_every=10, eval_every=20, eval_batches=2, checkpoint_every=20,
+    ),
+    # small's shape and schedule with MoE feed-forwards, for the three-seed convergence
+    # protocol (docs/train.md#moe-presets, bench/moe_convergence.py): minutes on an H200.
+    # Every expert GEMM width a multiple of 128, as the BF16 grouped kernels need.
+    "mixtral-small": Preset(
+        model=GptConfig(hidden=512, layers=8, heads=8, ffn=1536, experts=8, top_k=2),
+        seq_len=512, batch_size=8, learning_rate=1e-3, warmup_steps=200, steps=2000,
+        log_every=20, eval_every=200, eval_batches=32, checkpoint_every=500,
+    ),
+    "deepseek-small": Preset(
+        model=GptConfig(hidden=512, layers=8, heads=8, ffn=1536, experts=64, top_k=6,
+                        expert_ffn=256, shared_experts=2, dense_layers=1),
+        seq_len=512, batch_size=8, learning_rate=1e-3, warmup_steps=200, steps=2000,
+        log_every=20, eval_every=200, eval_batches=32, checkpoint_every=500,
     ),
     "mixtral": Preset(
         model=GptConfig(hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, experts=8,

@@ -113,7 +113,9 @@ def train(
     run.check_usable()
     cache_dir = _compile_cache_dir(options.compile_cache)
     axes = mesh_lib.parse_mesh(options.mesh)
-    mesh = mesh_lib.build_mesh(axes, batch_size=config.batch_size, hidden=config.model.hidden)
+    mesh = mesh_lib.build_mesh(
+        axes, batch_size=config.batch_size, hidden=config.model.hidden, experts=config.model.experts
+    )
     distributed.check_mesh(mesh)
     _check_recipe_devices(config, mesh)
     try:

@@ -46,7 +46,7 @@ Example:
 """
 
 from fp8jax.verify.assertions import Fp8VerificationError, assert_fp8_gemms
-from fp8jax.verify.compilation import CompileError, compile_for, compile_many
+from fp8jax.verify.compilation import CompileError, Memory, compile_for, compile_many, memory_many
 
 # The function, not its module: importing the submodule binds ``verify.jaxpr_dots`` to the
 # module, and this line rebinds it, so ``fp8jax.verify.jaxpr_dots(fn, *args)`` works as the
@@ -61,6 +61,7 @@ __all__ = [
     "Fp8VerificationError",
     "GemmRow",
     "JaxprDot",
+    "Memory",
     "RelayoutRow",
     "Report",
     "assert_fp8_gemms",
@@ -69,4 +70,5 @@ __all__ = [
     "fp8_relayouts",
     "gemm_report",
     "jaxpr_dots",
+    "memory_many",
 ]

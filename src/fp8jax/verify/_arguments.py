@@ -34,6 +34,17 @@ def flatten_call(fn, args, in_shardings, axes):
     return flat_fn, arrays, [s for s, array in zip(specs, is_array, strict=True) if array]
 
 
+def donated_leaves(args, donate_argnums) -> tuple[int, ...]:
+    """The indices, among ``flatten_call``'s array leaves, of the arguments ``donate_argnums``."""
+    donated, index = [], 0
+    for position, arg in enumerate(args):
+        arrays = [x for x in jax.tree.leaves(arg) if hasattr(x, "shape") and hasattr(x, "dtype")]
+        if position in donate_argnums:
+            donated.extend(range(index, index + len(arrays)))
+        index += len(arrays)
+    return tuple(donated)
+
+
 def _leaf_specs(args, in_shardings, n_leaves) -> list[PartitionSpec]:
     """One spec per leaf: from ``in_shardings`` (a prefix of args) or the leaf's own."""
     own = []

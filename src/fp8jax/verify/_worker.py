@@ -3,7 +3,7 @@
 Run as ``python -m fp8jax.verify._worker REQUEST RESPONSE`` with
 ``JAX_PLATFORMS=cpu``; ``compilation._run_child`` does that. It reads a pickled
 request, builds the GPU topology, compiles each job, and pickles back one
-``{"hlo": text}`` or ``{"error": message}`` per job.
+``{"hlo": text, "memory": sizes}`` or ``{"error": message}`` per job.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def _types(values) -> str:
     return ", ".join(type(v).__name__ for v in values)
 
 
-def compile_here(fn, args, in_shardings, out_shardings, axes, mesh, device, options=None) -> str:
-    """Traces, lowers and compiles ``fn(*args)`` for ``mesh`` (or ``device``)."""
+def compile_here(fn, args, in_shardings, out_shardings, axes, mesh, device, options=None):
+    """Traces, lowers and compiles ``fn(*args)`` for ``mesh`` (or ``device``): (HLO text,
+    :func:`memory_bytes`)."""
     flat_fn, arrays, specs = _arguments.flatten_call(fn, args, in_shardings, axes)
     sds = _abstract(arrays, specs, mesh, device)
     outs = _arguments.out_specs(flat_fn, sds, out_shardings) if mesh is not None else None
@@ -139,9 +140,12 @@ def _sharding(spec, mesh, device):
     return NamedSharding(mesh, spec) if mesh is not None else SingleDeviceSharding(device)
 
 
-def _compile_flat(fn, sds, specs, out_specs, mesh, device, options) -> str:
-    """Compiles a function of flat array leaves, whose shardings ``sds`` carry."""
+def _compile_flat(fn, sds, specs, out_specs, mesh, device, options, donate=()):
+    """Compiles a function of flat array leaves, whose shardings ``sds`` carry; the leaves
+    ``donate`` are donated."""
     jit_kw: dict[str, Any] = {"in_shardings": tuple(_sharding(s, mesh, device) for s in specs)}
+    if donate:
+        jit_kw["donate_argnums"] = tuple(donate)
     if mesh is not None and out_specs is not None:
         jit_kw["out_shardings"] = tuple(
             None if s is None else NamedSharding(mesh, s) for s in out_specs
@@ -153,10 +157,20 @@ def _compile_flat(fn, sds, specs, out_specs, mesh, device, options) -> str:
             lowered = jax.jit(fn, **jit_kw).trace(*sds).lower()
         except Exception as e:  # the user's function, not the compiler: one line says it
             raise TraceError(f"tracing fn(*args) raised {_one_line(e)}") from None
-    return lowered.compile(options or None).as_text()
+    compiled = lowered.compile(options or None)
+    return compiled.as_text(), memory_bytes(compiled)
 
 
-def compile_live(call, axes, devices: int, xla_flags: str | None) -> str:
+def memory_bytes(compiled) -> dict[str, int] | None:
+    """The compiled program's buffer sizes per device (``memory_analysis()``), or None."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return None
+    names = ("argument", "output", "temp", "alias")
+    return {name: int(getattr(memory, f"{name}_size_in_bytes", 0)) for name in names}
+
+
+def compile_live(call, axes, devices: int, xla_flags: str | None):
     """Compiles one call on this process's GPUs."""
     backend = jax.default_backend()
     if backend not in ("gpu", "cuda"):
@@ -198,14 +212,15 @@ def _compiler_options(xla_flags: str | None) -> dict[str, object]:
     return options
 
 
-def _run_job(job: dict[str, Any], topology, axes, mesh) -> str:
+def _run_job(job: dict[str, Any], topology, axes, mesh):
     device = topology.devices[0]
     if "entry" in job:
         fn, args = call_entry(job["entry"], mesh)
         return compile_here(fn, args, None, None, axes, mesh, device)
     exported = pickle.loads(job["exported"])
     sds = _abstract(exported.in_avals, job["in_specs"], mesh, device)
-    return _compile_flat(exported.call, sds, job["in_specs"], job["out_specs"], mesh, device, None)
+    return _compile_flat(exported.call, sds, job["in_specs"], job["out_specs"], mesh, device,
+                         None, job.get("donate", ()))  # fmt: skip
 
 
 def main(request_path: str, response_path: str) -> int:
@@ -223,7 +238,8 @@ def main(request_path: str, response_path: str) -> int:
     results = []
     for job in request["jobs"]:
         try:
-            results.append({"hlo": _run_job(job, topology, axes, mesh)})
+            hlo, memory = _run_job(job, topology, axes, mesh)
+            results.append({"hlo": hlo, "memory": memory})
         except EntryError as e:  # the user's factory: one line says it all
             results.append({"error": str(e), "entry": True})
         except TraceError as e:

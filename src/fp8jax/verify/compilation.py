@@ -27,13 +27,13 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import NamedSharding
 
 from fp8jax.verify import toolchain
-from fp8jax.verify._arguments import abstract_args, flatten_call, out_specs
+from fp8jax.verify._arguments import abstract_args, donated_leaves, flatten_call, out_specs
 from fp8jax.verify.meshes import MeshAxes, named_shardings, resolve_mesh
 
 TARGETS = ("h100", "h200", "b200", "live")
@@ -104,7 +104,7 @@ def compile_for(
             f"got {len(args)}."
         )
     call = _Call(fn, args, in_shardings, out_shardings)
-    return _compile([call], target, devices, hosts, mesh, xla_flags)[0]
+    return _compile([call], target, devices, hosts, mesh, xla_flags)[0][0]
 
 
 def compile_many(
@@ -145,7 +145,81 @@ def compile_many(
             raise TypeError(f"calls[{i}] must be a (fn, args) pair, got {call!r}.")
         fn, args = call
         jobs.append(_Call(fn, tuple(args), None, None))
-    return _compile(jobs, target, devices, hosts, mesh, xla_flags)
+    return [hlo for hlo, _ in _compile(jobs, target, devices, hosts, mesh, xla_flags)]
+
+
+class Memory(NamedTuple):
+    """A compiled program's buffers per device, in bytes (``Compiled.memory_analysis()``).
+
+    ``peak`` is what the program holds at once at most: its arguments, outputs
+    and temporaries, less the outputs that reuse donated arguments' buffers.
+    """
+
+    argument: int
+    output: int
+    temp: int
+    alias: int
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.output + self.temp - self.alias
+
+
+def memory_many(
+    calls: Sequence[tuple[Callable[..., Any], Sequence[Any]]],
+    *,
+    target: str = "h200",
+    devices: int = 1,
+    mesh: Any = None,
+    xla_flags: str | None = None,
+    donate_argnums: tuple[int, ...] = (),
+) -> list[Memory]:
+    """Like ``compile_many``, but returns each compiled program's :class:`Memory`.
+
+    A deviceless compile plans every buffer as a GPU's would, so its peak sizes a
+    batch for that GPU without one. The compile has no autotuning and no cuDNN:
+    a program that runs cuDNN attention on the GPU must be measured with a
+    stand-in of the same footprint.
+
+    Args:
+      calls: ``(fn, args)`` pairs, as for ``compile_many``.
+      target, devices, mesh, xla_flags: as for ``compile_for``.
+      donate_argnums: the arguments every call donates, as for ``jax.jit``: a
+        train step that donates its state reuses those buffers for the new one.
+
+    Returns:
+      One :class:`Memory` per call, in order.
+
+    Raises:
+      As ``compile_for``; CompileError if XLA reports no memory analysis.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from fp8jax.verify import memory_many
+      >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+      >>> [memory] = memory_many([(jnp.dot, (x, x))], target="h200")
+      >>> memory.peak >= 3 * 1024 * 1024 * 2
+      True
+    """
+    if not (isinstance(donate_argnums, tuple) and all(isinstance(i, int) for i in donate_argnums)):
+        raise TypeError(f"donate_argnums must be a tuple of ints, got {donate_argnums!r}.")
+    jobs = []
+    for i, call in enumerate(calls):
+        if not (isinstance(call, tuple | list) and len(call) == 2 and callable(call[0])):
+            raise TypeError(f"calls[{i}] must be a (fn, args) pair, got {call!r}.")
+        fn, args = call
+        if any(not 0 <= n < len(args) for n in donate_argnums):
+            raise ValueError(
+                f"donate_argnums={donate_argnums} must index calls[{i}]'s {len(args)} arguments."
+            )
+        jobs.append(_Call(fn, tuple(args), None, None, donate_argnums))
+    results = _compile(jobs, target, devices, 1, mesh, xla_flags)
+    memories = []
+    for i, (_, memory) in enumerate(results):
+        if memory is None:
+            raise CompileError(f"call {i}: XLA gave no memory analysis for target {target!r}.")
+        memories.append(Memory(**memory))
+    return memories
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,9 +228,11 @@ class _Call:
     args: tuple[Any, ...]
     in_shardings: Any
     out_shardings: Any
+    donate_argnums: tuple[int, ...] = ()
 
 
-def _compile(calls, target, devices, hosts, mesh, xla_flags) -> list[str]:
+def _compile(calls, target, devices, hosts, mesh, xla_flags) -> list[tuple[str, dict | None]]:
+    """One (HLO text, buffer sizes or None) per call."""
     config = _target_config(target)
     _check_counts(devices, hosts)
     if xla_flags is not None and not isinstance(xla_flags, str):
@@ -231,6 +307,7 @@ def _job(call: _Call, axes: MeshAxes | None) -> dict[str, Any]:
     if isinstance(call.fn, str):
         return {"entry": call.fn}
     flat_fn, arrays, specs = flatten_call(call.fn, call.args, call.in_shardings, axes)
+    donate = donated_leaves(call.args, call.donate_argnums)
     abstract_mesh = axes.build() if axes else None
     sharding_for = (lambda s: NamedSharding(abstract_mesh, s)) if axes else (lambda s: None)
     sds = abstract_args(arrays, specs, sharding_for)
@@ -255,7 +332,8 @@ def _job(call: _Call, axes: MeshAxes | None) -> dict[str, Any]:
     # The VJP closure is the one part of an Exported that does not pickle, and
     # compiling never needs it.
     exported = dataclasses.replace(exported, _get_vjp=None)
-    return {"exported": pickle.dumps(exported), "in_specs": specs, "out_specs": outs}
+    return {"exported": pickle.dumps(exported), "in_specs": specs, "out_specs": outs,
+            "donate": donate}  # fmt: skip
 
 
 def _context_mesh(call: _Call, abstract_mesh):
@@ -306,7 +384,7 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[str]:
+def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[tuple]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with tempfile.TemporaryDirectory(prefix="fp8jax-verify-") as tmp:
@@ -337,7 +415,7 @@ def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str])
         if "error" in result:
             where = f"call {i} ({name})" if len(results) > 1 else name
             raise CompileError(f"deviceless compile of {where} failed:\n{result['error']}")
-        texts.append(result["hlo"])
+        texts.append((result["hlo"], result.get("memory")))
     return texts
 
 
