@@ -16,7 +16,7 @@ on the group's rows:
   start at each group's first row, so a tile never spans two experts; a
   group whose size is not a multiple of 128 ends in a short tile. The
   forward writes that copy of the activation (FP8, in group order: ``m``
-  rows of ``k`` bytes, and ``ceil(m / 128) + g`` rows of f32 scales) for the
+  rows of ``k`` bytes, and ``floor(m / 128) + g`` rows of f32 scales) for the
   backward, as the dense recipe saves its transposed copy.
 
 No row is padded and no group is copied whole: the GEMMs run in rounds, round
@@ -49,8 +49,11 @@ from fp8jax.scaling import group_scales
 
 
 def tile_count(rows: int, groups: int) -> int:
-    """The most token tiles ``groups`` groups of ``rows`` rows can need: one short tile each."""
-    return -(-rows // BLOCK) + groups
+    """The most token tiles ``groups`` groups of ``rows`` rows can need.
+
+    ``sum ceil(s_i / 128) <= sum (floor(s_i / 128) + 1) <= floor(rows / 128) + groups``.
+    """
+    return rows // BLOCK + groups
 
 
 def _groups(group_sizes: jax.Array, rows: int):
@@ -124,6 +127,8 @@ def grouped_block_matmul(a, sa, b, sb, group_sizes, out_rows: int, out_dtype, *,
         return out.at[target.reshape(-1)].set(y.reshape(-1, n), mode="drop")
 
     out = jnp.zeros((out_rows, n), out_dtype)
+    if not rows or not a.shape[0]:  # no rows to gather: the loop's takes need one
+        return out
     return lax.fori_loop(0, jnp.max(counts, initial=0), body, out)
 
 
@@ -147,6 +152,8 @@ def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype) -> jax.Array:
                                          jnp.float32)  # fmt: skip
 
     acc = jnp.zeros((groups, k, n), jnp.float32)
+    if not rows:  # no rows to gather: the loop's takes need one
+        return acc.astype(out_dtype)
     return lax.fori_loop(0, jnp.max(counts, initial=0), body, acc).astype(out_dtype)
 
 
