@@ -10,14 +10,14 @@ wrong group (a tile spanning two experts, a block's scale from another
 expert) moves a whole group's rounding grid by hundreds of FP8 steps.
 """
 
-import fine_references as fr
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fine_references as fr
 import fp8jax
-from fp8jax.ops import _partitioning, blockwise, block_ragged
+from fp8jax.ops import _partitioning, block_ragged, blockwise
 from fp8jax.ops import ragged_dot as rd
 from fp8jax.ops.fine_config import FineDotConfig
 
