@@ -64,11 +64,19 @@ def _expert_scales(w, experts):
     return (448.0 / amax)[experts.reshape(-1)]
 
 
-def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup):
+# BlockScaling: the same bound holds. Each 1x128 tile's or 128x128 block's
+# amax is at most its tensor's (or expert's), so its scale is at least the
+# per-tensor one: the relative rounding is the format's, and the subnormal
+# term half the smallest subnormal over a larger scale.
+@pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling()], ids=["current", "block"])
+def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup, recipe):
     x, p = setup
-    y, state = jax.jit(lambda v, x: _block().apply(v, x, mutable=["intermediates"]))(
+    y, state = jax.jit(lambda v, x: _block(recipe=recipe).apply(v, x, mutable=["intermediates"]))(
         {"params": p["params"]}, x
     )
+    if recipe is not None:  # not a silent fallback to the per-tensor experts
+        per_tensor = jax.jit(_block().apply)({"params": p["params"]}, x)
+        assert not np.array_equal(np.asarray(y), np.asarray(per_tensor))
     want, r = _reference(x, p["params"])
     scale_x = 448.0 / np.abs(r["rows_x"]).max()
     s_wi = _expert_scales(p["params"]["wi"], r["experts"])[:, None, None, None]
@@ -93,15 +101,21 @@ def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup
     np.testing.assert_allclose(aux, E * np.sum(counts * probs.mean(0)), rtol=1e-5)
 
 
-def test_gradients_track_the_f32_block(setup):
+@pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling(formats=fp8jax.HYBRID)],
+                         ids=["current", "block"])  # fmt: skip
+def test_gradients_track_the_f32_block(setup, recipe):
     # The same block with fp8=False in f32 is the reference (its values are
     # lax.ragged_dot's); ref.MOE_GRADIENT_BUDGET says why its budget holds.
+    # Under BlockScaling (HYBRID: the same formats) every tile's scale is at
+    # least its tensor's, and the gradients are not converted to E5M2 a
+    # second time: no larger error.
     x, p = setup
     g = jax.random.normal(jax.random.key(5), x.shape)
 
     def grads(fp8):
         def loss(params, x):
-            y, _ = _block(fp8=fp8).apply({"params": params}, x, mutable=["intermediates"])
+            block = _block(fp8=fp8, recipe=recipe if fp8 else None)
+            y, _ = block.apply({"params": params}, x, mutable=["intermediates"])
             return jnp.sum(y * g)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(p["params"], x)
@@ -110,12 +124,13 @@ def test_gradients_track_the_f32_block(setup):
     assert all(0 < e < ref.MOE_GRADIENT_BUDGET for e in errors.values()), errors
 
 
-def test_nnx_block_equals_linen_with_the_same_parameters(setup):
+@pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling()], ids=["current", "block"])
+def test_nnx_block_equals_linen_with_the_same_parameters(setup, recipe):
     x, p = setup
-    block = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, rngs=nnx.Rngs(0))
+    block = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, recipe=recipe, rngs=nnx.Rngs(0))
     for name in ("router", "wi", "wo"):
         getattr(block, name).set_value(p["params"][name])
-    want = jax.jit(_block().apply)({"params": p["params"]}, x)
+    want = jax.jit(_block(recipe=recipe).apply)({"params": p["params"]}, x)
     got = nnx.jit(lambda block, x: block(x))(block, x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert float(block.aux_loss[...]) > 0
@@ -219,13 +234,13 @@ def test_bad_settings_name_the_argument_expected_and_given(kw, match):
         fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("recipe", [fp8jax.BlockScaling(), fp8jax.MXFP8Scaling(),
-                                    fp8jax.RowwiseScaling(), fp8jax.DelayedScaling()])  # fmt: skip
+@pytest.mark.parametrize("recipe", [fp8jax.MXFP8Scaling(), fp8jax.RowwiseScaling(),
+                                    fp8jax.DelayedScaling()])  # fmt: skip
 def test_recipes_the_expert_gemms_cannot_take_are_refused_at_construction(recipe):
-    # Block and MX scaling used to fail inside the op with an AttributeError,
-    # rowwise to run per-tensor scaling, bitwise CurrentScaling.
+    # MX scaling used to fail inside the op with an AttributeError, rowwise to
+    # run per-tensor scaling, bitwise CurrentScaling.
     name = type(recipe).__name__
-    match = rf"MoEBlock: the expert GEMMs take CurrentScaling only.*Got recipe={name}"
+    match = rf"MoEBlock: the expert GEMMs take CurrentScaling or BlockScaling.*Got recipe={name}"
     with pytest.raises(ValueError, match=match):
         _block(recipe=recipe)
     with pytest.raises(ValueError, match=match):
