@@ -29,6 +29,13 @@ expert's sum, which is the promotion every 128 of the contracted tokens.
 The number of rounds is the largest group's tiles, known only at run time
 (a ``while`` loop). K and N are padded with zeros to multiples of 128
 (zeros add nothing, and their scale is 1).
+
+Where the rounds' GEMMs run is :func:`~fp8jax.kernels.block_gemm.block_scaled_matmul`'s
+choice: its Mosaic GPU kernel on one device for operands of one FP8 format
+(``ALL_E4M3``, the recipe's default), XLA's per-slice FP8 dots otherwise.
+Under a mesh the loop is partitioned by XLA as under ``jit``: no per-device
+``shard_map`` as the per-tensor kernels have; FSDP-sharded expert weights
+inside ``shard_map`` are quantized per shard and all-gathered in FP8.
 """
 
 from __future__ import annotations

@@ -392,7 +392,9 @@ def ragged_dot(
         ``lax.ragged_dot``). Inside ``jit`` they cannot be checked: a
         negative size then counts as an empty group and rows past ``m`` are
         dropped.
-      recipe: :class:`~fp8jax.CurrentScaling` (the default); each expert's
+      recipe: :class:`~fp8jax.CurrentScaling` (the default), or
+        :class:`~fp8jax.BlockScaling` (per 1x128 tile and 128x128 block,
+        :mod:`fp8jax.ops.block_ragged`); under CurrentScaling each expert's
         weights get their own scale, ``lhs`` and the output gradient one each.
       state: must be None (DelayedScaling is not supported by this op).
       preferred_element_type: output dtype; defaults to ``lhs.dtype``.
@@ -403,7 +405,7 @@ def ragged_dot(
     Raises:
       TypeError: for non-float operands, FP8 operands or non-integer group sizes.
       ValueError: for wrong ranks or shapes, bad concrete group sizes, or a
-        DelayedScaling recipe or a state.
+        recipe other than CurrentScaling or BlockScaling, or a state.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
