@@ -50,6 +50,8 @@ CASES = {
     "ragged": (300, 200, 136, [130, 0, 5, 128, 20], {}),
     "first-and-last-empty": (260, 128, 256, [0, 257, 0], {}),
     "outlier-expert": (280, 256, 128, [60, 140, 80], {"outlier": 1}),
+    # rounds of 3 tiles a group: group 0's 5 tiles take two, the second one short
+    "multi-tile-rounds": (600, 128, 256, [520, 60], {}),
 }
 RECIPES = {
     "e4m3": fp8jax.BlockScaling(),
@@ -112,6 +114,12 @@ def test_forward_and_dgrad_are_the_dense_block_gemm_on_each_groups_rows_bit_for_
         dai, _ = vjp(jnp.pad(g[rows], pad)[None])
         np.testing.assert_array_equal(np.asarray(y[rows]), np.asarray(yi[0, :size]))
         np.testing.assert_array_equal(np.asarray(dx[rows]), np.asarray(dai[0, :size]))
+
+
+def test_a_round_takes_a_quarter_more_than_a_balanced_share_of_tiles():
+    assert block_ragged.round_tiles(600, 2) == 3  # 300 rows a group: 2.35 tiles, 2.9 with 1/4 more
+    assert block_ragged.round_tiles(16384 * 6, 64) == 15  # DeepSeek's routed rows: 12 tiles each
+    assert block_ragged.round_tiles(96, 4) == 1
 
 
 def test_token_tiles_start_at_each_groups_first_row():

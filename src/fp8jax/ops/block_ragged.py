@@ -19,15 +19,18 @@ on the group's rows:
   rows of ``k`` bytes, and ``floor(m / 128) + g`` rows of f32 scales) for the
   backward, as the dense recipe saves its transposed copy.
 
-No row is padded and no group is copied whole: the GEMMs run in rounds, round
-``j`` gathering each group's ``j``-th tile of 128 rows by index (rows past a
-group's end read as zero) and taking all groups' tiles as one batch of the
-dense block GEMM (:func:`fp8jax.kernels.block_gemm.block_scaled_matmul`,
-batched over experts). The forward and the dgrad scatter each tile's rows
-back to their output rows; the wgrad adds each round's f32 product to its
-expert's sum, which is the promotion every 128 of the contracted tokens.
-The number of rounds is the largest group's tiles, known only at run time
-(a ``while`` loop). K and N are padded with zeros to multiples of 128
+No row is padded in memory and no group is copied whole: the GEMMs run in
+rounds, round ``j`` gathering the ``j``-th run of ``t`` 128-row tiles of
+every group by index (rows past a group's end read as zero) and taking all
+groups' runs as one batch of the dense block GEMM
+(:func:`fp8jax.kernels.block_gemm.block_scaled_matmul`, batched over
+experts). ``t`` (:func:`round_tiles`) is a quarter more than a balanced
+share, so a balanced routing takes one round; the rounds are as many as
+the largest group needs, known only at run time (a ``while`` loop), and
+each computes ``g * t * 128`` rows, padding included. The forward and the
+dgrad scatter each round's rows back to their output rows; the wgrad's
+round contracts its ``t`` token tiles, promoting every 128 tokens, and
+adds its f32 product to the experts' sums. K and N are padded with zeros to multiples of 128
 (zeros add nothing, and their scale is 1).
 
 Where the rounds' GEMMs run is :func:`~fp8jax.kernels.block_gemm.block_scaled_matmul`'s
@@ -99,33 +102,50 @@ def quantize_token_tiles(x, tiles, num_tiles: int, fmt, margin: float, power_of_
     return quantize_with_scale(x, fmt, row_scale).data, 1.0 / scale
 
 
-def _round_rows(starts, sizes, j):
-    """Round ``j``'s grouped rows ([g, 128], clipped to row 0) and which are in their group."""
-    offset = j * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+def round_tiles(rows: int, groups: int) -> int:
+    """Token tiles each group takes per round: a quarter more than a balanced share, at least 1.
+
+    ``rows`` and ``groups`` are static, so a balanced routing takes one
+    round (the wgrad then writes its f32 sum once), at the cost of a
+    quarter of padding rows past the groups' ends; an expert that gets more
+    takes more rounds.
+    """
+    return max(1, -(-5 * rows // (4 * groups * BLOCK)))
+
+
+def _round_rows(starts, sizes, j, tiles: int):
+    """Round ``j``'s grouped rows ([g, tiles * 128], clipped to row 0) and which are real."""
+    offset = j * (tiles * BLOCK) + jnp.arange(tiles * BLOCK, dtype=jnp.int32)
     real = offset[None, :] < sizes[:, None]
     return jnp.where(real, starts[:, None] + offset[None, :], 0), real
 
 
 def _gather(x, rows, real):
-    """``x[rows]`` as [g, 128, c], zeros where not ``real``."""
+    """``x[rows]`` as [g, r, c], zeros where not ``real``."""
     taken = jnp.take(x, rows, axis=0)
     return jnp.where(real[..., None], taken, jnp.zeros((), x.dtype))
 
 
+def _rounds(counts, tiles: int):
+    """Rounds of ``tiles`` tiles a group that cover the largest group."""
+    return (jnp.max(counts, initial=0) + tiles - 1) // tiles
+
+
 def grouped_block_matmul(a, sa, b, sb, group_sizes, out_rows: int, out_dtype, *, rows: int,
-                         read=None, write=None) -> jax.Array:  # fmt: skip
+                         read=None, write=None, tiles: int = 1) -> jax.Array:  # fmt: skip
     """``out[write[r]] = a[read[r]] . b[i]^T`` with block scales, for the rows ``r`` of group ``i``.
 
     ``a [., k]`` FP8 with ``sa [., k / 128]`` per 1x128 tile; ``b [g, n, k]``
     FP8 with ``sb [g, n / 128, k / 128]`` per block; ``rows`` grouped rows
-    (``read``, ``write``: int [rows] maps, None for the rows themselves).
+    (``read``, ``write``: int [rows] maps, None for the rows themselves);
+    ``tiles``: 128-row tiles a group per round (:func:`round_tiles`).
     Output rows no grouped row writes are zero.
     """
     starts, sizes, _, counts = _groups(group_sizes, rows)
     n = b.shape[1]
 
     def body(j, out):
-        grouped, real = _round_rows(starts, sizes, j)
+        grouped, real = _round_rows(starts, sizes, j, tiles)
         source = grouped if read is None else read[grouped]
         y = block_scaled_matmul(_gather(a, source, real), b, jnp.take(sa, source, axis=0), sb,
                                 out_dtype, b_blocks=True)  # fmt: skip
@@ -136,32 +156,37 @@ def grouped_block_matmul(a, sa, b, sb, group_sizes, out_rows: int, out_dtype, *,
     out = jnp.zeros((out_rows, n), out_dtype)
     if not rows or not a.shape[0]:  # no rows to gather: the loop's takes need one
         return out
-    return lax.fori_loop(0, jnp.max(counts, initial=0), body, out)
+    return lax.fori_loop(0, _rounds(counts, tiles), body, out)
 
 
-def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype) -> jax.Array:
+def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype, *, tiles: int = 1) -> jax.Array:
     """``out[i] = a[rows of i]^T . b[rows of i]``, promoted every token tile: ``[g, k, n]``.
 
     ``a [rows, k]``, ``b [rows, n]``: FP8 in group order, scaled per token
     tile (:func:`quantize_token_tiles`), ``sa [tiles, k]``, ``sb [tiles, n]``.
+    A round contracts ``tiles`` token tiles of every group in one block GEMM
+    (the tiles are its 128-wide slices of K); the first round's sum is the
+    accumulator, later rounds add to it in f32.
     """
     rows, k = a.shape
     n, groups = b.shape[1], group_sizes.shape[0]
     starts, sizes, first_tile, counts = _groups(group_sizes, rows)
     last = sa.shape[0] - 1
-
-    def body(j, acc):
-        grouped, real = _round_rows(starts, sizes, j)
-        tile = jnp.minimum(first_tile + j, last)  # a group past its tiles reads zeros
-        a_j = jnp.swapaxes(_gather(a, grouped, real), 1, 2)  # [g, k, 128]
-        b_j = jnp.swapaxes(_gather(b, grouped, real), 1, 2)  # [g, n, 128]
-        return acc + block_scaled_matmul(a_j, b_j, sa[tile][..., None], sb[tile][..., None],
-                                         jnp.float32)  # fmt: skip
-
-    acc = jnp.zeros((groups, k, n), jnp.float32)
     if not rows:  # no rows to gather: the loop's takes need one
-        return acc.astype(out_dtype)
-    return lax.fori_loop(0, jnp.max(counts, initial=0), body, acc).astype(out_dtype)
+        return jnp.zeros((groups, k, n), out_dtype)
+
+    def product(j):
+        grouped, real = _round_rows(starts, sizes, j, tiles)
+        # A group past its tiles reads zeros; any scale will do.
+        run = j * tiles + jnp.arange(tiles, dtype=jnp.int32)
+        tile = jnp.minimum(first_tile[:, None] + run[None, :], last)  # [g, t]
+        a_j = jnp.swapaxes(_gather(a, grouped, real), 1, 2)  # [g, k, t * 128]
+        b_j = jnp.swapaxes(_gather(b, grouped, real), 1, 2)  # [g, n, t * 128]
+        sa_j, sb_j = jnp.swapaxes(sa[tile], 1, 2), jnp.swapaxes(sb[tile], 1, 2)  # [g, ., t]
+        return block_scaled_matmul(a_j, b_j, sa_j, sb_j, jnp.float32)
+
+    acc = lax.fori_loop(1, _rounds(counts, tiles), lambda j, acc: acc + product(j), product(0))
+    return acc.astype(out_dtype)
 
 
 def quantize_weight_blocks(rhs, fmt, recipe, gather: tuple = ()):
@@ -209,12 +234,13 @@ def _fwd(lhs, rhs, group_sizes, slots, config):
     read = None if lhs_slots is None else lhs_slots // config.repeats
     a, sa = _tiles_along_k(lhs, fmt, recipe)
     b, sb = quantize_weight_blocks(rhs, fmt, recipe, config.rhs_gather)
+    tiles = round_tiles(rows, group_sizes.shape[0])
     y = grouped_block_matmul(a, sa, b, sb, group_sizes, rows, config.out_dtype, rows=rows,
-                             read=read, write=out_slots)  # fmt: skip
+                             read=read, write=out_slots, tiles=tiles)  # fmt: skip
     # The wgrad's copy: the grouped rows, per 128 tokens of each column.
-    tiles = token_tiles(group_sizes, rows)
     num_tiles = tile_count(rows, group_sizes.shape[0])
-    a_tok = _token_tiles(_grouped_rows(lhs, read, rows), tiles, num_tiles, fmt, recipe)
+    a_tok = _token_tiles(_grouped_rows(lhs, read, rows), token_tiles(group_sizes, rows),
+                         num_tiles, fmt, recipe)  # fmt: skip
     return y, (a_tok, b, sb, group_sizes, slots)
 
 
@@ -226,15 +252,18 @@ def _bwd(config, residuals, g):
     # dgrad: g per 1x128 tile along n, against each block transposed: [g, k, n].
     qg, sg = _tiles_along_k(g, fmt, recipe)
     b_t, sb_t = jnp.swapaxes(b, 1, 2), jnp.swapaxes(sb, 1, 2)
+    tiles = round_tiles(rows, group_sizes.shape[0])
     d_lhs = grouped_block_matmul(qg, sg, b_t, sb_t, group_sizes, rows, config.lhs_dtype,
-                                 rows=rows, read=out_slots, write=lhs_slots)  # fmt: skip
+                                 rows=rows, read=out_slots, write=lhs_slots,
+                                 tiles=tiles)  # fmt: skip
     if config.repeats > 1:  # a row of lhs sums its repeats' slots
         per_row = d_lhs.astype(jnp.float32).reshape(-1, config.repeats, d_lhs.shape[1])
         d_lhs = jnp.sum(per_row, axis=1).astype(config.lhs_dtype)
-    tiles = token_tiles(group_sizes, rows)
-    g_tok, sg_tok = _token_tiles(_grouped_rows(g, out_slots, rows), tiles, sa_tok.shape[0], fmt,
+    g_tok, sg_tok = _token_tiles(_grouped_rows(g, out_slots, rows),
+                                 token_tiles(group_sizes, rows), sa_tok.shape[0], fmt,
                                  recipe)  # fmt: skip
-    d_rhs = grouped_block_wgrad(a_tok, sa_tok, g_tok, sg_tok, group_sizes, config.rhs_dtype)
+    d_rhs = grouped_block_wgrad(a_tok, sa_tok, g_tok, sg_tok, group_sizes, config.rhs_dtype,
+                                tiles=tiles)  # fmt: skip
     if config.rhs_gather:  # each device keeps the summed gradient of its shard
         axis, axes = config.rhs_gather
         d_rhs = lax.psum_scatter(d_rhs, axes, scatter_dimension=axis, tiled=True)
