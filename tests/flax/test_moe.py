@@ -183,8 +183,10 @@ def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
 def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100_compile():
     # Under BlockScaling (ALL_E4M3) each grouped GEMM, forward, dgrad and
     # wgrad, runs the block-scaled Mosaic GPU kernel batched over the
-    # experts, one round of 128 rows per expert at a time; the shared
-    # expert's six are the same kernel on one batch; the rest is the router.
+    # experts, a round of rows per expert at a time: 2 forward, 2 dgrad and
+    # 2 x 2 wgrad (its first round, the accumulator, stands before the loop);
+    # the shared expert's six are the same kernel on one batch; the rest is
+    # the router.
     block = _block(shared_experts=1, recipe=fp8jax.BlockScaling())
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     params = jax.eval_shape(lambda: nn.meta.unbox(block.init(jax.random.key(0), jnp.ones((T, H)))))
@@ -200,7 +202,7 @@ def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100
     kernel = [g for g in report.gemms if g.target == "fp8jax_block_scaled_gemm"]
     assert all(g.backend == "pallas-fp8" for g in kernel)
     experts = [g for g in kernel if g.lhs_shape[0] == E]
-    assert len(experts) == 6
+    assert len(experts) == 8
     assert len(kernel) - len(experts) == 6  # the shared expert's, fwd, dgrad, wgrad
     others = [g for g in report.gemms if g not in kernel]
     assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
