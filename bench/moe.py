@@ -28,8 +28,18 @@ parameters: the library's BF16 block with its experts on ``lax.ragged_dot``
 a Flax user writes an MoE without grouped GEMMs; it drops slots past
 1.25x a balanced share, so it may do less work than the others).
 
-    cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,backward,block]
-        [--shape deepseek,mixtral] [--iters N] [--out F] [--trace DIR]
+``--recipe current,block`` runs the block part's FP8 block once per recipe
+(``fp8jax`` per-tensor current scaling, ``fp8jax_block`` BlockScaling's
+1x128 tiles and 128x128 expert blocks) and prints each FP8 block's speed
+against the fastest BF16 block of the same process.
+
+Part ``blockgemm``: BlockScaling's grouped GEMM (``fp8jax.ragged_dot``,
+quantization included) against the dense block-scaled GEMM
+(``fp8jax.dense``) of the same rows, forward and forward+backward, with
+the BF16 dense GEMM of those rows as the baseline.
+
+    cd bench && PYTHONPATH=../src python moe.py [--part tiles,gemm,backward,block,blockgemm]
+        [--shape deepseek,mixtral] [--recipe current,block] [--iters N] [--out F] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -342,9 +352,27 @@ def _kernels_off(f):
     return off
 
 
-def block_rows(shape: Shape) -> list[dict]:
-    """fwd+bwd of the block: fp8jax's MoEBlock, the same block in BF16 (``lax.ragged_dot``
-    experts, the kernels off) and :func:`capacity_moe`, all from the same BF16 parameters."""
+RECIPES = {"current": ("fp8jax", None), "block": ("fp8jax_block", fp8jax.BlockScaling())}
+
+
+def _ratios(rows: list[dict], what: str) -> None:
+    """Each FP8 row's speed against the fastest BF16 row: ``bf16 ms / fp8 ms``."""
+    bf16 = [r for r in rows if r["name"].startswith("bf16") and "median_ms" in r]
+    if not bf16:
+        print(f"  no BF16 {what} ran: no ratios", flush=True)
+        return
+    fastest = min(bf16, key=lambda r: r["median_ms"])
+    for r in rows:
+        if r["name"].startswith("fp8") and "median_ms" in r:
+            r["vs_fastest_bf16"] = fastest["median_ms"] / r["median_ms"]
+            print(f"  {r['name']}: {r['vs_fastest_bf16']:.3f}x the fastest BF16 {what} "
+                  f"({fastest['name']}, {fastest['median_ms']:.3f} ms)", flush=True)  # fmt: skip
+
+
+def block_rows(shape: Shape, recipes=("current",)) -> list[dict]:
+    """fwd+bwd of the block: fp8jax's MoEBlock under each of ``recipes`` (:data:`RECIPES`), the
+    same block in BF16 (``lax.ragged_dot`` experts, the kernels off) and :func:`capacity_moe`,
+    all from the same BF16 parameters."""
     from fp8jax.flax.linen import moe as lmoe
 
     print(f"\nMoE block fwd+bwd: {shape}", flush=True)
@@ -354,9 +382,10 @@ def block_rows(shape: Shape) -> list[dict]:
     shared = 2 * shape.tokens * shape.hidden * shape.ffn * shape.shared * 3
     useful = 3 * (experts + shared)
 
-    def make(fp8):
+    def make(fp8, recipe=None):
         block = lmoe.MoEBlock(num_experts=shape.experts, top_k=shape.top_k, ffn=shape.ffn,
-                              shared_experts=shape.shared, fp8=fp8, dtype=BF16)  # fmt: skip
+                              shared_experts=shape.shared, fp8=fp8, dtype=BF16,
+                              recipe=recipe)  # fmt: skip
 
         def apply(params, x):
             y, _ = block.apply(params, x, mutable=["intermediates"])
@@ -368,7 +397,7 @@ def block_rows(shape: Shape) -> list[dict]:
     variables = block.init(jax.random.key(2), x)
     params = jax.tree.map(lambda p: p.astype(BF16) if p.ndim > 1 else p, variables)
     variants = (
-        ("fp8jax", make(True)[1]),
+        *((RECIPES[r][0], make(True, RECIPES[r][1])[1]) for r in recipes),
         ("bf16_capacity", functools.partial(capacity_moe, top_k=shape.top_k)),
         # mgpu_ragged_dot imports Mosaic GPU when traced, inside the row's error handling
         ("bf16_mgpu", lambda p, x: grouped_moe(p, x, top_k=shape.top_k, gemm=mgpu_ragged_dot())),
@@ -387,10 +416,49 @@ def block_rows(shape: Shape) -> list[dict]:
         except Exception as e:  # a baseline that does not run here is reported, not fatal
             traceback.print_exc()
             out.append({"name": name, "error": f"{type(e).__name__}: {e}"[:500]})
+    _ratios(out, "block")
     return out
 
 
-PARTS = ("tiles", "gemm", "backward", "block")
+def block_gemm_rows(shape: Shape) -> list[dict]:
+    """BlockScaling's grouped GEMM (gate+up, balanced routing) against the dense block-scaled
+    GEMM of the same rows and the BF16 dense GEMM, forward and forward+backward."""
+    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
+    print(f"\nblock-scaled grouped GEMM: rows {rows}, k {k}, n {n}, {g} experts", flush=True)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (rows, k), BF16)
+    w = (jax.random.normal(keys[1], (g, k, n), F32) * k**-0.5).astype(BF16)
+    gy = jax.random.normal(keys[2], (rows, n), BF16)
+    sizes = jnp.full((g,), rows // g, jnp.int32)
+    block = fp8jax.BlockScaling()
+    flops = 2 * rows * k * n
+    variants = {
+        "fp8jax_block_grouped": (lambda a, b, s: fp8jax.ragged_dot(a, b, s, recipe=block),
+                                 (x, w, sizes)),
+        "fp8jax_block_dense": (lambda a, b: fp8jax.dense(a, b, recipe=block), (x, w[0])),
+        "bf16_dense": (lambda a, b: a @ b, (x, w[0])),
+    }  # fmt: skip
+    out = []
+    for name, (f, args) in variants.items():
+        out.append(_row(f"{name}_fwd", f, args, flops))
+
+        def step(*args, f=f):
+            _, vjp = jax.vjp(lambda a, b: f(a, b, *args[2:-1]), *args[:2])
+            return vjp(args[-1])
+
+        out.append(_row(f"{name}_fwd_bwd", step, (*args, gy), 3 * flops))
+    by_name = {r["name"]: r for r in out if "median_ms" in r}
+    for part in ("fwd", "fwd_bwd"):
+        grouped, dense = (by_name.get(f"fp8jax_block_{v}_{part}") for v in ("grouped", "dense"))
+        if grouped and dense:
+            print(f"  {part}: grouped {dense['median_ms'] / grouped['median_ms']:.3f}x the dense "
+                  "block-scaled GEMM of the same rows", flush=True)  # fmt: skip
+    for part in ("fwd", "fwd_bwd"):
+        _ratios([r for r in out if r["name"].endswith(f"_{part}")], f"dense GEMM ({part})")
+    return out
+
+
+PARTS = ("tiles", "gemm", "backward", "block", "blockgemm")
 
 
 def main():
@@ -401,11 +469,18 @@ def main():
     parser.add_argument("--shape", default="mixtral,deepseek",
                         help=f"comma-separated, in order, of {tuple(SHAPES)}")  # fmt: skip
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--recipe", default="current", help=f"the block part's FP8 recipes, of {tuple(RECIPES)}"
+    )
     parser.add_argument("--iters", type=int, default=20, help="timed calls per row")
     parser.add_argument(
         "--trace", default=None, help="profile block rows here; print the slowest kernels"
     )
     args = parser.parse_args()
+    recipes = tuple(args.recipe.split(","))
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        parser.error(f"--recipe must be a comma-separated list of {tuple(RECIPES)}, got {unknown}")
     ITERS["n"], TRACE["dir"] = args.iters, args.trace
     payload = {"environment": environment(), "fp8_compiler_options": fp8jax.compiler_options(),
                "results": {}}  # fmt: skip
@@ -423,7 +498,9 @@ def main():
             payload["results"][f"{name}/best_backward_tiles"] = dataclasses.asdict(best)
             gg.set_tiles(best)  # for this shape's block
         if "block" in parts:
-            payload["results"][f"{name}/block"] = block_rows(shape)
+            payload["results"][f"{name}/block"] = block_rows(shape, recipes)
+        if "blockgemm" in parts:
+            payload["results"][f"{name}/blockgemm"] = block_gemm_rows(shape)
         if args.out:  # after each shape: a run cut short keeps what it measured
             dump(args.out, payload)
 

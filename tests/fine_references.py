@@ -163,6 +163,45 @@ def ragged_dot(lhs, rhs, group_sizes, g, *, forward="e4m3", backward="e5m2", mar
             "d_rhs": (d_rhs, gemm_slack(d_rhs_mag, rows))}  # fmt: skip
 
 
+def block_ragged_dot(lhs, rhs, group_sizes, g, *, forward="e4m3", backward="e4m3", margin=0,
+                     power_of_two=False, block=128):  # fmt: skip
+    """``{"y"|"d_lhs"|"d_rhs": (value, slack)}`` of the block-scaled ragged_dot: :func:`dense`
+    on each group's rows.
+
+    Each group's rows ``lhs[rows]`` (size, k), its ``rhs[i]`` (k, n) and the
+    cotangent's rows ``g[rows]`` (size, n) are zero-padded to multiples of
+    ``block`` and run through the dense block reference: tokens per 1 x block
+    tile, the weight per block, the wgrad's operands per ``block`` tokens
+    from the group's first row (zeros change no amax). Rows past
+    ``sum(group_sizes)`` give zeros and contribute nothing.
+    """
+    lhs, rhs, g = (np.asarray(v, np.float32) for v in (lhs, rhs, g))
+    k, n = rhs.shape[1:]
+    recipe = dict(kind="block", forward=forward, backward=backward, margin=margin,
+                  power_of_two=power_of_two, block=block)  # fmt: skip
+    out = {"y": np.zeros((lhs.shape[0], n)), "d_lhs": np.zeros(lhs.shape),
+           "d_rhs": np.zeros(rhs.shape)}  # fmt: skip
+    slack = {name: np.zeros_like(v) for name, v in out.items()}
+    up = lambda v: -v % block  # noqa: E731
+    start = 0
+    for i, size in enumerate(np.asarray(group_sizes)):
+        rows = slice(start, start + int(size))
+        start += int(size)
+        if not size:
+            continue
+        pad_rows = up(int(size))
+        res = dense(np.pad(lhs[rows], ((0, pad_rows), (0, up(k)))),
+                    np.pad(rhs[i], ((0, up(k)), (0, up(n)))),
+                    np.pad(g[rows], ((0, pad_rows), (0, up(n)))), **recipe)  # fmt: skip
+        for name, key, crop in (("y", "y", (int(size), n)), ("d_lhs", "dx", (int(size), k)),
+                                ("d_rhs", "dw", (k, n))):  # fmt: skip
+            value, s = res[key]
+            target = rows if name != "d_rhs" else i
+            out[name][target] = value[: crop[0], : crop[1]]
+            slack[name][target] = s[: crop[0], : crop[1]]
+    return {name: (out[name], slack[name]) for name in out}
+
+
 def _norm_and_vjp(x, gamma, beta):
     """The textbook LayerNorm in f32 (``references.norm``) over rows of ``x``, and its VJP."""
     import jax

@@ -64,11 +64,19 @@ def _expert_scales(w, experts):
     return (448.0 / amax)[experts.reshape(-1)]
 
 
-def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup):
+# BlockScaling: the same bound holds. Each 1x128 tile's or 128x128 block's
+# amax is at most its tensor's (or expert's), so its scale is at least the
+# per-tensor one: the relative rounding is the format's, and the subnormal
+# term half the smallest subnormal over a larger scale.
+@pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling()], ids=["current", "block"])
+def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup, recipe):
     x, p = setup
-    y, state = jax.jit(lambda v, x: _block().apply(v, x, mutable=["intermediates"]))(
+    y, state = jax.jit(lambda v, x: _block(recipe=recipe).apply(v, x, mutable=["intermediates"]))(
         {"params": p["params"]}, x
     )
+    if recipe is not None:  # not a silent fallback to the per-tensor experts
+        per_tensor = jax.jit(_block().apply)({"params": p["params"]}, x)
+        assert not np.array_equal(np.asarray(y), np.asarray(per_tensor))
     want, r = _reference(x, p["params"])
     scale_x = 448.0 / np.abs(r["rows_x"]).max()
     s_wi = _expert_scales(p["params"]["wi"], r["experts"])[:, None, None, None]
@@ -93,15 +101,21 @@ def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup
     np.testing.assert_allclose(aux, E * np.sum(counts * probs.mean(0)), rtol=1e-5)
 
 
-def test_gradients_track_the_f32_block(setup):
+@pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling(formats=fp8jax.HYBRID)],
+                         ids=["current", "block"])  # fmt: skip
+def test_gradients_track_the_f32_block(setup, recipe):
     # The same block with fp8=False in f32 is the reference (its values are
     # lax.ragged_dot's); ref.MOE_GRADIENT_BUDGET says why its budget holds.
+    # Under BlockScaling (HYBRID: the same formats) every tile's scale is at
+    # least its tensor's, and the gradients are not converted to E5M2 a
+    # second time: no larger error.
     x, p = setup
     g = jax.random.normal(jax.random.key(5), x.shape)
 
     def grads(fp8):
         def loss(params, x):
-            y, _ = _block(fp8=fp8).apply({"params": params}, x, mutable=["intermediates"])
+            block = _block(fp8=fp8, recipe=recipe if fp8 else None)
+            y, _ = block.apply({"params": params}, x, mutable=["intermediates"])
             return jnp.sum(y * g)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1)))(p["params"], x)
@@ -110,12 +124,13 @@ def test_gradients_track_the_f32_block(setup):
     assert all(0 < e < ref.MOE_GRADIENT_BUDGET for e in errors.values()), errors
 
 
-def test_nnx_block_equals_linen_with_the_same_parameters(setup):
+@pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling()], ids=["current", "block"])
+def test_nnx_block_equals_linen_with_the_same_parameters(setup, recipe):
     x, p = setup
-    block = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, rngs=nnx.Rngs(0))
+    block = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, recipe=recipe, rngs=nnx.Rngs(0))
     for name in ("router", "wi", "wo"):
         getattr(block, name).set_value(p["params"][name])
-    want = jax.jit(_block().apply)({"params": p["params"]}, x)
+    want = jax.jit(_block(recipe=recipe).apply)({"params": p["params"]}, x)
     got = nnx.jit(lambda block, x: block(x))(block, x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert float(block.aux_loss[...]) > 0
@@ -163,6 +178,34 @@ def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
     assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
     shared = [g for g in report.fp8_gemms if g not in grouped]
     assert len(shared) == 6  # the shared expert's two dense GEMMs, fwd, dgrad, wgrad
+
+
+def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100_compile():
+    # Under BlockScaling (ALL_E4M3) each grouped GEMM, forward, dgrad and
+    # wgrad, runs the block-scaled Mosaic GPU kernel batched over the
+    # experts, a round of rows per expert at a time: 2 forward, 2 dgrad and
+    # 2 x 2 wgrad (its first round, the accumulator, stands before the loop);
+    # the shared expert's six are the same kernel on one batch; the rest is
+    # the router.
+    block = _block(shared_experts=1, recipe=fp8jax.BlockScaling())
+    x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+    params = jax.eval_shape(lambda: nn.meta.unbox(block.init(jax.random.key(0), jnp.ones((T, H)))))
+
+    def step(params, x):
+        def f(params, x):
+            return block.apply(params, x, mutable=["intermediates"])[0]
+
+        y, vjp = jax.vjp(f, params, x)
+        return vjp(y)
+
+    report = verify.gemm_report(verify.compile_for(step, params, x, target="h100"))
+    kernel = [g for g in report.gemms if g.target == "fp8jax_block_scaled_gemm"]
+    assert all(g.backend == "pallas-fp8" for g in kernel)
+    experts = [g for g in kernel if g.lhs_shape[0] == E]
+    assert len(experts) == 8
+    assert len(kernel) - len(experts) == 6  # the shared expert's, fwd, dgrad, wgrad
+    others = [g for g in report.gemms if g not in kernel]
+    assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
 
 
 def test_permutations_backward_are_gathers_equal_to_the_transposed_takes():
@@ -219,13 +262,13 @@ def test_bad_settings_name_the_argument_expected_and_given(kw, match):
         fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("recipe", [fp8jax.BlockScaling(), fp8jax.MXFP8Scaling(),
-                                    fp8jax.RowwiseScaling(), fp8jax.DelayedScaling()])  # fmt: skip
+@pytest.mark.parametrize("recipe", [fp8jax.MXFP8Scaling(), fp8jax.RowwiseScaling(),
+                                    fp8jax.DelayedScaling()])  # fmt: skip
 def test_recipes_the_expert_gemms_cannot_take_are_refused_at_construction(recipe):
-    # Block and MX scaling used to fail inside the op with an AttributeError,
-    # rowwise to run per-tensor scaling, bitwise CurrentScaling.
+    # MX scaling used to fail inside the op with an AttributeError, rowwise to
+    # run per-tensor scaling, bitwise CurrentScaling.
     name = type(recipe).__name__
-    match = rf"MoEBlock: the expert GEMMs take CurrentScaling only.*Got recipe={name}"
+    match = rf"MoEBlock: the expert GEMMs take CurrentScaling or BlockScaling.*Got recipe={name}"
     with pytest.raises(ValueError, match=match):
         _block(recipe=recipe)
     with pytest.raises(ValueError, match=match):

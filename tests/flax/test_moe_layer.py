@@ -296,15 +296,11 @@ def test_h100_compile_runs_every_gemm_but_the_router_and_attention_core_in_fp8()
         ),
         (
             {"recipe": fp8jax.DelayedScaling(amax_history_len=4)},
-            r"TransformerLayer.moe: the expert GEMMs take CurrentScaling only .*state per expert"
+            r"TransformerLayer.moe: the expert GEMMs take CurrentScaling or BlockScaling only "
+            r".*state per expert"
             r".*Got recipe=DelayedScaling\.",
         ),
-        # These three used to fail inside the op (AttributeError) or, rowwise, run per tensor.
-        (
-            {"recipe": fp8jax.BlockScaling()},
-            r"TransformerLayer.moe: the expert GEMMs take CurrentScaling only .*block-scaled "
-            r"expert GEMMs are not implemented. Got recipe=BlockScaling\.",
-        ),
+        # These two used to fail inside the op (AttributeError) or, rowwise, run per tensor.
         (
             {"recipe": fp8jax.MXFP8Scaling()},
             r"TransformerLayer.moe: .*Got recipe=MXFP8Scaling\.",
@@ -322,7 +318,6 @@ def test_h100_compile_runs_every_gemm_but_the_router_and_attention_core_in_fp8()
         "type",
         "activations",
         "delayed",
-        "block",
         "mx",
         "rowwise",
     ],

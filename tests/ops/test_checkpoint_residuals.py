@@ -57,12 +57,15 @@ def test_the_fused_ops_under_an_everything_saveable_checkpoint():
     _same_with_and_without_checkpoint(loss, x, w, k1, k2)
 
 
-def test_ragged_dot_under_an_everything_saveable_checkpoint():
+@pytest.mark.parametrize(
+    "recipe", [fp8jax.CurrentScaling(), fp8jax.BlockScaling()], ids=lambda r: type(r).__name__
+)
+def test_ragged_dot_under_an_everything_saveable_checkpoint(recipe):
     x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (4, 128, 32), jnp.float32) * 0.1
     sizes = jnp.array([16, 0, 40, 8], jnp.int32)
     _same_with_and_without_checkpoint(
-        lambda x, w: jnp.sum(fp8jax.ragged_dot(x, w, sizes) ** 2), x, w
+        lambda x, w: jnp.sum(fp8jax.ragged_dot(x, w, sizes, recipe=recipe) ** 2), x, w
     )
 
 

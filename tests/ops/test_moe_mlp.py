@@ -88,17 +88,29 @@ def test_fp8_dropped_slots_get_no_value_and_no_gradient():
     assert np.isfinite(np.asarray(capped)).all()
 
 
-def test_a_plain_jax_user_gets_the_flax_blocks_values():
+@pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling()], ids=["current", "block"])
+def test_a_plain_jax_user_gets_the_flax_blocks_values_and_gradients(recipe):
     import flax.linen as nn
 
     from fp8jax.flax import linen as fnn
 
     x, _, _, _ = _inputs()
-    block = fnn.MoEBlock(num_experts=E, top_k=K, ffn=F)
+    block = fnn.MoEBlock(num_experts=E, top_k=K, ffn=F, recipe=recipe)
     params = nn.meta.unbox(block.init(jax.random.key(1), x))["params"]
-    want = block.apply({"params": params}, x)
-    got, _ = fp8jax.moe_mlp(x, x @ params["router"], params["wi"], params["wo"], top_k=K)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    g = jax.random.normal(jax.random.key(7), x.shape)
+
+    def by_block(params, x):
+        return jnp.sum(block.apply({"params": params}, x) * g)
+
+    def by_op(params, x):
+        y, _ = fp8jax.moe_mlp(x, x @ params["router"], params["wi"], params["wo"], top_k=K,
+                              recipe=recipe)  # fmt: skip
+        return jnp.sum(y * g)
+
+    want = jax.jit(jax.value_and_grad(by_block, argnums=(0, 1)))(params, x)
+    got = jax.jit(jax.value_and_grad(by_op, argnums=(0, 1)))(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize(
@@ -113,8 +125,8 @@ def test_a_plain_jax_user_gets_the_flax_blocks_values():
         ({"activation": "linear"}, r"activation must be one of .*got 'linear'"),
         ({"capacity_factor": 0}, r"capacity_factor must be None \(dropless\) or .* got 0"),
         (
-            {"recipe": fp8jax.BlockScaling()},
-            r"the expert GEMMs take CurrentScaling only.*Got recipe=BlockScaling",
+            {"recipe": fp8jax.MXFP8Scaling()},
+            r"the expert GEMMs take CurrentScaling or BlockScaling only.*Got recipe=MXFP8Scaling",
         ),
     ],
 )

@@ -275,7 +275,7 @@ def test_bad_inputs_name_the_argument_expected_and_given(lhs_shape, rhs_shape, s
 
 def test_delayed_scaling_and_fp8_inputs_are_refused():
     x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32)
-    with pytest.raises(ValueError, match="CurrentScaling only"):
+    with pytest.raises(ValueError, match="CurrentScaling or BlockScaling only"):
         fp8jax.ragged_dot(x, w, gs, recipe=fp8jax.DelayedScaling())
     with pytest.raises(TypeError, match="lhs must be a float32"):
         fp8jax.ragged_dot(x.astype(jnp.float8_e4m3fn), w, gs)
@@ -284,8 +284,8 @@ def test_delayed_scaling_and_fp8_inputs_are_refused():
 @pytest.mark.parametrize(
     "recipe,why",
     [
-        (fp8jax.BlockScaling(), "block-scaled expert GEMMs are not implemented"),
-        (fp8jax.MXFP8Scaling(), "block-scaled expert GEMMs are not implemented"),
+        (fp8jax.MXFP8Scaling(), "MXFP8's 1x32 E8M0 blocks need Blackwell"),
+        (fp8jax.DelayedScaling(), "a scale state per expert"),
         # Rowwise used to run per-tensor scaling silently (bitwise CurrentScaling).
         (fp8jax.RowwiseScaling(), "no per-row scales"),
     ],
@@ -293,7 +293,7 @@ def test_delayed_scaling_and_fp8_inputs_are_refused():
 def test_recipes_the_expert_gemms_cannot_take_are_refused_by_name(recipe, why):
     x, w, gs = jnp.ones((8, 4)), jnp.ones((2, 4, 3)), jnp.array([4, 4], jnp.int32)
     name = type(recipe).__name__
-    match = rf"fp8jax.ragged_dot: .*CurrentScaling.*{why}.*Got recipe={name}"
+    match = rf"fp8jax.ragged_dot: .*CurrentScaling or BlockScaling only.*{why}.*Got recipe={name}"
     with pytest.raises(ValueError, match=match):
         fp8jax.ragged_dot(x, w, gs, recipe=recipe)
     order = jnp.arange(8, dtype=jnp.int32)

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 from test_expert_parallel import BACKWARD, FORWARD, _assert_within, _block, _loss
 
+import fp8jax
 import fp8jax.sharding as fs
 from fp8jax import verify
+from fp8jax.flax import linen as fnn
 
 E = 16
 MESHES = {"fsdp8": {"fsdp": 8}, "dp2_fsdp4": {"dp": 2, "fsdp": 4}, "dp8": {"dp": 8}}
@@ -107,3 +109,42 @@ def test_h100_train_step_moves_no_token_row_and_runs_every_expert_gemm_in_fp8(me
     assert len(experts) >= 2 and all(c[1].startswith("f8") for c in experts), gathers
     scatters = [c for c in collectives if c[0] == "reduce-scatter" and c[2][:1] == (E,)]
     assert len(scatters) >= 2, collectives
+
+
+def test_block_scaled_fsdp_experts_are_quantized_per_shard_and_gathered_in_fp8():
+    # Hidden 1024 over fsdp=8: each device's shard is one 128-row block of
+    # every expert's weights, quantized there and all-gathered in FP8. The
+    # forward and the input gradient read each token's 1x128 tiles and the
+    # whole experts' blocks, the same FP8 operands as one device: only f32
+    # sums move (test_expert_parallel's budgets; the router's gradient
+    # follows from them). The weights' gradients tile each device's own
+    # rows of a group, not one device's: another rounding of the same
+    # values, each within ((1 + 2**-4)**2 - 1) of its |.|-products of the
+    # exact one (E4M3 both operands), normwise far less; the two runs differ
+    # by at most twice that.
+    hidden = 1024
+    x = jax.random.normal(jax.random.key(0), (8, 12, hidden))
+    block = fnn.MoEBlock(num_experts=E, top_k=2, ffn=128, recipe=fp8jax.BlockScaling())
+    params = nn.meta.unbox(jax.jit(block.init)(jax.random.key(1), x))["params"]
+    (_, (want_y, _)), want_grads = _loss(block)(params, x)
+    with fs.use_mesh(fs.make_mesh(fsdp=8)):
+        step = _loss(block)
+        jaxpr = str(jax.make_jaxpr(step)(params, x))
+        (_, (y, _)), grads = step(params, x)
+    assert "all_gather" in jaxpr and "reduce_scatter" in jaxpr
+    _assert_within(y, want_y, FORWARD, "y")
+    _assert_within(grads[1], want_grads[1], BACKWARD, "dx")
+    _assert_within(grads[0]["router"], want_grads[0]["router"], BACKWARD, "drouter")
+    for name in ("wi", "wo"):
+        got, want = np.asarray(grads[0][name]), np.asarray(want_grads[0][name])
+        relative = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert 0 < relative < 2 * ((1 + 2.0**-4) ** 2 - 1), (name, relative)
+
+
+def test_block_scaled_fsdp_shards_of_partial_blocks_are_refused(inputs):
+    # hidden 64 over fsdp=8: 8 rows a shard, no whole 128x128 block.
+    x, params, _ = inputs
+    block = _block(recipe=fp8jax.BlockScaling())
+    match = r"whole 128x128 blocks.*shard of shape \(16, 8, 64\)"
+    with fs.use_mesh(fs.make_mesh(fsdp=8)), pytest.raises(ValueError, match=match):
+        _loss(block)(params, x)

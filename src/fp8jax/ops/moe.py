@@ -262,8 +262,9 @@ def moe_mlp(
       activation: the gate's activation, a name from :mod:`fp8jax.activations`
         (``"silu"``: SwiGLU experts).
       fp8: FP8 expert GEMMs; False runs them in ``x.dtype`` (a baseline).
-      recipe: :class:`~fp8jax.CurrentScaling` (the default); the only recipe the
-        expert GEMMs take.
+      recipe: :class:`~fp8jax.CurrentScaling` (the default) or
+        :class:`~fp8jax.BlockScaling` (DeepSeek-V3's 1x128 tiles and 128x128
+        expert weight blocks); the recipes the expert GEMMs take.
       capacity_factor: None (dropless), or a number > 0: each expert takes at
         most ``ceil(capacity_factor * tokens * top_k / experts)`` slots, the
         first in token order, counting every device's tokens (``token_axes``).
@@ -279,7 +280,7 @@ def moe_mlp(
 
     Raises:
       ValueError: for wrong shapes, a bad ``top_k``, gating, activation or
-        capacity factor, or a recipe other than CurrentScaling.
+        capacity factor, or a recipe other than CurrentScaling or BlockScaling.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax

@@ -16,8 +16,11 @@ scale per tensor: a token's values do not depend on the expert it is routed
 to, so per-group amaxes would differ little, and a single scale keeps the
 epilogue a product of two factors (tests/ops/test_ragged_dot.py checks a
 nearly dead expert, weights 1e-4 times the others, within the E4M3 budget).
-Scaling is current (each tensor's own amax); every other recipe is refused by name
-(:func:`check_recipe`).
+Scaling is current (each tensor's own amax). Under ``BlockScaling``
+(DeepSeek-V3's recipe) tokens and gradients are scaled per 1x128 tile and
+each expert's weights per 128x128 block instead, with the FP32 promotion
+every 128 of the contraction (:mod:`fp8jax.ops.block_ragged`); every other
+recipe is refused by name (:func:`check_recipe`).
 
 The GEMMs (:mod:`fp8jax.kernels.grouped_gemm`,
 docs/design.md#grouped-expert-gemms): on NVIDIA GPUs a Pallas Triton
@@ -62,10 +65,18 @@ from jax.sharding import PartitionSpec as P
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.kernels import dispatch, expert_cast
 from fp8jax.kernels import grouped_gemm as gg
-from fp8jax.ops import _partitioning
+from fp8jax.ops import _partitioning, block_ragged
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import amax, check_high_precision, quantize_with_scale
-from fp8jax.recipes import CurrentScaling, DelayedScaling, Recipe, RowwiseScaling, resolve_recipe
+from fp8jax.recipes import (
+    BlockScaling,
+    CurrentScaling,
+    DelayedScaling,
+    MXFP8Scaling,
+    Recipe,
+    RowwiseScaling,
+    resolve_recipe,
+)
 from fp8jax.scaling import scale_from_amax
 
 # Tests run the kernels in Pallas interpret mode on the CPU inside it: an
@@ -381,7 +392,9 @@ def ragged_dot(
         ``lax.ragged_dot``). Inside ``jit`` they cannot be checked: a
         negative size then counts as an empty group and rows past ``m`` are
         dropped.
-      recipe: :class:`~fp8jax.CurrentScaling` (the default); each expert's
+      recipe: :class:`~fp8jax.CurrentScaling` (the default), or
+        :class:`~fp8jax.BlockScaling` (per 1x128 tile and 128x128 block,
+        :mod:`fp8jax.ops.block_ragged`); under CurrentScaling each expert's
         weights get their own scale, ``lhs`` and the output gradient one each.
       state: must be None (DelayedScaling is not supported by this op).
       preferred_element_type: output dtype; defaults to ``lhs.dtype``.
@@ -392,7 +405,7 @@ def ragged_dot(
     Raises:
       TypeError: for non-float operands, FP8 operands or non-integer group sizes.
       ValueError: for wrong ranks or shapes, bad concrete group sizes, or a
-        DelayedScaling recipe or a state.
+        recipe other than CurrentScaling or BlockScaling, or a state.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -403,6 +416,9 @@ def ragged_dot(
     """
     _check(lhs, rhs, group_sizes, lhs.shape[0] if lhs.ndim == 2 else 0, "lhs")
     config = _config(lhs, rhs, recipe, state, preferred_element_type)
+    if isinstance(config.recipe, BlockScaling):
+        return block_ragged.block_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                                             (None, None), config)  # fmt: skip
     return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), (None, None), config)
 
 
@@ -410,29 +426,38 @@ def check_recipe(owner: str, recipe) -> Recipe:
     """``recipe`` resolved, or an error naming ``owner`` where the expert GEMMs cannot take it.
 
     The grouped GEMMs scale per tensor (activations, gradients) and per
-    expert (weights), freshly from each tensor's amax: CurrentScaling only.
+    expert (weights), freshly from each tensor's amax (CurrentScaling), or
+    per 1x128 tile and 128x128 weight block (BlockScaling).
     """
     recipe = resolve_recipe(recipe)
-    if isinstance(recipe, CurrentScaling):
+    if isinstance(recipe, (CurrentScaling, BlockScaling)):
         return recipe
     name = type(recipe).__name__
     if isinstance(recipe, DelayedScaling):
         why = "per-expert delayed scaling would need a scale state per expert"
     elif isinstance(recipe, RowwiseScaling):
-        why = ("the grouped GEMMs scale each expert's weights and the tokens per tensor; they "
-               "have no per-row scales, and running them per tensor would silently drop the "
-               "rowwise recipe")  # fmt: skip
+        why = ("the grouped GEMMs have no per-row scales, and running them per tensor would "
+               "silently drop the rowwise recipe")  # fmt: skip
+    elif isinstance(recipe, MXFP8Scaling):
+        why = ("MXFP8's 1x32 E8M0 blocks need Blackwell's block-scaled GEMM, which the "
+               "grouped GEMMs do not call")  # fmt: skip
     else:
-        why = "block-scaled expert GEMMs are not implemented"
+        why = f"{name} is not a recipe the expert GEMMs know"
     raise ValueError(
-        f"{owner}: the expert GEMMs take CurrentScaling only (or recipe=None); "
-        f"{why}. Got recipe={name}. Pass CurrentScaling, or run the experts in BF16 (fp8=False "
-        "on the MoE block)."
+        f"{owner}: the expert GEMMs take CurrentScaling or BlockScaling only (or recipe=None); "
+        f"{why}. Got recipe={name}. Pass CurrentScaling or BlockScaling, or run the experts in "
+        "BF16 (fp8=False on the MoE block)."
     )
 
 
 def reduced_over(recipe: Recipe, axes: tuple[str, ...]) -> Recipe:
-    """``recipe`` with ``axes`` added to its ``amax_reduction_axes`` (inside ``shard_map``)."""
+    """``recipe`` with ``axes`` added to its ``amax_reduction_axes`` (inside ``shard_map``).
+
+    BlockScaling has none: each tile and block lies within one device's
+    rows (a device's share of a group tiles from its own first row).
+    """
+    if isinstance(recipe, BlockScaling):
+        return recipe
     reduce = tuple(dict.fromkeys((*recipe.amax_reduction_axes, *axes)))
     return dataclasses.replace(recipe, amax_reduction_axes=reduce)
 
@@ -557,4 +582,7 @@ def sharded_permuted_ragged_dot(lhs, rhs, group_sizes, *, lhs_slots=None, repeat
             _check_slots(name, slots, rows)
     config = _config(lhs, rhs, recipe, None, preferred_element_type, repeats, gather)
     as_int = [None if i is None else i.astype(jnp.int32) for i in (lhs_slots, out_slots)]
+    if isinstance(config.recipe, BlockScaling):
+        return block_ragged.block_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                                             tuple(as_int), config)  # fmt: skip
     return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), tuple(as_int), config)

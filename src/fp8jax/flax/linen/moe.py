@@ -63,7 +63,7 @@ class MoEBlock(nn.Module):
         parallelism it bounds each device's receive buffer. The share
         dropped is sown as ``"dropped"`` in ``"moe_stats"``.
       dtype, param_dtype, kernel_init, recipe: as in DenseGeneral
-        (CurrentScaling only: ragged_dot keeps no delayed-scaling state).
+        (CurrentScaling or BlockScaling: ragged_dot keeps no delayed-scaling state).
 
     Example:
       >>> import jax, jax.numpy as jnp

@@ -52,7 +52,7 @@ class TransformerLayer(nn.Module):
       activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU. With
         ``moe``, a gated pair ``(act, "linear")``: the experts' gate activation.
       moe: None (a dense MLP) or an :class:`MoEConfig`; see above. The
-        experts have no biases and take CurrentScaling only.
+        experts have no biases and take CurrentScaling or BlockScaling.
       norm_type: ``"layernorm"`` or ``"rmsnorm"``, for every norm.
       norm_position: ``"pre"`` or ``"post"``.
       residual_from_norm: pre-norm only; see above.
