@@ -17,9 +17,9 @@ import pytest
 
 import fine_references as fr
 import fp8jax
-from fp8jax.ops import _partitioning, block_ragged, blockwise
+from fp8jax.ops import _partitioning, block_ragged, fine_grained
 from fp8jax.ops import ragged_dot as rd
-from fp8jax.ops.fine_config import FineDotConfig
+from fp8jax.ops.fine_grained import FineDotConfig
 
 F32 = jnp.float32
 
@@ -110,7 +110,7 @@ def test_forward_and_dgrad_are_the_dense_block_gemm_on_each_groups_rows_bit_for_
         a, b = jnp.pad(x[rows], pad)[None], jnp.swapaxes(w[i], 0, 1)[None]
         config = FineDotConfig(recipe, jnp.dtype(F32), jnp.dtype(F32), jnp.dtype(F32),
                                _partitioning.input_types(a, b))  # fmt: skip
-        yi, vjp = jax.vjp(lambda a, b, c=config: blockwise.block_dot(a, b, c), a, b)
+        yi, vjp = jax.vjp(lambda a, b, c=config: fine_grained.fine_dot(a, b, c), a, b)
         dai, _ = vjp(jnp.pad(g[rows], pad)[None])
         np.testing.assert_array_equal(np.asarray(y[rows]), np.asarray(yi[0, :size]))
         np.testing.assert_array_equal(np.asarray(dx[rows]), np.asarray(dai[0, :size]))

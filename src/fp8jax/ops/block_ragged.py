@@ -4,7 +4,7 @@ DeepSeek-V3's recipe on each expert: a token is scaled per 1x128 tile along
 the axis its GEMM contracts, each expert's weight per 128x128 block, and
 every 128-long slice of the contraction is taken in FP8, scaled and added
 to an f32 accumulator (docs/design.md#fine-grained-scaling). Per group,
-each GEMM is the dense block GEMM (:func:`fp8jax.ops.blockwise.block_dot`)
+each GEMM is the dense block GEMM (:func:`fp8jax.ops.fine_grained.fine_dot` under BlockScaling)
 on the group's rows:
 
 * forward ``lhs . rhs[i]``: ``lhs`` per 1x128 tile along K, ``rhs[i]`` per
