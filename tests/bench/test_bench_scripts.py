@@ -83,3 +83,13 @@ def test_mlp_flax_baseline_is_layernorm_dense_swiglu_dense():
     h = pre[:, 0] / (1 + np.exp(-pre[:, 0])) * pre[:, 1]
     want = h @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
     np.testing.assert_allclose(got, want, rtol=2.0**-6, atol=2.0**-6 * np.abs(want).max())
+
+
+def test_jaxpr_snapshot_prints_a_case_without_refusing_it(capsys):
+    """bench/jaxpr_snapshot.py (CPU only) on one case that every recipe's op accepts."""
+    import jaxpr_snapshot
+
+    jaxpr_snapshot.main(["--only", "ragged_dot block kernels=off", "--hashes"])
+    out = capsys.readouterr().out
+    assert out.startswith("=== ragged_dot block kernels=off\n"), out
+    assert "refused" not in out and "grad [1]" in out, out
