@@ -93,3 +93,39 @@ def test_jaxpr_snapshot_prints_a_case_without_refusing_it(capsys):
     out = capsys.readouterr().out
     assert out.startswith("=== ragged_dot block kernels=off\n"), out
     assert "refused" not in out and "grad [1]" in out, out
+
+
+def test_scaling_operands_summed_by_xla_give_the_product():
+    """bench/scaling.py's operands (1x128 tiles, 128x128 blocks expanded per row) on XLA's sums.
+
+    Budget as for block_variants above, against the f32 inputs themselves.
+    """
+    import scaling
+
+    from fp8jax.kernels import block_gemm
+
+    m = n = k = 256
+    x, w, ops = scaling.operands(m, k, n)
+    assert [o.shape for o in ops] == [(1, m, k), (1, n, k), (1, m, k // 128), (1, n, k // 128)]
+    got = np.asarray(block_gemm.xla_block_matmul(*ops, out_dtype=jnp.float32), np.float64)[0]
+    a, b = np.asarray(x, np.float64)[0], np.asarray(w, np.float64)[0]
+    bound = 2 * 2.0**-4 * k * np.abs(a).max() * np.abs(b).max()
+    assert np.abs(got - a @ b.T).max() <= bound
+
+
+def test_attention_backward_precision_runs_at_a_toy_size():
+    """bench/attention_backward_precision.py in a child: it switches jax_enable_x64 globally."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'bench'}"}
+    script = ROOT / "bench" / "attention_backward_precision.py"
+    args = ["--seq", "128", "--heads", "1", "--head-dim", "64"]
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if " dq " in f" {line} "]
+    assert len(rows) >= 2, done.stdout
+    # Relative errors of FP8 or BF16 gradient products: finite, below E4M3's 2**-3 step.
+    errors = [float(r[i + 1]) for r in rows for i in range(1, len(r), 2)]
+    assert all(0 <= e < 2**-3 for e in errors), done.stdout
