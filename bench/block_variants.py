@@ -71,12 +71,10 @@ def operands(m, n, k, b_blocks, key=0):
     ka, kb = jax.random.split(jax.random.key(key))
     a = jax.random.normal(ka, (1, m, k), jnp.float32)
     b = jax.random.normal(kb, (1, n, k), jnp.float32) * 0.02
-    qa, sa = quantize_tiles(a, fp8jax.E4M3, block_gemm.BLOCK)
-    if b_blocks:
-        qb, sb = quantize_blocks(b, fp8jax.E4M3, block_gemm.BLOCK)
-    else:
-        qb, sb = quantize_tiles(b, fp8jax.E4M3, block_gemm.BLOCK)
-    return (a[0].astype(BF16), b[0].astype(BF16)), (qa, qb, sa, sb)
+    qa = quantize_tiles(a, fp8jax.E4M3, block_gemm.BLOCK)
+    quantize_b = quantize_blocks if b_blocks else quantize_tiles
+    qb = quantize_b(b, fp8jax.E4M3, block_gemm.BLOCK)
+    return (a[0].astype(BF16), b[0].astype(BF16)), (qa.data, qb.data, qa.scale_inv, qb.scale_inv)
 
 
 def xla_reference(fp8_ops, b_blocks) -> jax.Array:

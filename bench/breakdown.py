@@ -7,9 +7,10 @@ compiled HLO text then says what each fusion reads and writes, which is how a
 quantize kernel is told apart: it writes FP8 from a high-precision array.
 
 Classes: ``gemm`` (cuBLAS/cuBLASLt or Triton GEMM fusions), ``attention``
-(cuDNN), ``quantize`` (fusions writing FP8 from high precision),
-``fp8-relayout`` (FP8 in, FP8 out: the transposes cuBLASLt's FP8 GEMMs need
-for operands whose contracting axis is not the minor one), ``all-gather`` /
+(cuDNN, and fp8jax's own FP8 attention kernels by their names), ``quantize``
+(fusions writing FP8 from high precision), ``fp8-relayout`` (FP8 in, FP8
+out: the transposes cuBLASLt's FP8 GEMMs need for operands whose
+contracting axis is not the minor one), ``all-gather`` /
 ``reduce-scatter`` / ``all-reduce`` / ``collective`` (NCCL), ``optimizer``
 (the fusions under the train step's ``fp8jax.optimizer`` named scope: the
 gradient norm and the update) and ``other`` (norms, activations, amax
@@ -25,8 +26,19 @@ import re
 
 from jax.profiler import ProfileData
 
+from fp8jax.kernels import attention, attention_backward
+
 _GEMM_LIBRARY = re.compile(r"gemm|xmma|cutlass|cublas|sm90_|sm80_|gmma", re.IGNORECASE)
 _ATTENTION_LIBRARY = re.compile(r"cudnn|fmha|flash|sdpa", re.IGNORECASE)
+# fp8jax's Mosaic GPU attention kernels, by the kernel_name each is built with: a
+# trace shows one under a name that starts with it (Mosaic GPU appends its own
+# suffix, as in NAME_mosaic_gpu_kernel), so they are matched as prefixes, read
+# from the library so that a rename follows.
+FP8JAX_ATTENTION_KERNELS = (
+    attention.KERNEL_NAME,
+    attention_backward.DKV_KERNEL,
+    attention_backward.DQ_KERNEL,
+)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s(\w[\w\-]*)\(", re.MULTILINE)
 # "__triton_gemm", and "__triton_nested_gemm_fusion" in newer XLA.
 _TRITON_GEMM = re.compile(r'"kind":"__triton\w*gemm')
@@ -118,6 +130,8 @@ def classify(kernel: str, fusions: dict[str, str]) -> str:
             if key in lowered:
                 return kind
         return "collective"
+    if kernel.startswith(FP8JAX_ATTENTION_KERNELS):
+        return "attention"
     if kernel in fusions:
         return fusions[kernel]
     # A program with several calls of one Pallas kernel runs them as NAME,

@@ -48,6 +48,11 @@ VARIANTS = {
     "fp8jax_delayed": {"precision": "fp8", "recipe": "delayed"},
     # Opt-in (--variants): fp8jax.dot_product_attention as the attention core.
     "fp8jax_current_fp8_attention": {"precision": "fp8", "recipe": "current", "attention": "fp8"},
+    "fp8jax_current_fp8_attention_hadamard": {
+        "precision": "fp8",
+        "recipe": "current",
+        "attention": "fp8-hadamard",
+    },
 }
 DEFAULT_VARIANTS = [name for name, v in VARIANTS.items() if "attention" not in v]
 
@@ -118,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="medium")
     parser.add_argument("--mesh", default=None, help="e.g. fsdp=2; default one GPU")
-    parser.add_argument("--attention", default="auto", help="auto (cuDNN on a GPU), xla, cudnn")
+    parser.add_argument(
+        "--attention", default="auto", help="auto (cuDNN on a GPU), xla, cudnn, fp8, fp8-hadamard"
+    )
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")

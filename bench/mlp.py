@@ -32,16 +32,9 @@ from harness import (
 )
 
 import fp8jax
-from fp8jax.ops._fused import ACTIVATIONS
+from fp8jax import activations as activations_
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def gated(pre, activations):
-    h = ACTIVATIONS[activations[0]](pre[..., 0, :].astype(F32))
-    for i, name in enumerate(activations[1:], start=1):
-        h = h * ACTIVATIONS[name](pre[..., i, :].astype(F32))
-    return h.astype(BF16)
 
 
 class FlaxMlp(nn.Module):
@@ -56,7 +49,9 @@ class FlaxMlp(nn.Module):
         kw = {} if self.dot_general_cls is None else {"dot_general_cls": self.dot_general_cls}
         y = nn.LayerNorm(dtype=BF16)(x)
         pre = nn.DenseGeneral((len(self.activations), self.ffn), dtype=BF16, **kw)(y)
-        return nn.Dense(x.shape[-1], dtype=BF16, **kw)(gated(pre, self.activations))
+        return nn.Dense(x.shape[-1], dtype=BF16, **kw)(
+            activations_.gated(pre, self.activations, dtype=BF16)
+        )
 
 
 def flax_variant(x, ffn, activations, dot_general_cls):

@@ -182,8 +182,9 @@ def _add_train(sub) -> None:
     p.add_argument("--keep-checkpoints", type=int, help="newest checkpoints kept (default 3)")
     p.add_argument(
         "--attention",
-        help="attention core: xla, cudnn, fp8 (fp8jax.dot_product_attention), or auto (cuDNN on "
-        "a GPU, XLA elsewhere)",
+        help="attention core: xla, cudnn, fp8 (fp8jax.dot_product_attention), fp8-hadamard (the "
+        "same, Q and K Hadamard-rotated before quantizing), or auto (cuDNN on a GPU, XLA "
+        "elsewhere)",
     )
     p.add_argument(
         "--rolled-layers",

@@ -85,6 +85,20 @@ def test_library_kernels_are_classified_by_name(kernel, kind):
     assert breakdown.classify(kernel, {}) == kind
 
 
+@pytest.mark.parametrize("suffix", ["", "_mosaic_gpu_kernel", "__3"])
+def test_fp8jax_attention_kernels_are_attention(suffix):
+    """The FP8 attention's forward, dK/dV and dQ kernels (Mosaic GPU, named by the library)."""
+    from fp8jax.kernels import attention, attention_backward
+
+    names = (attention.KERNEL_NAME, attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL)
+    assert len(set(names)) == 3
+    for name in names:
+        assert breakdown.classify(name + suffix, {}) == "attention", name + suffix
+    # Neither the block-scaled GEMM (also Mosaic GPU) nor a fusion named alike.
+    assert breakdown.classify("fp8jax_block_scaled_gemm_mosaic_gpu_kernel", {}) == "gemm"
+    assert breakdown.classify("loop_attention_fusion", {}) == "other"
+
+
 def test_each_kernel_is_described_by_its_result_and_source_op():
     described = breakdown.fusion_descriptions((DATA / "h200_live_dense_cublas.hlo.txt").read_text())
     assert described["loop_convert_fusion"] == "f8e4m3fn[256,512]{1,0} | jvp()/convert_element_type"

@@ -197,18 +197,34 @@ def test_gpu_the_op_runs_three_mosaic_kernels_and_matches_the_reference():
     _check_against_reference(step(x, w, g, sizes), x, w, g, sizes)
 
 
+def _op_inside_shard_map(x, w, g, sizes):
+    """y, dx, dw of the op inside a one-device shard_map under ``jax.set_mesh``.
+
+    The mesh's axis is ``Auto``, as the MoE blocks' meshes are (they call
+    shard_map only over ``Auto`` axes): ``jax.make_mesh`` defaults to
+    ``Explicit`` axes, where shard_map refuses inputs whose sharding differs
+    from its ``in_specs`` instead of resharding them.
+    """
+    mesh = fs.make_mesh(dp=1, devices=jax.devices()[:1])
+    sharded = jax.shard_map(
+        bf16_grouped.ragged_dot, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp")
+    )
+    with jax.set_mesh(mesh):
+        return jax.jit(lambda *a: _vjp(sharded, *a))(x, w, g, sizes)
+
+
+def test_the_op_inside_shard_map_under_set_mesh_matches_the_reference():
+    """The GPU test's harness, on the CPU's XLA path: it must run under JAX's ``set_mesh``."""
+    x, w, g, sizes = _inputs()
+    _check_against_reference(_op_inside_shard_map(x, w, g, sizes), x, w, g, sizes)
+
+
 @pytest.mark.gpu
 def test_gpu_the_op_inside_shard_map_matches_the_reference():
     """Inside shard_map (the MoE blocks route each device's tokens there, JAX's default
     check_vma) the kernels' results are typed as their operands vary (``varying_like``)."""
     x, w, g, sizes = _inputs()
-    mesh = jax.make_mesh((1,), ("dp",), devices=jax.devices()[:1])
-    sharded = jax.shard_map(
-        bf16_grouped.ragged_dot, mesh=mesh, in_specs=(P("dp"), P(), P()), out_specs=P("dp")
-    )
-    with jax.set_mesh(mesh):
-        got = jax.jit(lambda *a: _vjp(sharded, *a))(x, w, g, sizes)
-    _check_against_reference(got, x, w, g, sizes)
+    _check_against_reference(_op_inside_shard_map(x, w, g, sizes), x, w, g, sizes)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

@@ -11,15 +11,32 @@ from fp8jax.ops.attention import dot_product_attention
 from fp8jax.sharding import constrain
 
 
-def attention_core(q, k, v, mask, causal: bool, implementation: str | None) -> jax.Array:
-    """``jax.nn.dot_product_attention`` in the inputs' dtype; ``"fp8"``: fp8jax's FP8 attention."""
+def check_hadamard(owner: str, hadamard, implementation: str | None) -> None:
+    """``attention_hadamard`` is a bool, True only with the FP8 attention that rotates."""
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"{owner}.attention_hadamard must be a bool, got {hadamard!r}.")
+    if hadamard and implementation != "fp8":
+        raise ValueError(
+            f"{owner}.attention_hadamard=True rotates the FP8 attention's queries and keys "
+            "before quantizing; it needs attention_implementation='fp8', got "
+            f"{implementation!r}."
+        )
+
+
+def attention_core(q, k, v, mask, causal: bool, implementation: str | None,
+                   hadamard: bool = False) -> jax.Array:  # fmt: skip
+    """``jax.nn.dot_product_attention`` in the inputs' dtype; ``"fp8"``: fp8jax's FP8 attention.
+
+    ``hadamard``: the FP8 attention's ``hadamard`` option (``"fp8"`` only).
+    """
     if implementation == "fp8":
         if mask is not None:
             raise ValueError(
                 "attention_implementation='fp8' takes no mask (causal or none), got a mask "
                 f"of shape {mask.shape}; use 'xla' or 'cudnn' for masked attention."
             )
-        return dot_product_attention(q, k, v, causal=causal)
+        return dot_product_attention(q, k, v, causal=causal, hadamard=hadamard)
+    check_hadamard("attention", hadamard, implementation)
     # JAX's XLA attention promotes bf16 logits against f32 internally, which a
     # process running strict dtype promotion rejects; that promotion is JAX's.
     with jax.numpy_dtype_promotion("standard"):
@@ -29,7 +46,15 @@ def attention_core(q, k, v, mask, causal: bool, implementation: str | None) -> j
 
 
 def attend(
-    qkv, *, num_heads: int, rope_base: float | None, positions, mask, causal, implementation
+    qkv,
+    *,
+    num_heads: int,
+    rope_base: float | None,
+    positions,
+    mask,
+    causal,
+    implementation,
+    hadamard: bool = False,
 ):
     """Splits the fused QKV ``(b, s, kv_heads, group + 2, d)``, applies RoPE, attends.
 
@@ -58,5 +83,5 @@ def attend(
         k = apply_rotary(k, positions, base=rope_base)
     q = constrain(q, (BATCH, LENGTH, HEADS, None))
     k, v = (constrain(t, (BATCH, None, HEADS, None)) for t in (k, v))
-    o = attention_core(q, k, v, mask, causal, implementation)
+    o = attention_core(q, k, v, mask, causal, implementation, hadamard)
     return constrain(o, (BATCH, LENGTH, HEADS, None))

@@ -106,6 +106,7 @@ class _Attention(nn.Module):
     norm: dict
     use_bias: bool
     attention_implementation: str | None
+    attention_hadamard: bool
 
     @nn.compact
     def __call__(self, x):
@@ -127,6 +128,7 @@ class _Attention(nn.Module):
             mask=None,
             causal=self.causal,
             implementation=self.attention_implementation,
+            hadamard=self.attention_hadamard,
         )
         y = _OutDense(hidden, self.use_bias, self.norm["param_dtype"], name="out")(o)
         return constrain(y, RESIDUAL)
@@ -193,6 +195,7 @@ class Bf16TransformerLayer(nn.Module):
     rope_base: float = 10000.0
     use_bias: bool = True
     attention_implementation: str | None = None
+    attention_hadamard: bool = False
     param_dtype: Any = jnp.float32
     moe: MoEConfig | None = None  # its fp8 is ignored: the experts run in BF16
 
@@ -215,6 +218,7 @@ class Bf16TransformerLayer(nn.Module):
             norm=norm,
             use_bias=self.use_bias,
             attention_implementation=self.attention_implementation,
+            attention_hadamard=self.attention_hadamard,
             name="attention",
         )(x)
         h = constrain(x + a, RESIDUAL)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fp8jax.flax import FP8_COLLECTION
+from fp8jax.flax import FP8_COLLECTION, _attention
 from fp8jax.flax import linen as fnn
 from fp8jax.flax._common import BATCH, EMBED, LENGTH, RESIDUAL
 from fp8jax.flax._moe import MoEConfig
@@ -168,7 +168,9 @@ class Gpt(nn.Module):
       precision: ``"fp8"`` (block GEMMs in FP8) or ``"bf16"``.
       recipe: the FP8 recipe (CurrentScaling, DelayedScaling); None: CurrentScaling.
       attention_implementation: passed to ``jax.nn.dot_product_attention``
-        (None is XLA; ``"cudnn"`` on a GPU).
+        (None is XLA; ``"cudnn"`` on a GPU; ``"fp8"``: fp8jax's FP8 attention).
+      attention_hadamard: with ``"fp8"``, rotate queries and keys by a fixed
+        randomized Hadamard matrix before quantizing (the op's ``hadamard``).
       remat: activation checkpointing of each block, a key of
         :data:`REMAT_POLICIES`: ``"none"`` keeps every residual, ``"dots"``
         keeps the projections' GEMM outputs and recomputes the rest
@@ -206,12 +208,14 @@ class Gpt(nn.Module):
     precision: str = "fp8"
     recipe: Recipe | None = None
     attention_implementation: str | None = None
+    attention_hadamard: bool = False
     unroll_layers: bool = True
     remat: str = "none"
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"Gpt.precision must be one of {PRECISIONS}, got {self.precision!r}.")
+        _attention.check_hadamard("Gpt", self.attention_hadamard, self.attention_implementation)
         if self.remat not in REMAT_POLICIES:
             raise ValueError(
                 f"Gpt.remat must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}."
@@ -242,6 +246,7 @@ class Gpt(nn.Module):
             "use_rope": True,
             "use_bias": False,
             "attention_implementation": self.attention_implementation,
+            "attention_hadamard": self.attention_hadamard,
         }
         if self.precision == "fp8":
             kwargs |= {"recipe": self.recipe, "dtype": jnp.bfloat16}

@@ -163,8 +163,9 @@ class TrainOptions:
       resume: continue the run in ``out`` from its newest checkpoint.
       keep_checkpoints: checkpoints kept on disk (the newest ones).
       attention: the attention core: ``"xla"``, ``"cudnn"``, ``"fp8"``
-        (:func:`fp8jax.dot_product_attention`, opt-in), or ``"auto"`` (cuDNN on a
-        GPU, XLA elsewhere).
+        (:func:`fp8jax.dot_product_attention`, opt-in), ``"fp8-hadamard"`` (the
+        same with ``hadamard=True``: Q and K rotated before quantizing), or
+        ``"auto"`` (cuDNN on a GPU, XLA elsewhere).
       rolled_layers: keep the scan over layers a loop instead of unrolling it
         (``Gpt.unroll_layers=False``): faster to compile, and under FSDP it
         holds one layer's gathered kernels at a time, but the step is slower

@@ -31,7 +31,7 @@ from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl
 from fp8jax.training.run_dir import RunDir
 
 VERIFY_TARGETS = ("h100", "h200", "live")
-ATTENTION = ("auto", "xla", "cudnn", "fp8")
+ATTENTION = ("auto", "xla", "cudnn", "fp8", "fp8-hadamard")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +316,7 @@ class _Loop:
                             self.corpus,
                             program.mesh,
                             self.counts["jaxpr"],
-                            program.model.attention_implementation,
+                            program.attention,
                             program.layers,
                         )
                     )
@@ -393,7 +393,7 @@ class _Loop:
             counts=self.counts,
             checkpoint=self.last_saved,
             mesh=self.program.mesh,
-            attention=self.program.model.attention_implementation,
+            attention=self.program.attention,
             layers=self.program.layers,
             flops_per_token=self.flops_per_token,
             peak_flops=self.peak,

@@ -34,11 +34,15 @@ class TrainProgram:
         self.config, self.mesh = config, mesh
         if attention == "auto":
             attention = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        self.attention = attention  # as the run's summary names it
+        # "fp8-hadamard": the FP8 attention with its Hadamard rotation of Q and K.
+        hadamard = attention == "fp8-hadamard"
         self.model = Gpt(
             config=config.model,
             precision=config.precision,
             recipe=recipe,
-            attention_implementation=attention,
+            attention_implementation="fp8" if hadamard else attention,
+            attention_hadamard=hadamard,
             unroll_layers=unroll_layers,
             remat=config.remat,
         )

@@ -45,6 +45,10 @@ class MultiHeadAttention(nn.Module):
       deterministic: disable dropout; may also be passed at call time.
       attention_implementation: ``None`` (XLA), ``"xla"``, ``"cudnn"`` or ``"fp8"``
         (:func:`fp8jax.dot_product_attention`: head_dim 64 or 128, no mask).
+      attention_hadamard: with ``"fp8"``, rotate each head's queries and keys
+        by a fixed randomized Hadamard matrix before quantizing (the op's
+        ``hadamard``): spreads outlier channels over the head at no cost in
+        exact arithmetic.
       dtype, param_dtype, kernel_init, bias_init, recipe: as in DenseGeneral.
 
     Example:
@@ -74,6 +78,7 @@ class MultiHeadAttention(nn.Module):
     dropout_rate: float = 0.0
     deterministic: bool | None = None
     attention_implementation: str | None = None
+    attention_hadamard: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
@@ -85,6 +90,7 @@ class MultiHeadAttention(nn.Module):
         _common.heads(owner, self.num_heads, self.num_kv_heads)
         _common.norm_type(owner, self.norm_type)
         _common.dropout_rate(owner, self.dropout_rate)
+        _attention.check_hadamard(owner, self.attention_hadamard, self.attention_implementation)
         _common.layernorm_output(owner, self.return_layernorm_output, self.input_layernorm)
         _common.residual_output(owner, self.return_residual, self.return_layernorm_output,
                                 self.input_layernorm)  # fmt: skip
@@ -147,6 +153,7 @@ class MultiHeadAttention(nn.Module):
             mask=mask,
             causal=self.causal,
             implementation=self.attention_implementation,
+            hadamard=self.attention_hadamard,
         )
         y = DenseGeneral(
             features=hidden,

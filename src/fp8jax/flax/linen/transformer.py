@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fp8jax.flax import _common, _moe
+from fp8jax.flax import _attention, _common, _moe
 from fp8jax.flax._common import RESIDUAL
 from fp8jax.flax._moe import MoEConfig
 from fp8jax.flax.linen.attention import MultiHeadAttention
@@ -48,7 +48,7 @@ class TransformerLayer(nn.Module):
       num_heads: query heads.
       intermediate_dim: the MLP's inner width (each expert's, with ``moe``).
       num_kv_heads, head_dim, causal, use_rope, rope_base,
-      attention_implementation: as in MultiHeadAttention.
+      attention_implementation, attention_hadamard: as in MultiHeadAttention.
       activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU. With
         ``moe``, a gated pair ``(act, "linear")``: the experts' gate activation.
       moe: None (a dense MLP) or an :class:`MoEConfig`; see above. The
@@ -91,6 +91,7 @@ class TransformerLayer(nn.Module):
     dropout_rate: float = 0.0
     deterministic: bool | None = None
     attention_implementation: str | None = None
+    attention_hadamard: bool = False
     dtype: Any = None
     param_dtype: Any = jnp.float32
     kernel_init: Any = default_kernel_init
@@ -106,6 +107,7 @@ class TransformerLayer(nn.Module):
         _common.norm_position(owner, self.norm_position)
         _common.residual_from_norm(owner, self.residual_from_norm, self.norm_position)
         _common.dropout_rate(owner, self.dropout_rate)
+        _attention.check_hadamard(owner, self.attention_hadamard, self.attention_implementation)
         if self.moe is not None:
             _moe.block_settings(owner, self.moe, self.intermediate_dim, self.activations,
                                 self.recipe)  # fmt: skip
@@ -147,6 +149,7 @@ class TransformerLayer(nn.Module):
             dropout_rate=self.dropout_rate,
             deterministic=self.deterministic,
             attention_implementation=self.attention_implementation,
+            attention_hadamard=self.attention_hadamard,
             name="attention",
             **norm,
             **dense,

@@ -38,6 +38,8 @@ class MultiHeadAttention(nnx.Module):
       deterministic: disable dropout by default; may be overridden per call.
       attention_implementation: ``None`` (XLA), ``"xla"``, ``"cudnn"`` or ``"fp8"``
         (:func:`fp8jax.dot_product_attention`: head_dim 64 or 128, no mask).
+      attention_hadamard: with ``"fp8"``, rotate queries and keys by a fixed
+        randomized Hadamard matrix before quantizing (see the Linen module).
       dtype, param_dtype, kernel_init, bias_init, recipe: as in DenseGeneral.
       rngs: ``nnx.Rngs`` for the initializers and dropout.
 
@@ -70,6 +72,7 @@ class MultiHeadAttention(nnx.Module):
         dropout_rate: float = 0.0,
         deterministic: bool = False,
         attention_implementation: str | None = None,
+        attention_hadamard: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
@@ -83,6 +86,7 @@ class MultiHeadAttention(nnx.Module):
         d = _common.head_dim(owner, hidden, n, head_dim)
         _common.norm_type(owner, norm_type)
         rate = _common.dropout_rate(owner, dropout_rate)
+        _attention.check_hadamard(owner, attention_hadamard, attention_implementation)
         _common.layernorm_output(owner, return_layernorm_output, input_layernorm)
         _common.residual_output(owner, return_residual, return_layernorm_output, input_layernorm)
         common = {
@@ -123,6 +127,7 @@ class MultiHeadAttention(nnx.Module):
         # The fused norm passes back the normalized input or the input itself.
         self.passes_input = return_layernorm_output or return_residual
         self.attention_implementation = attention_implementation
+        self.attention_hadamard = attention_hadamard
 
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
         """Attends ``x`` ``(batch, seq, hidden)`` to itself; arguments as in the Linen module."""
@@ -139,6 +144,7 @@ class MultiHeadAttention(nnx.Module):
             mask=mask,
             causal=self.causal,
             implementation=self.attention_implementation,
+            hadamard=self.attention_hadamard,
         )
         # Row-parallel: under sequence parallelism this is a reduce-scatter.
         y = constrain(self.out(o), RESIDUAL)

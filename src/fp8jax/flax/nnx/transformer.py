@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from fp8jax.flax import _common, _moe
+from fp8jax.flax import _attention, _common, _moe
 from fp8jax.flax._common import RESIDUAL
 from fp8jax.flax._moe import MoEConfig
 from fp8jax.flax.nnx.attention import MultiHeadAttention
@@ -33,7 +33,7 @@ class TransformerLayer(nnx.Module):
       in_features: the hidden size.
       intermediate_dim: the MLP's inner width (each expert's, with ``moe``).
       num_kv_heads, head_dim, causal, use_rope, rope_base,
-      attention_implementation: as in MultiHeadAttention.
+      attention_implementation, attention_hadamard: as in MultiHeadAttention.
       activations: as in LayerNormMLP; ``("silu", "linear")`` is SwiGLU. With
         ``moe``, a gated pair ``(act, "linear")``: the experts' gate activation.
       moe: None (a dense MLP) or an :class:`MoEConfig` (see the Linen module).
@@ -78,6 +78,7 @@ class TransformerLayer(nnx.Module):
         dropout_rate: float = 0.0,
         deterministic: bool = False,
         attention_implementation: str | None = None,
+        attention_hadamard: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
         kernel_init=default_kernel_init,
@@ -89,6 +90,7 @@ class TransformerLayer(nnx.Module):
         self.pre = _common.norm_position(owner, norm_position) == "pre"
         _common.residual_from_norm(owner, residual_from_norm, norm_position)
         rate = _common.dropout_rate(owner, dropout_rate)
+        _attention.check_hadamard(owner, attention_hadamard, attention_implementation)
         _common.positive_int(owner, "intermediate_dim", intermediate_dim)
         _common.activations(owner, activations)
         block = None
@@ -124,6 +126,7 @@ class TransformerLayer(nnx.Module):
             dropout_rate=rate,
             deterministic=deterministic,
             attention_implementation=attention_implementation,
+            attention_hadamard=attention_hadamard,
             **norm,
             **dense,
         )

@@ -1,0 +1,131 @@
+"""Every bench script imports, parses ``--help``, and the cheap parts run on the CPU.
+
+The scripts run on the H200 only, so a library change that breaks one (a
+renamed helper, a quantizer returning another type) otherwise shows only
+there, after a GPU start. Scripts with their own tests: test_<script>*.py.
+"""
+
+import contextlib
+import importlib
+import io
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+
+ROOT = pathlib.Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
+LIBRARIES = {"harness", "clocks"}  # helpers the scripts import, with no command line
+NO_ARGUMENTS = {"moe_mgpu_check"}  # main() runs the GPU check at once: imported only
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_script_imports_and_prints_its_help(name, monkeypatch):
+    module = importlib.import_module(name)
+    if name in LIBRARIES | NO_ARGUMENTS:
+        return
+    assert callable(getattr(module, "main", None)), f"bench/{name}.py has no main()"
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 0, out.getvalue()
+    assert "usage:" in out.getvalue()
+
+
+@pytest.mark.parametrize("b_blocks", [True, False])
+def test_block_variants_operands_give_the_product_of_its_bf16_operands(b_blocks):
+    """The kernel operands bench/block_variants.py builds, summed by XLA, are ``a . b^T``.
+
+    Budget: each operand is E4M3 per 1x128 tile or 128x128 block, at most
+    ``2**-4`` of its tile's or block's absolute maximum (half E4M3's 3-bit
+    mantissa ulp); the bf16 copies round by ``2**-9``. Summed over K = 256
+    products, the error is at most ``(2 * 2**-4 + 2 * 2**-9) * |a| . |b|^T``
+    with each operand's maximum in place of its values (a loose, safe bound).
+    """
+    import block_variants
+
+    m = n = k = 256
+    (a16, b16), fp8_ops = block_variants.operands(m, n, k, b_blocks)
+    qa, qb, sa, sb = fp8_ops
+    assert qa.dtype == qb.dtype == fp8jax.E4M3.dtype, (qa.dtype, qb.dtype)
+    assert sa.shape == (1, m, k // 128)
+    assert sb.shape == ((1, n // 128, k // 128) if b_blocks else (1, n, k // 128))
+    got = np.asarray(block_variants.xla_reference(fp8_ops, b_blocks), np.float64)[0]
+    a, b = np.asarray(a16, np.float64), np.asarray(b16, np.float64)
+    want = a[: block_variants.CHECK_ROWS] @ b.T
+    bound = (2 * 2.0**-4 + 2 * 2.0**-9) * k * np.abs(a).max() * np.abs(b).max()
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
+
+
+def test_mlp_flax_baseline_is_layernorm_dense_swiglu_dense():
+    """bench/mlp.py's BF16 Flax block, against the same sums in f32 (bf16 roundings: 2**-6)."""
+    import mlp
+
+    block = mlp.FlaxMlp(ffn=32, activations=("silu", "linear"))
+    x = jax.random.normal(jax.random.key(0), (8, 16)).astype(jnp.bfloat16)
+    # Flax's LayerNorm mixes its f32 scale with bf16 inputs, as the script runs it.
+    with jax.numpy_dtype_promotion("standard"):
+        params = block.init(jax.random.key(1), x)
+        got = np.asarray(block.apply(params, x), np.float32)
+    p = jax.tree.map(lambda v: np.asarray(v, np.float32), params["params"])
+    x32 = np.asarray(x, np.float32)
+    mu, var = x32.mean(-1, keepdims=True), x32.var(-1, keepdims=True)
+    y = (x32 - mu) / np.sqrt(var + 1e-6) * p["LayerNorm_0"]["scale"] + p["LayerNorm_0"]["bias"]
+    pre = np.einsum("th,hgf->tgf", y, p["DenseGeneral_0"]["kernel"]) + p["DenseGeneral_0"]["bias"]
+    h = pre[:, 0] / (1 + np.exp(-pre[:, 0])) * pre[:, 1]
+    want = h @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
+    np.testing.assert_allclose(got, want, rtol=2.0**-6, atol=2.0**-6 * np.abs(want).max())
+
+
+def test_jaxpr_snapshot_prints_a_case_without_refusing_it(capsys):
+    """bench/jaxpr_snapshot.py (CPU only) on one case that every recipe's op accepts."""
+    import jaxpr_snapshot
+
+    jaxpr_snapshot.main(["--only", "ragged_dot block kernels=off", "--hashes"])
+    out = capsys.readouterr().out
+    assert out.startswith("=== ragged_dot block kernels=off\n"), out
+    assert "refused" not in out and "grad [1]" in out, out
+
+
+def test_scaling_operands_summed_by_xla_give_the_product():
+    """bench/scaling.py's operands (1x128 tiles, 128x128 blocks expanded per row) on XLA's sums.
+
+    Budget as for block_variants above, against the f32 inputs themselves.
+    """
+    import scaling
+
+    from fp8jax.kernels import block_gemm
+
+    m = n = k = 256
+    x, w, ops = scaling.operands(m, k, n)
+    assert [o.shape for o in ops] == [(1, m, k), (1, n, k), (1, m, k // 128), (1, n, k // 128)]
+    got = np.asarray(block_gemm.xla_block_matmul(*ops, out_dtype=jnp.float32), np.float64)[0]
+    a, b = np.asarray(x, np.float64)[0], np.asarray(w, np.float64)[0]
+    bound = 2 * 2.0**-4 * k * np.abs(a).max() * np.abs(b).max()
+    assert np.abs(got - a @ b.T).max() <= bound
+
+
+def test_attention_backward_precision_runs_at_a_toy_size():
+    """bench/attention_backward_precision.py in a child: it switches jax_enable_x64 globally."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'bench'}"}
+    script = ROOT / "bench" / "attention_backward_precision.py"
+    args = ["--seq", "128", "--heads", "1", "--head-dim", "64"]
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if " dq " in f" {line} "]
+    assert len(rows) >= 2, done.stdout
+    # Relative errors of FP8 or BF16 gradient products: finite, below E4M3's 2**-3 step.
+    errors = [float(r[i + 1]) for r in rows for i in range(1, len(r), 2)]
+    assert all(0 <= e < 2**-3 for e in errors), done.stdout
