@@ -94,14 +94,35 @@ def quantize_token_tiles(x, tiles, num_tiles: int, fmt, margin: float, power_of_
     Returns ``(data [rows, c], scale_inv [num_tiles, c])``; rows in no tile
     (``tiles == num_tiles``) are cast at scale 1 and never read.
     """
-    x32 = jnp.abs(x.astype(jnp.float32))
-    # Tiles are numbered in row order (rows in no group last), so the
-    # reduction may assume sorted segments.
-    tile_amax = jax.ops.segment_max(x32, tiles, num_segments=num_tiles, indices_are_sorted=True)
-    # An empty tile's max is -inf: not finite, so its scale is 1.
-    scale = group_scales(tile_amax, fmt.max, margin, power_of_two)
+    scale = group_scales(_tile_amax(x, tiles, num_tiles), fmt.max, margin, power_of_two)
     row_scale = jnp.concatenate([scale, jnp.ones((1, x.shape[1]), jnp.float32)])[tiles]
     return quantize_with_scale(x, fmt, row_scale).data, 1.0 / scale
+
+
+def _tile_amax(x, tiles, num_tiles: int):
+    """Each token tile's column amax, ``[num_tiles, c]`` f32; 0 for a tile no row is in.
+
+    Tiles are numbered in row order (rows in no group last), so tile ``t``'s
+    rows are a run of at most 128 from its first row. They are gathered by
+    index as ``[num_tiles * 128, c]`` (rows past the run read as zero, which
+    no max of absolute values notices) and reduced 128 rows at a time: a
+    segment max is a scatter-max on the GPU, whose atomics serialize on each
+    tile's rows. Flat rows, zero-filled by the gather itself, let XLA fuse
+    the gather into the reduction; ``[num_tiles, 128]`` indices or a
+    ``where`` after it wrote the gathered copy out first. An empty tile's
+    amax is 0, where a segment max gives -inf: both give the scale 1.
+    """
+    rows, cols = x.shape
+    if not rows:  # no row to gather
+        return jnp.zeros((num_tiles, cols), jnp.float32)
+    ids = jnp.arange(num_tiles, dtype=tiles.dtype)
+    # num_tiles x rows integer compares in one fused pass, not a loop of small kernels.
+    first, end = (jnp.searchsorted(tiles, ids, side=side, method="compare_all")
+                  for side in ("left", "right"))  # fmt: skip
+    row = first[:, None] + jnp.arange(BLOCK, dtype=first.dtype)[None, :]
+    row = jnp.where(row < end[:, None], row, rows).reshape(-1)  # past x: read as 0
+    tile = jnp.take(x, row, axis=0, mode="fill", fill_value=0).reshape(num_tiles, BLOCK, cols)
+    return jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=1)
 
 
 def round_tiles(rows: int, groups: int) -> int:
