@@ -218,7 +218,7 @@ def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100
 
 
 def _scatters(hlo: str) -> list[tuple[str, bool, tuple]]:
-    """Every scatter in a compiled module: (its combiner, whether in a loop body, its shape)."""
+    """Every scatter in a compiled module: (combiner, in a loop body?, shape, unique indices?)."""
     module = _hlo.parse_module(hlo)
     bodies = {
         name
@@ -233,8 +233,9 @@ def _scatters(hlo: str) -> list[tuple[str, bool, tuple]]:
             if inst.opcode == "scatter":
                 root = module.computations[inst.called[-1]].root.opcode
                 combiner = "set" if root == "parameter" else root
-                out.append((combiner, comp.name in bodies or _fused_in(module, comp, bodies),
-                            inst.types[0].shape))  # fmt: skip
+                looped = comp.name in bodies or _fused_in(module, comp, bodies)
+                out.append((combiner, looped, inst.types[0].shape,
+                            "unique_indices=true" in inst.attrs))  # fmt: skip
     return out
 
 
@@ -252,13 +253,17 @@ def test_block_scaled_block_has_no_scatter_max_in_a_deviceless_h100_compile(bloc
     # scatter-max (a segment max) serializes its atomics on the GPU. What
     # stays: each grouped GEMM's rounds set their rows in the output, in the
     # loop (forward and dgrad of both GEMMs), and the routing's two small
-    # scatter-adds (the experts' row counts, the gates' gradient).
+    # scatter-adds (the experts' row counts, the gates' gradient). The rows'
+    # indices are unique (padding rows each go to their own dropped row):
+    # with indices that may repeat, XLA sets each bf16 element by a
+    # compare-and-swap loop.
     scatters = _scatters(block_scaled_hlo)
     assert not [s for s in scatters if s[0] == "maximum"], scatters
     # Rows of T * K slots: the forwards write 2 F (gate and up) and H padded
     # to 128; the dgrads write H padded to 128 and F (which is 128).
     rows = sorted(s[2] for s in scatters if s[:2] == ("set", True))
     assert rows == [(T * K, 128)] * 3 + [(T * K, 2 * F)], scatters
+    assert all(s[3] for s in scatters if s[0] == "set"), scatters
     assert sorted(s[2] for s in scatters if s[0] == "add") == [(E,), (T, E)], scatters
     assert len(scatters) == 6, scatters
 

@@ -173,8 +173,14 @@ def grouped_block_matmul(a, sa, b, sb, group_sizes, out_rows: int, out_dtype, *,
         y = block_scaled_matmul(_gather(a, source, real), b, jnp.take(sa, source, axis=0), sb,
                                 out_dtype, b_blocks=True)  # fmt: skip
         target = grouped if write is None else write[grouped]
-        target = jnp.where(real, target, out_rows)  # past the output: dropped
-        return out.at[target.reshape(-1)].set(y.reshape(-1, n), mode="drop")
+        # Padding rows go past the output (dropped), each to its own row, so
+        # that every index is unique: XLA then stores the rows, where with
+        # indices that may repeat it sets each 16-bit element by a 32-bit
+        # compare-and-swap loop (its deviceless PTX for an H100).
+        past = out_rows + jnp.arange(target.size, dtype=target.dtype).reshape(target.shape)
+        target = jnp.where(real, target, past)
+        return out.at[target.reshape(-1)].set(y.reshape(-1, n), mode="drop",
+                                              unique_indices=True)  # fmt: skip
 
     out = jnp.zeros((out_rows, n), out_dtype)
     if not rows or not a.shape[0]:  # no rows to gather: the loop's takes need one
