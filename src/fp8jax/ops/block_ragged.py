@@ -195,7 +195,8 @@ def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype, *, tiles: int = 1)
     tile (:func:`quantize_token_tiles`), ``sa [tiles, k]``, ``sb [tiles, n]``.
     A round contracts ``tiles`` token tiles of every group in one block GEMM
     (the tiles are its 128-wide slices of K); the first round's sum is the
-    accumulator, later rounds add to it in f32.
+    accumulator, later rounds add to it in f32. A single round writes
+    ``out_dtype`` from the kernel.
     """
     rows, k = a.shape
     n, groups = b.shape[1], group_sizes.shape[0]
@@ -204,7 +205,7 @@ def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype, *, tiles: int = 1)
     if not rows:  # no rows to gather: the loop's takes need one
         return jnp.zeros((groups, k, n), out_dtype)
 
-    def product(j):
+    def product(j, dtype=jnp.float32):
         grouped, real = _round_rows(starts, sizes, j, tiles)
         # A group past its tiles reads zeros; any scale will do.
         run = j * tiles + jnp.arange(tiles, dtype=jnp.int32)
@@ -212,10 +213,20 @@ def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype, *, tiles: int = 1)
         a_j = jnp.swapaxes(_gather(a, grouped, real), 1, 2)  # [g, k, t * 128]
         b_j = jnp.swapaxes(_gather(b, grouped, real), 1, 2)  # [g, n, t * 128]
         sa_j, sb_j = jnp.swapaxes(sa[tile], 1, 2), jnp.swapaxes(sb[tile], 1, 2)  # [g, ., t]
-        return block_scaled_matmul(a_j, b_j, sa_j, sb_j, jnp.float32)
+        return block_scaled_matmul(a_j, b_j, sa_j, sb_j, dtype)
 
-    acc = lax.fori_loop(1, _rounds(counts, tiles), lambda j, acc: acc + product(j), product(0))
-    return acc.astype(out_dtype)
+    rounds = _rounds(counts, tiles)
+
+    def summed():
+        acc = lax.fori_loop(1, rounds, lambda j, acc: acc + product(j), product(0))
+        return acc.astype(out_dtype)
+
+    if jnp.dtype(out_dtype) == jnp.float32:
+        return summed()
+    # One round (a balanced routing's): the kernel writes out_dtype itself,
+    # the same rounding of the same f32 sum, without an f32 [g, k, n] written
+    # and read back to cast it.
+    return lax.cond(rounds > 1, summed, lambda: product(0, out_dtype))
 
 
 def quantize_weight_blocks(rhs, fmt, recipe, gather: tuple = ()):
