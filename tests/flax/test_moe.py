@@ -21,6 +21,7 @@ from fp8jax import verify
 from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
 from fp8jax.ops import moe as moe_ops
+from fp8jax.verify import _hlo
 from numerics import assert_within, gemm_error_bound
 
 T, H, F, E, K = 48, 64, 128, 4, 2
@@ -180,13 +181,9 @@ def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
     assert len(shared) == 6  # the shared expert's two dense GEMMs, fwd, dgrad, wgrad
 
 
-def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100_compile():
-    # Under BlockScaling (ALL_E4M3) each grouped GEMM, forward, dgrad and
-    # wgrad, runs the block-scaled Mosaic GPU kernel batched over the
-    # experts, a round of rows per expert at a time: 2 forward, 2 dgrad and
-    # 2 x 2 wgrad (its first round, the accumulator, stands before the loop);
-    # the shared expert's six are the same kernel on one batch; the rest is
-    # the router.
+@pytest.fixture(scope="module")
+def block_scaled_hlo():
+    """The BlockScaling block's forward and backward (one shared expert), compiled for an H100."""
     block = _block(shared_experts=1, recipe=fp8jax.BlockScaling())
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     params = jax.eval_shape(lambda: nn.meta.unbox(block.init(jax.random.key(0), jnp.ones((T, H)))))
@@ -198,7 +195,19 @@ def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100
         y, vjp = jax.vjp(f, params, x)
         return vjp(y)
 
-    report = verify.gemm_report(verify.compile_for(step, params, x, target="h100"))
+    return verify.compile_for(step, params, x, target="h100")
+
+
+def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100_compile(
+    block_scaled_hlo,
+):
+    # Under BlockScaling (ALL_E4M3) each grouped GEMM, forward, dgrad and
+    # wgrad, runs the block-scaled Mosaic GPU kernel batched over the
+    # experts, a round of rows per expert at a time: 2 forward, 2 dgrad and
+    # 2 x 2 wgrad (its first round, the accumulator, stands before the loop);
+    # the shared expert's six are the same kernel on one batch; the rest is
+    # the router.
+    report = verify.gemm_report(block_scaled_hlo)
     kernel = [g for g in report.gemms if g.target == "fp8jax_block_scaled_gemm"]
     assert all(g.backend == "pallas-fp8" for g in kernel)
     experts = [g for g in kernel if g.lhs_shape[0] == E]
@@ -206,6 +215,57 @@ def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100
     assert len(kernel) - len(experts) == 6  # the shared expert's, fwd, dgrad, wgrad
     others = [g for g in report.gemms if g not in kernel]
     assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
+
+
+def _scatters(hlo: str) -> list[tuple[str, bool, tuple]]:
+    """Every scatter in a compiled module: (combiner, in a loop body?, shape, unique indices?)."""
+    module = _hlo.parse_module(hlo)
+    bodies = {
+        name
+        for comp in module.computations.values()
+        for inst in comp.instructions.values()
+        if inst.opcode == "while"
+        for name in inst.called  # its condition and body
+    }
+    out = []
+    for comp in module.computations.values():
+        for inst in comp.instructions.values():
+            if inst.opcode == "scatter":
+                root = module.computations[inst.called[-1]].root.opcode
+                combiner = "set" if root == "parameter" else root
+                looped = comp.name in bodies or _fused_in(module, comp, bodies)
+                out.append((combiner, looped, inst.types[0].shape,
+                            "unique_indices=true" in inst.attrs))  # fmt: skip
+    return out
+
+
+def _fused_in(module, comp, bodies) -> bool:
+    """Whether ``comp`` (a fused computation) is called from one of ``bodies``."""
+    return any(
+        comp.name in inst.called
+        for name in bodies
+        for inst in module.computations[name].instructions.values()
+    )
+
+
+def test_block_scaled_block_has_no_scatter_max_in_a_deviceless_h100_compile(block_scaled_hlo):
+    # The wgrad's token-tile amaxes are gathered tiles reduced densely: a
+    # scatter-max (a segment max) serializes its atomics on the GPU. What
+    # stays: each grouped GEMM's rounds set their rows in the output, in the
+    # loop (forward and dgrad of both GEMMs), and the routing's two small
+    # scatter-adds (the experts' row counts, the gates' gradient). The rows'
+    # indices are unique (padding rows each go to their own dropped row):
+    # with indices that may repeat, XLA sets each bf16 element by a
+    # compare-and-swap loop.
+    scatters = _scatters(block_scaled_hlo)
+    assert not [s for s in scatters if s[0] == "maximum"], scatters
+    # Rows of T * K slots: the forwards write 2 F (gate and up) and H padded
+    # to 128; the dgrads write H padded to 128 and F (which is 128).
+    rows = sorted(s[2] for s in scatters if s[:2] == ("set", True))
+    assert rows == [(T * K, 128)] * 3 + [(T * K, 2 * F)], scatters
+    assert all(s[3] for s in scatters if s[0] == "set"), scatters
+    assert sorted(s[2] for s in scatters if s[0] == "add") == [(E,), (T, E)], scatters
+    assert len(scatters) == 6, scatters
 
 
 def test_permutations_backward_are_gathers_equal_to_the_transposed_takes():

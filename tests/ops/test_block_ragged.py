@@ -81,6 +81,21 @@ def test_values_and_gradients_match_the_per_group_block_reference(case, recipe):
         assert not np.asarray(got["d_rhs"][i]).any()
 
 
+@pytest.mark.parametrize("sizes,rounds", [([100, 50, 128], 1), ([130, 0, 5, 128, 20], 2)])
+def test_a_bf16_weight_gradient_is_the_f32_one_rounded(sizes, rounds):
+    # One round writes the kernel's sum in bf16 directly; more add rounds in
+    # f32 and cast: both the same rounding of the same f32 sum.
+    tiles = block_ragged.round_tiles(300, len(sizes))
+    assert -(-max(-(-s // 128) for s in sizes) // tiles) == rounds
+    x, w, gs, g = _inputs(300, 256, 128, sizes)
+    w16 = w.astype(jnp.bfloat16)
+    recipe = fp8jax.BlockScaling()
+    *_, dw16 = _value_and_grads(x, w16, gs, g, recipe)
+    *_, dw32 = _value_and_grads(x, w16.astype(F32), gs, g, recipe)
+    assert dw16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dw16), np.asarray(dw32.astype(jnp.bfloat16)))
+
+
 def test_the_reference_tells_block_scaling_from_per_tensor_scaling():
     # The outlier expert's blocks: one block scale against the per-expert one
     # moves that expert's other blocks by far more than the slack.

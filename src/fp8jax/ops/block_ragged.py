@@ -79,11 +79,14 @@ def token_tiles(group_sizes: jax.Array, rows: int) -> jax.Array:
 
     Tiles are numbered group by group, 128 rows from each group's first row.
     """
-    starts, _, first_tile, _ = _groups(group_sizes, rows)
+    starts, sizes, first_tile, _ = _groups(group_sizes, rows)
     groups = group_sizes.shape[0]
-    group = gg.row_groups(group_sizes, rows)
-    safe = jnp.minimum(group, groups - 1)
+    # rows x groups integer compares in one fused pass, where a binary
+    # search is a loop of small kernels (17 steps for DeepSeek's rows).
     row = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.searchsorted(starts + sizes, row, side="right", method="compare_all")
+    group = group.astype(jnp.int32)
+    safe = jnp.minimum(group, groups - 1)
     tile = first_tile[safe] + (row - starts[safe]) // BLOCK
     return jnp.where(group < groups, tile, tile_count(rows, groups))
 
@@ -94,14 +97,35 @@ def quantize_token_tiles(x, tiles, num_tiles: int, fmt, margin: float, power_of_
     Returns ``(data [rows, c], scale_inv [num_tiles, c])``; rows in no tile
     (``tiles == num_tiles``) are cast at scale 1 and never read.
     """
-    x32 = jnp.abs(x.astype(jnp.float32))
-    # Tiles are numbered in row order (rows in no group last), so the
-    # reduction may assume sorted segments.
-    tile_amax = jax.ops.segment_max(x32, tiles, num_segments=num_tiles, indices_are_sorted=True)
-    # An empty tile's max is -inf: not finite, so its scale is 1.
-    scale = group_scales(tile_amax, fmt.max, margin, power_of_two)
+    scale = group_scales(_tile_amax(x, tiles, num_tiles), fmt.max, margin, power_of_two)
     row_scale = jnp.concatenate([scale, jnp.ones((1, x.shape[1]), jnp.float32)])[tiles]
     return quantize_with_scale(x, fmt, row_scale).data, 1.0 / scale
+
+
+def _tile_amax(x, tiles, num_tiles: int):
+    """Each token tile's column amax, ``[num_tiles, c]`` f32; 0 for a tile no row is in.
+
+    Tiles are numbered in row order (rows in no group last), so tile ``t``'s
+    rows are a run of at most 128 from its first row. They are gathered by
+    index as ``[num_tiles * 128, c]`` (rows past the run read as zero, which
+    no max of absolute values notices) and reduced 128 rows at a time: a
+    segment max is a scatter-max on the GPU, whose atomics serialize on each
+    tile's rows. Flat rows, zero-filled by the gather itself, let XLA fuse
+    the gather into the reduction; ``[num_tiles, 128]`` indices or a
+    ``where`` after it wrote the gathered copy out first. An empty tile's
+    amax is 0, where a segment max gives -inf: both give the scale 1.
+    """
+    rows, cols = x.shape
+    if not rows:  # no row to gather
+        return jnp.zeros((num_tiles, cols), jnp.float32)
+    ids = jnp.arange(num_tiles, dtype=tiles.dtype)
+    # num_tiles x rows integer compares in one fused pass, not a loop of small kernels.
+    first, end = (jnp.searchsorted(tiles, ids, side=side, method="compare_all")
+                  for side in ("left", "right"))  # fmt: skip
+    row = first[:, None] + jnp.arange(BLOCK, dtype=first.dtype)[None, :]
+    row = jnp.where(row < end[:, None], row, rows).reshape(-1)  # past x: read as 0
+    tile = jnp.take(x, row, axis=0, mode="fill", fill_value=0).reshape(num_tiles, BLOCK, cols)
+    return jnp.max(jnp.abs(tile.astype(jnp.float32)), axis=1)
 
 
 def round_tiles(rows: int, groups: int) -> int:
@@ -152,8 +176,14 @@ def grouped_block_matmul(a, sa, b, sb, group_sizes, out_rows: int, out_dtype, *,
         y = block_scaled_matmul(_gather(a, source, real), b, jnp.take(sa, source, axis=0), sb,
                                 out_dtype, b_blocks=True)  # fmt: skip
         target = grouped if write is None else write[grouped]
-        target = jnp.where(real, target, out_rows)  # past the output: dropped
-        return out.at[target.reshape(-1)].set(y.reshape(-1, n), mode="drop")
+        # Padding rows go past the output (dropped), each to its own row, so
+        # that every index is unique: XLA then stores the rows, where with
+        # indices that may repeat it sets each 16-bit element by a 32-bit
+        # compare-and-swap loop (its deviceless PTX for an H100).
+        past = out_rows + jnp.arange(target.size, dtype=target.dtype).reshape(target.shape)
+        target = jnp.where(real, target, past)
+        return out.at[target.reshape(-1)].set(y.reshape(-1, n), mode="drop",
+                                              unique_indices=True)  # fmt: skip
 
     out = jnp.zeros((out_rows, n), out_dtype)
     if not rows or not a.shape[0]:  # no rows to gather: the loop's takes need one
@@ -168,7 +198,8 @@ def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype, *, tiles: int = 1)
     tile (:func:`quantize_token_tiles`), ``sa [tiles, k]``, ``sb [tiles, n]``.
     A round contracts ``tiles`` token tiles of every group in one block GEMM
     (the tiles are its 128-wide slices of K); the first round's sum is the
-    accumulator, later rounds add to it in f32.
+    accumulator, later rounds add to it in f32. A single round writes
+    ``out_dtype`` from the kernel.
     """
     rows, k = a.shape
     n, groups = b.shape[1], group_sizes.shape[0]
@@ -177,7 +208,7 @@ def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype, *, tiles: int = 1)
     if not rows:  # no rows to gather: the loop's takes need one
         return jnp.zeros((groups, k, n), out_dtype)
 
-    def product(j):
+    def product(j, dtype=jnp.float32):
         grouped, real = _round_rows(starts, sizes, j, tiles)
         # A group past its tiles reads zeros; any scale will do.
         run = j * tiles + jnp.arange(tiles, dtype=jnp.int32)
@@ -185,10 +216,20 @@ def grouped_block_wgrad(a, sa, b, sb, group_sizes, out_dtype, *, tiles: int = 1)
         a_j = jnp.swapaxes(_gather(a, grouped, real), 1, 2)  # [g, k, t * 128]
         b_j = jnp.swapaxes(_gather(b, grouped, real), 1, 2)  # [g, n, t * 128]
         sa_j, sb_j = jnp.swapaxes(sa[tile], 1, 2), jnp.swapaxes(sb[tile], 1, 2)  # [g, ., t]
-        return block_scaled_matmul(a_j, b_j, sa_j, sb_j, jnp.float32)
+        return block_scaled_matmul(a_j, b_j, sa_j, sb_j, dtype)
 
-    acc = lax.fori_loop(1, _rounds(counts, tiles), lambda j, acc: acc + product(j), product(0))
-    return acc.astype(out_dtype)
+    rounds = _rounds(counts, tiles)
+
+    def summed():
+        acc = lax.fori_loop(1, rounds, lambda j, acc: acc + product(j), product(0))
+        return acc.astype(out_dtype)
+
+    if jnp.dtype(out_dtype) == jnp.float32:
+        return summed()
+    # One round (a balanced routing's): the kernel writes out_dtype itself,
+    # the same rounding of the same f32 sum, without an f32 [g, k, n] written
+    # and read back to cast it.
+    return lax.cond(rounds > 1, summed, lambda: product(0, out_dtype))
 
 
 def quantize_weight_blocks(rhs, fmt, recipe, gather: tuple = ()):
