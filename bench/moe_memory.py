@@ -85,7 +85,8 @@ def _flash_standin_bwd(residuals, g):
 _flash_standin.defvjp(_flash_standin_fwd, _flash_standin_bwd)
 
 
-def _attention_core(q, k, v, mask, causal, implementation):
+def _attention_core(q, k, v, mask, causal, implementation, hadamard=False):
+    # _attention.attention_core's signature: attend() passes hadamard positionally.
     return _flash_standin(q, k, v)
 
 
