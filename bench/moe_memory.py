@@ -21,7 +21,8 @@ traces the same memory without them:
   kernel reads the SM count of ``jax.devices()[0]`` when traced, given here
   as the H200's 132.
 
-    PYTHONPATH=src:bench python bench/moe_memory.py --config mixtral --batch-sizes 8 16 24
+    PYTHONPATH=src:bench python bench/moe_memory.py --config mixtral --batch-sizes 4 6 8
+    PYTHONPATH=src:bench python bench/moe_memory.py --config deepseek --layers 6 8 --batch-sizes 8
     PYTHONPATH=src:bench python bench/moe_memory.py --config llama-1b --batch-sizes 16
 
 ``llama-1b`` at 16 sequences was measured on an H200 (docs/train.md#llama-presets:
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import time
 import types
@@ -146,6 +148,8 @@ def main(argv=None):
     parser.add_argument("--config", nargs="+", default=["mixtral", "deepseek"])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="default: the preset's")  # fmt: skip
+    parser.add_argument("--layers", type=int, nargs="+", default=None,
+                        help="the model's layers (default: the preset's)")  # fmt: skip
     parser.add_argument("--remat", nargs="+", default=["none"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--target", default="h200")
@@ -155,32 +159,36 @@ def main(argv=None):
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, deviceless {args.target}, budget {args.budget_gib:.1f} GiB",
           flush=True)  # fmt: skip
-    print(f"{'config':>10} {'variant':>15} {'remat':>5} {'batch':>5} {'args GiB':>8} "
+    print(f"{'config':>10} {'variant':>15} {'remat':>5} {'layers':>6} {'batch':>5} {'args GiB':>8} "
           f"{'temp GiB':>8} {'peak GiB':>8} {'fits':>4} {'compile s':>9}", flush=True)  # fmt: skip
     rows = []
     for preset in args.config:
         from fp8jax.training.config import PRESETS
 
-        for remat in args.remat:
-            for batch_size in args.batch_sizes or [PRESETS[preset].batch_size]:
-                for variant in args.variants:
-                    start = time.perf_counter()
-                    memory = step_memory(preset, variant, batch_size, remat, args.target)
-                    seconds = time.perf_counter() - start
-                    row = {"config": preset, "variant": variant, "remat": remat,
-                           "batch_size": batch_size, **memory._asdict(),
-                           "peak_gib": memory.peak / GIB,
-                           "fits": memory.peak / GIB <= args.budget_gib}  # fmt: skip
-                    rows.append(row)
-                    print(f"{preset:>10} {variant:>15} {remat:>5} {batch_size:>5} "
-                          f"{memory.argument / GIB:>8.2f} {memory.temp / GIB:>8.2f} "
-                          f"{row['peak_gib']:>8.2f} {'yes' if row['fits'] else 'no':>4} "
-                          f"{seconds:>9.1f}", flush=True)  # fmt: skip
-                    if args.out:
-                        payload = {"jax": jax.__version__, "target": args.target,
-                                   "budget_gib": args.budget_gib, "rows": rows}  # fmt: skip
-                        with open(args.out, "w") as f:
-                            json.dump(payload, f, indent=1)
+        for remat, layers, batch_size, variant in itertools.product(
+            args.remat,
+            args.layers or [PRESETS[preset].model.layers],
+            args.batch_sizes or [PRESETS[preset].batch_size],
+            args.variants,
+        ):
+            start = time.perf_counter()
+            memory = step_memory(preset, variant, batch_size, remat, args.target,
+                                 layers=layers)  # fmt: skip
+            seconds = time.perf_counter() - start
+            row = {"config": preset, "variant": variant, "remat": remat, "layers": layers,
+                   "batch_size": batch_size, **memory._asdict(),
+                   "peak_gib": memory.peak / GIB,
+                   "fits": memory.peak / GIB <= args.budget_gib}  # fmt: skip
+            rows.append(row)
+            print(f"{preset:>10} {variant:>15} {remat:>5} {layers:>6} {batch_size:>5} "
+                  f"{memory.argument / GIB:>8.2f} {memory.temp / GIB:>8.2f} "
+                  f"{row['peak_gib']:>8.2f} {'yes' if row['fits'] else 'no':>4} "
+                  f"{seconds:>9.1f}", flush=True)  # fmt: skip
+            if args.out:
+                payload = {"jax": jax.__version__, "target": args.target,
+                           "budget_gib": args.budget_gib, "rows": rows}  # fmt: skip
+                with open(args.out, "w") as f:
+                    json.dump(payload, f, indent=1)
     return rows
 
 

@@ -30,6 +30,27 @@ def test_the_presets_have_the_shapes_they_are_named_after():
         assert model.num_params(active=True) < model.num_params()
 
 
+def test_the_h200_presets_have_the_layers_of_their_models():
+    # Mixtral-8x7B's layer and DeepSeek-V2-Lite's (bench/moe.py's SHAPES, where FP8's
+    # grouped GEMMs were measured), over 4096 bytes, at the depth and batch that
+    # bench/moe_memory.py fits in an H200 (docs/train.md#moe-presets).
+    mixtral, deepseek = PRESETS["mixtral"], PRESETS["deepseek"]
+    m, d = mixtral.model, deepseek.model
+    assert (m.hidden, m.heads, m.kv_heads, m.ffn, m.expert_ffn) == (4096, 32, 8, 14336, None)
+    assert (d.hidden, d.heads, d.kv_heads, d.expert_ffn) == (2048, 16, None, 1408)
+    assert mixtral.seq_len == deepseek.seq_len == 4096
+    assert m.layers >= 4 and d.layers >= 8 and mixtral.batch_size >= 4 and deepseek.batch_size >= 8
+    for model in (m, d):
+        # Every GEMM width a multiple of 128, as the BF16 grouped kernels need.
+        widths = (model.hidden, model.ffn, model.expert_ffn or model.ffn)
+        assert all(w % 128 == 0 for w in widths), widths
+    # A token's GEMMs are mostly its experts': 85.7% of mixtral's FLOPs, 64.2% of deepseek's.
+    for model, share in ((m, 0.857), (d, 0.642)):
+        experts = model.moe_layers * (model.top_k + model.shared_experts) * 3 * model.hidden
+        experts *= model.expert_ffn or model.ffn
+        assert 6 * experts / mfu.flops_per_token(model, 4096) == pytest.approx(share, abs=1e-3)
+
+
 def test_flops_per_token_counts_the_active_experts_only():
     model = GptConfig(hidden=64, layers=3, heads=4, ffn=128, experts=8, top_k=2, expert_ffn=32,
                       shared_experts=1, dense_layers=1)  # fmt: skip

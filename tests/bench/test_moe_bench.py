@@ -52,3 +52,17 @@ def test_the_grouped_block_on_lax_ragged_dot_equals_the_library_block():
         want, _ = block.apply(params, x, mutable=["intermediates"])
         got = moe.grouped_moe(params, x, top_k=2, gemm=lax.ragged_dot)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_h200_presets_train_the_layers_benchmarked_here():
+    # fp8jax train --config mixtral / deepseek: the block shapes whose FP8 speed-up
+    # bench/moe.py measures, at as many tokens a step (docs/train.md#moe-presets).
+    from fp8jax.training.config import PRESETS
+
+    for name, shape in moe.SHAPES.items():
+        preset = PRESETS[name]
+        model = preset.model
+        got = (model.hidden, model.expert_ffn or model.ffn, model.experts, model.top_k,
+               model.shared_experts)  # fmt: skip
+        assert got == (shape.hidden, shape.ffn, shape.experts, shape.top_k, shape.shared), name
+        assert preset.batch_size * preset.seq_len >= shape.tokens, name

@@ -55,13 +55,20 @@ class Preset:
 # Sequences per step of the Llama presets (docs/train.md#llama-presets).
 LLAMA_1B_BATCH = 16
 LLAMA_3B_BATCH = 8
-# Sequences per step of the MoE presets: the largest even batch whose BF16 train step,
-# compiled deviceless for an H200, peaks under 100 GiB, 95% of JAX's default share of
-# the H200 (bench/moe_memory.py, docs/train.md#moe-presets; the design record "MoE
-# preset batch sizes"): mixtral
-# 92.4 GiB, deepseek 91.3 GiB; the FP8 steps peak lower.
-MIXTRAL_BATCH = 20
-DEEPSEEK_BATCH = 12
+# Depth and sequences per step of the H200 MoE presets, whose layers are bench/moe.py's
+# SHAPES (Mixtral-8x7B's, DeepSeek-V2-Lite's): there FP8's grouped GEMMs pay, where at
+# hidden 1024 the step gained 1.21x. At these widths the f32 parameters and AdamW's two
+# moments (12 bytes a parameter) fill most of the H200, so the depth is what leaves
+# room for a batch: at each depth, the largest even batch whose BF16 step, compiled
+# deviceless for an H200, peaks under 100 GiB, 95% of JAX's default share
+# (bench/moe_memory.py, docs/train.md#moe-presets, docs/design.md#the-moe-presets-batches).
+# mixtral: 4 layers x 4 sequences, bench/moe.py's 16384 tokens, 94.3 GiB (6: 103.5;
+# 5 layers x 2: 105.6); deepseek: 8 layers x 8, 94.8 GiB (10: 104.6), where 10 layers
+# x 4 (95.3) would halve its 64 experts' rows, 3072 each. The FP8 steps peak lower.
+MIXTRAL_LAYERS = 4
+MIXTRAL_BATCH = 4
+DEEPSEEK_LAYERS = 8
+DEEPSEEK_BATCH = 8
 
 PRESETS = {
     # About 0.15 s a step on 2 CPU cores: 300 steps take under a minute.
@@ -101,7 +108,7 @@ PRESETS = {
     # Mixture-of-Experts presets (docs/train.md#moe-presets): Mixtral-shaped (8
     # SwiGLU experts, top-2) and DeepSeek-shaped (fine-grained: 64 routed experts,
     # top-6, 2 shared, the first layer dense). The -tiny ones run on a CPU in
-    # seconds; the others are sized for one H200 in BF16 (MIXTRAL_BATCH above).
+    # seconds; the others are sized for one H200 in BF16 (MIXTRAL_LAYERS above).
     "mixtral-tiny": Preset(
         model=GptConfig(hidden=64, layers=2, heads=4, ffn=128, experts=8, top_k=2),
         seq_len=64, batch_size=8, learning_rate=3e-3, warmup_steps=10, steps=40,
@@ -127,15 +134,20 @@ PRESETS = {
         seq_len=512, batch_size=8, learning_rate=1e-3, warmup_steps=200, steps=2000,
         log_every=20, eval_every=200, eval_batches=32, checkpoint_every=500,
     ),
+    # Mixtral-8x7B's layer (head_dim 128, 8 kv heads) and DeepSeek-V2-Lite's. V2-Lite's
+    # latent attention trains as 16 full heads of keys and values, so deepseek's attention
+    # is multi-head. Its dense first layer is 11008 wide (Llama-2-7B's): V2-Lite's 10944
+    # is no multiple of 128, which every GEMM width here is (the BF16 grouped kernels'
+    # tiles).
     "mixtral": Preset(
-        model=GptConfig(hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, experts=8,
-                        top_k=2),
+        model=GptConfig(hidden=4096, layers=MIXTRAL_LAYERS, heads=32, kv_heads=8, ffn=14336,
+                        experts=8, top_k=2),
         seq_len=4096, batch_size=MIXTRAL_BATCH, learning_rate=3e-4, warmup_steps=200,
         steps=2000, log_every=10, eval_every=200, eval_batches=8, checkpoint_every=500,
     ),
     "deepseek": Preset(
-        model=GptConfig(hidden=1024, layers=16, heads=16, kv_heads=8, ffn=2816, experts=64,
-                        top_k=6, expert_ffn=768, shared_experts=2, dense_layers=1),
+        model=GptConfig(hidden=2048, layers=DEEPSEEK_LAYERS, heads=16, ffn=11008, experts=64,
+                        top_k=6, expert_ffn=1408, shared_experts=2, dense_layers=1),
         seq_len=4096, batch_size=DEEPSEEK_BATCH, learning_rate=3e-4, warmup_steps=200,
         steps=2000, log_every=10, eval_every=200, eval_batches=8, checkpoint_every=500,
     ),
