@@ -34,9 +34,10 @@ refuses (head_dim 64 with FP8, a missing entry) the row says why.
   default in the same process as ``fp8jax@NAME``, each with a check row:
   its forward output against the default build's on the same inputs
   (bitwise equal but where P in registers lets the tensor cores sum a
-  block in another order). ``--builds-only`` times only cuDNN BF16, the
-  default and the builds; ``--parts fwd`` only the forwards (the builds
-  share the backward).
+  block in another order, or PV in place leaves the sum across blocks to
+  their accumulation), and error rows as the others' when errors are
+  measured. ``--builds-only`` times only cuDNN BF16, the default and the
+  builds; ``--parts fwd`` only the forwards (the builds share the backward).
 
 Run on an H200 (speed and errors apart, each within ten minutes):
   PYTHONPATH=src python bench/attention.py --skip-errors --out bench/results/attention.jsonl
@@ -78,16 +79,21 @@ SHAPES = [
 ]
 ERROR_SHAPE = (1, 4096, 24, 8, 128)  # (batch, seq, q heads, kv heads, head_dim): llama-3b's
 DRY_SHAPES = [("dry_d128_s256_causal_4q2kv", 1, 256, 4, 2, 128, True)]
-# The forward kernel's builds beside its default (issue 60). At head_dim 128
-# the overlap spills registers (deviceless ptxas; 240 registers spill least).
+# The forward kernel's builds beside its default (issue 60). With a fresh PV
+# tile the overlap spills registers at head_dim 128 (deviceless ptxas; 240
+# registers spill least); with PV accumulated in place it does not.
 FORWARD_BUILDS = {
     "p_registers": ForwardConfig(p_registers=True, row_scales=True),
+    "in_place": ForwardConfig(pv_in_place=True),
     "stages3": ForwardConfig(stages=3),
-    "p_registers_stages3": ForwardConfig(p_registers=True, row_scales=True, stages=3),
-    "overlap": ForwardConfig(overlap=True, row_scales=True, registers=240),
-    "overlap_p_registers": ForwardConfig(
-        overlap=True, p_registers=True, row_scales=True, registers=240
+    "overlap_in_place": ForwardConfig(overlap=True, pv_in_place=True),
+    # FlashAttention-3's FP8 forward: all of them.
+    "fa3": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True),
+    "fa3_stages3": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True, stages=3),
+    "fa3_no_pingpong": ForwardConfig(
+        overlap=True, pv_in_place=True, p_registers=True, pingpong=False
     ),
+    "overlap": ForwardConfig(overlap=True, row_scales=True, registers=240),
     "no_pingpong": ForwardConfig(pingpong=False),
 }
 PARTS = ("fwd", "fwd_bwd")
@@ -336,12 +342,17 @@ def _names(text: str, known, flag: str) -> tuple[str, ...]:
     return names
 
 
-def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bool, log):
-    """Relative errors against f32 of every implementation on the same inputs."""
+def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bool, log,
+               builds=()):  # fmt: skip
+    """Relative errors against f32 of every implementation (and forward build) on one input."""
     batch, seq, heads, kv_heads, d = error_shape
     q, k, v, g = inputs(batch, seq, heads, kv_heads, d, case=case, seed=1)
     want = jax.jit(with_backward(reference(causal)))(q, k, v, g)
     runs = {
+        f"fp8jax@{b}": jax.jit(with_backward(fp8jax_attention(causal, build=FORWARD_BUILDS[b])))
+        for b in builds
+    }
+    runs |= {
         "fp8jax": jax.jit(with_backward(fp8jax_attention(causal))),
         "fp8jax_hadamard": jax.jit(with_backward(fp8jax_attention(causal, hadamard=True))),
         baseline: jax.jit(with_backward(bf16_attention(baseline.removesuffix("_bf16"), causal))),
@@ -428,7 +439,7 @@ def main(argv=None) -> list[dict]:
         for causal in (True, False):
             for case in CASES:
                 error_shape = DRY_ERROR_SHAPE if args.dry_run else ERROR_SHAPE
-                error_rows(error_shape, causal, case, baseline, cudnn_ok, log)
+                error_rows(error_shape, causal, case, baseline, cudnn_ok, log, args.builds)
     return rows
 
 

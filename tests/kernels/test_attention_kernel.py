@@ -51,23 +51,31 @@ def test_kernel_in_interpret_mode_matches_its_xla_twin(tq, tk, heads, kv_heads, 
 # a single (masked) block and one with an unmasked block before the diagonal
 # (the overlap's prologue, both loops, its epilogue); unmasked, 3 or 4 blocks
 # so that slots are reused (with 3 stages, 4 blocks), and a GQA group.
-BUILDS = [
-    (kernel.ForwardConfig(overlap=True), (256, 256, 1, 1, 64, True)),
-    (kernel.ForwardConfig(overlap=True, p_registers=True, row_scales=True),
-     (128, 384, 2, 1, 64, False)),
-    (kernel.ForwardConfig(p_registers=True), (256, 256, 1, 1, 64, True)),
-    (kernel.ForwardConfig(stages=3, pingpong=False, registers=240), (128, 512, 1, 1, 64, False)),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "config, shape", BUILDS, ids=["overlap", "overlap-p-registers", "p-registers", "stages3"]
+CAUSAL, GQA, FOUR = (
+    (256, 256, 1, 1, 64, True),
+    (128, 384, 2, 1, 64, False),
+    (128, 512, 1, 1, 64, False),
 )
+BUILDS = {
+    "overlap": (kernel.ForwardConfig(overlap=True), CAUSAL),
+    "overlap-in-place-p-registers": (
+        kernel.ForwardConfig(overlap=True, pv_in_place=True, p_registers=True), CAUSAL),
+    "overlap-in-place": (
+        kernel.ForwardConfig(overlap=True, pv_in_place=True, row_scales=True), GQA),
+    "in-place": (kernel.ForwardConfig(pv_in_place=True), CAUSAL),
+    "stages3-p-registers": (kernel.ForwardConfig(stages=3, pingpong=False, registers=240,
+                                                 p_registers=True), FOUR),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config, shape", BUILDS.values(), ids=BUILDS.keys())
 def test_forward_builds_in_interpret_mode_match_the_xla_twin(config, shape):
     """Every build computes the default's f32 operations: the output bitwise, as the default's.
 
     With P in registers the operand's keys and Vᵀ's are permuted alike, which
     moves no product; XLA's f32 dot on the CPU has summed them bitwise alike.
+    PV in place rescales the accumulator by powers of two (V's scale ratios)
+    times alpha: each rounding is the default's, scaled exactly.
     """
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
@@ -213,18 +221,20 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, tmp_path, monkeypatch):
     assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
 
 
-# Builds that fit the registers: the overlap at head_dim 64 (at 128 ptxas
-# spills it, 100-508 bytes a thread; FORWARD_BUILDS in bench/attention.py
-# still times it), P in registers and 3 stages at 128.
-COMPILED_BUILDS = [
-    (64, kernel.ForwardConfig(overlap=True, p_registers=True, row_scales=True)),
-    (128, kernel.ForwardConfig(p_registers=True, row_scales=True)),
-    (128, kernel.ForwardConfig(stages=3)),
-]
+# Builds that fit the registers: the overlap with a fresh PV tile only at
+# head_dim 64 (at 128 ptxas spills it, 100-508 bytes a thread; bench/attention.py
+# still times it), with PV in place at 128 too.
+COMPILED_BUILDS = {
+    "d64-overlap": (64, kernel.ForwardConfig(overlap=True, p_registers=True, row_scales=True)),
+    "d128-p-registers": (128, kernel.ForwardConfig(p_registers=True, row_scales=True)),
+    "d128-overlap-in-place-p-registers": (
+        128, kernel.ForwardConfig(overlap=True, pv_in_place=True, p_registers=True)),
+    "d128-in-place-stages3": (128, kernel.ForwardConfig(pv_in_place=True, stages=3)),
+}  # fmt: skip
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize("d, config", COMPILED_BUILDS, ids=["d64-overlap", "d128-p-reg", "d128-s3"])
+@pytest.mark.parametrize("d, config", COMPILED_BUILDS.values(), ids=COMPILED_BUILDS.keys())
 def test_deviceless_forward_builds_keep_fp8_wgmma_and_registers(d, config, tmp_path, monkeypatch):
     """Each build compiles for the H200 with FP8 wgmma, within its registers, without spills.
 

@@ -94,6 +94,13 @@ class ForwardConfig:
         a thread, not 32 (d 128) as a column vector; the same multiplies.
       registers: per compute thread (``setmaxnreg``); 240 leaves the memory
         warpgroup 32 (FlashAttention-3's split is 240 and 24).
+      pv_in_place: PV accumulates into the output's accumulator on the
+        tensor cores (FlashAttention-3's), which is first rescaled by alpha
+        times the ratio of the previous and this block's V scales (powers of
+        two, so exactly), and times the last block's at the end: no fresh
+        f32 tile (64 registers at d 128) and no scaling add a block. The
+        f32 steps are the default's; on the GPU the sum across blocks then
+        has the tensor cores' accumulation precision, not f32 adds'.
     """
 
     stages: int = STAGES
@@ -102,6 +109,7 @@ class ForwardConfig:
     pingpong: bool = True
     row_scales: bool = False
     registers: int = 232
+    pv_in_place: bool = False
 
     def __post_init__(self):
         if self.registers not in (232, 240):
@@ -110,7 +118,7 @@ class ForwardConfig:
             )
         if not 2 <= self.stages <= 4:  # 4 slots of K and Vᵀ at d 128 use 128 KiB of 227
             raise ValueError(f"ForwardConfig(stages=...) must be in [2, 4], got {self.stages}.")
-        for name in ("overlap", "p_registers", "pingpong", "row_scales"):
+        for name in ("overlap", "p_registers", "pingpong", "row_scales", "pv_in_place"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"ForwardConfig({name}=...) must be a bool, got {getattr(self, name)!r}."
@@ -383,6 +391,24 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             plgpu.barrier_arrive(v_done.at[slot])
             return acc * lax.broadcast_in_dim(alpha, (WG_ROWS, d), [0]) + pv * vs
 
+        def vs_row(j):
+            """Block j's V scale as a row vector (all its entries are the block's one)."""
+            return load(vs_smem.at[slot_of(j), pl.ds(0, WG_ROWS)], row_layout)
+
+        def rescaled(acc, alpha, vs_prev, vs):
+            """pv_in_place: the accumulator at block j's max, in units of its V scale."""
+            return acc * lax.broadcast_in_dim(alpha * (vs_prev / vs), (WG_ROWS, d), [0])
+
+        def pv_into(acc, a, vt_smem_slot):
+            """``acc + a . vtᵀ``, accumulated by the tensor cores (waits for it)."""
+            if interpreted:
+                return acc + dot_t(a if config.p_registers else a[...], vt_smem_slot)
+
+            def product(ref):
+                plgpu.wgmma(ref, a, plgpu.transpose_ref(vt_smem_slot, (1, 0)))
+
+            return pl.run_state(product)(plgpu.ACC.init(acc))
+
         def wait_k(j):
             slot = slot_of(j)
             plgpu.barrier_wait(k_bars.at[slot])
@@ -394,7 +420,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             plgpu.barrier_wait(vs_bars.at[slot])
 
         def kv_step(j, carry, masked: bool):
-            acc, m, l = carry
+            acc, m, l, *vs_prev = carry
             slot = slot_of(j)
             wait_k(j)
             s = scaled(mma(q_smem, k_smem.at[slot], shape, issued=take_turn), j)
@@ -402,6 +428,13 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             a = p_operand((p * P_SCALE).astype(FP8))
             turn_arrive()  # this softmax is done
             wait_v(j)
+            if config.pv_in_place:
+                vs = vs_row(j)
+                acc = rescaled(acc, alpha, *vs_prev, vs)
+                turn_wait()  # the tensor cores are this warpgroup's
+                acc = pv_into(acc, a, vt_smem.at[slot])
+                plgpu.barrier_arrive(v_done.at[slot])
+                return acc, m_new, l, vs
             turn_wait()  # the tensor cores are this warpgroup's
             pv = mma(a, vt_smem.at[slot], (WG_ROWS, d), a_value=config.p_registers)
             return accumulated(acc, pv, alpha, j), m_new, l
@@ -414,6 +447,8 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
 
         def overlapped_step(j, carry, masked: bool):
             """QKᵀ(j+1) and PV(j) issued together; softmax(j+1) runs while PV(j) does."""
+            if config.pv_in_place:
+                return overlapped_in_place(j, carry, masked)
             acc, m, l, alpha, a = carry
             a = operand(a)
             wait_k(j + 1)
@@ -446,15 +481,58 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32),
                                  plgpu.ACC((WG_ROWS, d), jnp.float32))  # fmt: skip
 
+        def overlapped_in_place(j, carry, masked: bool):
+            """overlapped_step with PV(j) accumulating into the (rescaled) accumulator."""
+            acc, m, l, alpha, vs_prev, a = carry
+            a = operand(a)
+            wait_k(j + 1)
+            wait_v(j)
+            vs = vs_row(j)
+            acc = rescaled(acc, alpha, vs_prev, vs)
+            turn_wait()
+            k_next, vt = k_smem.at[slot_of(j + 1)], vt_smem.at[slot_of(j)]
+
+            def rest(s_next):
+                turn_arrive()
+                turn_wait()
+                p, m_new, alpha_next, l_new = softmax(scaled(s_next, j + 1), j + 1, m, l, masked)
+                return m_new, l_new, alpha_next, (p * P_SCALE).astype(FP8)
+
+            if interpreted:
+                s_next = dot_t(q_smem[...], k_next)
+                acc = pv_into(acc, a, vt)
+                m, l, alpha, p8 = rest(s_next)
+            else:
+
+                def issue(refs):
+                    acc_ref, s_ref, m_ref, l_ref, alpha_ref, p8_ref = refs
+                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_next, (1, 0)))
+                    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(vt, (1, 0)))
+                    # QKᵀ(j+1) was committed first: all but one MMA group done is it.
+                    outs = rest(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+                    for ref, value in zip((m_ref, l_ref, alpha_ref, p8_ref), outs, strict=True):
+                        ref[...] = value
+
+                zeros = laid_out(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+                p8_init = laid_out(jnp.zeros(shape, FP8), plgpu.Layout.WGMMA)
+                acc, _, m, l, alpha, p8 = pl.run_state(issue)(
+                    (plgpu.ACC.init(acc), plgpu.ACC.init(zeros), m, l, alpha, p8_init)
+                )
+            plgpu.barrier_arrive(v_done.at[slot_of(j)])  # PV(j) is done: P(j+1) may go
+            a_next = carried(p_operand(p8))
+            turn_arrive()
+            return acc, m, l, alpha, vs, a_next
+
         def overlapped(carry):
-            acc, m, l = carry
+            acc, m, l, *vs_prev = carry
             zero = jnp.array(0, jnp.int32)
             wait_k(zero)
             # Under causality block 0 is masked: the diagonal when the CTA's
             # rows are the first, else a mask that keeps every score.
             s = scaled(mma(q_smem, k_smem.at[slot_of(zero)], shape, issued=take_turn), zero)
             p, m, alpha, l = softmax(s, zero, m, l, masked=causal)
-            carry = (acc, m, l, alpha, carried(p_operand((p * P_SCALE).astype(FP8))))
+            a = carried(p_operand((p * P_SCALE).astype(FP8)))
+            carry = (acc, m, l, alpha, *vs_prev, a)
             turn_arrive()
             plain = functools.partial(overlapped_step, masked=False)
             if causal:
@@ -464,23 +542,36 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
                 carry = lax.fori_loop(lax.max(steps - 2, 0), steps - 1, masked, carry)
             else:
                 carry = lax.fori_loop(0, steps - 1, plain, carry)
-            acc, m, l, alpha, a = carry
+            acc, m, l, alpha, *vs_prev, a = carry
             a = operand(a)
             last = steps - 1
             wait_v(last)
+            if config.pv_in_place:
+                vs = vs_row(last)
+                acc = rescaled(acc, alpha, *vs_prev, vs)
+                turn_wait()
+                acc = pv_into(acc, a, vt_smem.at[slot_of(last)])
+                plgpu.barrier_arrive(v_done.at[slot_of(last)])
+                return acc, m, l, vs
             turn_wait()
             pv = mma(a, vt_smem.at[slot_of(last)], (WG_ROWS, d), a_value=config.p_registers)
             return accumulated(acc, pv, alpha, last), m, l
 
+        if config.pv_in_place:  # the V scale the accumulator's units follow (none yet)
+            carry = (*carry, laid_out(jnp.ones((WG_ROWS,), jnp.float32), row_layout))
         pl.when(wg == 1)(take_turn)  # warpgroup 0 goes first
         if config.overlap:
-            acc, m, l = overlapped(carry)
+            acc, m, l, *vs_last = overlapped(carry)
         elif causal:
             carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
-            acc, m, l = kv_step(steps - 1, carry, masked=True)
+            acc, m, l, *vs_last = kv_step(steps - 1, carry, masked=True)
         else:
-            acc, m, l = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
+            acc, m, l, *vs_last = lax.fori_loop(
+                0, steps, functools.partial(kv_step, masked=False), carry
+            )
         pl.when(wg == 0)(take_turn)  # as many turns as warpgroup 1
+        if config.pv_in_place:  # back to the values' units, exactly
+            acc = acc * lax.broadcast_in_dim(*vs_last, (WG_ROWS, d), [0])
         o_smem[...] = (acc / lax.broadcast_in_dim(l, (WG_ROWS, d), [0])).astype(o_smem.dtype)
         lse_smem[...] = m + jnp.log2(l)
         plgpu.commit_smem()
