@@ -29,8 +29,10 @@ through shared memory to the PV ``wgmma`` (8 KiB a warpgroup): the FP8
 accumulator layout differs from the FP8 register-operand layout.
 :class:`ForwardConfig` builds other pipelines for A/B timing (issue 60):
 P as the register operand (its keys relabelled, Vᵀ's permuted to match),
-FlashAttention-3's intra-warpgroup overlap, more stages, no ping-pong; all
-compute the default's f32 operations (docs/design.md#fp8-attention).
+FlashAttention-3's intra-warpgroup overlap, PV accumulated in place, more
+stages, no ping-pong. All compute the default's FP8 products and f32 steps
+(the interpreter's outputs are bitwise the default's); on the GPU only the
+tensor cores' sums may differ (docs/design.md#fp8-attention).
 """
 
 from __future__ import annotations
