@@ -28,9 +28,24 @@ output, dP, dQ, dK and dV, which cuDNN writes in E4M3, amax / 448 from a
 first call on the same inputs (the best scales it could have). Where cuDNN
 refuses (head_dim 64 with FP8, a missing entry) the row says why.
 
+* **Forward builds** (``--builds``, issue 60's A/B): the forward kernel's
+  other pipelines (:data:`FORWARD_BUILDS`, each a
+  :class:`~fp8jax.kernels.attention.ForwardConfig`) timed beside the
+  default in the same process as ``fp8jax@NAME``, each with a check row:
+  its forward output against the default build's on the same inputs
+  (bitwise equal but where P in registers lets the tensor cores sum a
+  block in another order, or PV in place leaves the sum across blocks to
+  their accumulation), and error rows as the others' when errors are
+  measured. ``--builds-only`` times only cuDNN BF16, the default and the
+  builds; ``--parts fwd`` only the forwards (the builds share the backward).
+
 Run on an H200 (speed and errors apart, each within ten minutes):
   PYTHONPATH=src python bench/attention.py --skip-errors --out bench/results/attention.jsonl
   PYTHONPATH=src python bench/attention.py --skip-speed --out bench/results/attention.jsonl
+The forward builds' A/B (about a minute a shape):
+  PYTHONPATH=src python bench/attention.py --skip-errors --builds all --builds-only \
+    --parts fwd --only llama-3b_b8_s4096_causal_24q8kv,d128_s4096_causal_32q8kv,\
+d64_s4096_causal_32q8kv --out bench/results/attention_builds.jsonl
 The wiring on a CPU (tiny shapes, XLA BF16 standing in for cuDNN BF16, the
 cuDNN rows skipped with the reason):
   JAX_PLATFORMS=cpu PYTHONPATH=src python bench/attention.py --dry-run --out /tmp/a.jsonl
@@ -47,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 import fp8jax
+from fp8jax.kernels.attention import ForwardConfig
 
 BF16, F32, F8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -63,6 +79,24 @@ SHAPES = [
 ]
 ERROR_SHAPE = (1, 4096, 24, 8, 128)  # (batch, seq, q heads, kv heads, head_dim): llama-3b's
 DRY_SHAPES = [("dry_d128_s256_causal_4q2kv", 1, 256, 4, 2, 128, True)]
+# The forward kernel's builds beside its default (issue 60). With a fresh PV
+# tile the overlap spills registers at head_dim 128 (deviceless ptxas; 240
+# registers spill least); with PV accumulated in place it does not.
+FORWARD_BUILDS = {
+    "p_registers": ForwardConfig(p_registers=True, row_scales=True),
+    "in_place": ForwardConfig(pv_in_place=True),
+    "stages3": ForwardConfig(stages=3),
+    "overlap_in_place": ForwardConfig(overlap=True, pv_in_place=True),
+    # FlashAttention-3's FP8 forward: all of them.
+    "fa3": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True),
+    "fa3_stages3": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True, stages=3),
+    "fa3_no_pingpong": ForwardConfig(
+        overlap=True, pv_in_place=True, p_registers=True, pingpong=False
+    ),
+    "overlap": ForwardConfig(overlap=True, row_scales=True, registers=240),
+    "no_pingpong": ForwardConfig(pingpong=False),
+}
+PARTS = ("fwd", "fwd_bwd")
 DRY_ERROR_SHAPE = (1, 128, 2, 1, 128)
 CASES = ("gaussian", "outliers")
 GRADIENTS = ("dq", "dk", "dv")
@@ -97,8 +131,9 @@ def bf16_attention(implementation: str, causal: bool):
     return attend
 
 
-def fp8jax_attention(causal: bool, hadamard: bool = False):
-    return functools.partial(fp8jax.dot_product_attention, causal=causal, hadamard=hadamard)
+def fp8jax_attention(causal: bool, hadamard: bool = False, build: ForwardConfig | None = None):
+    return functools.partial(fp8jax.dot_product_attention, causal=causal, hadamard=hadamard,
+                             forward_config=build)  # fmt: skip
 
 
 def reference(causal: bool):
@@ -231,48 +266,93 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
     fns = {
         baseline: bf16_attention(baseline.removesuffix("_bf16"), causal),
         "fp8jax": fp8jax_attention(causal),
-        "fp8jax_hadamard": fp8jax_attention(causal, hadamard=True),
     }
+    if not args.builds_only:
+        fns["fp8jax_hadamard"] = fp8jax_attention(causal, hadamard=True)
+    builds = {f"fp8jax@{b}": FORWARD_BUILDS[b] for b in args.builds}
+    fns |= {impl: fp8jax_attention(causal, build=build) for impl, build in builds.items()}
     times = {}
     for impl, fn in fns.items():
         for part, jitted, call in (
             ("fwd", jax.jit(fn), (q, k, v)),
             ("fwd_bwd", jax.jit(with_backward(fn)), (q, k, v, g)),
         ):
-            times[(impl, part)] = harness.time_ms(jitted, *call, iters=args.iters)
-            log({"shape": name, "impl": impl, "part": part, **times[(impl, part)]})
-    if not cudnn_ok:
-        log({"shape": name, "impl": "cudnn_fp8", "skipped": "cuDNN needs an NVIDIA GPU"})
-    else:
-        try:
-            forward, fwd_bwd = cudnn_fp8(causal, scale)
-            descales = calibrated_descales(fwd_bwd, q, k, v, g)
-            for part, jitted, call in (
-                ("fwd", jax.jit(forward), (q, k, v, descales)),
-                ("fwd_bwd", jax.jit(fwd_bwd), (q, k, v, g, descales)),
-            ):
-                times[("cudnn_fp8", part)] = harness.time_ms(jitted, *call, iters=args.iters)
-                log({"shape": name, "impl": "cudnn_fp8", "part": part,
-                     **times[("cudnn_fp8", part)]})  # fmt: skip
-        except Exception as error:  # cuDNN's refusal is the row's result
-            log({"shape": name, "impl": "cudnn_fp8", "refused": _refused(error)})
+            if part in args.parts:
+                times[(impl, part)] = harness.time_ms(jitted, *call, iters=args.iters)
+                log({"shape": name, "impl": impl, "part": part, **times[(impl, part)]})
+    if builds:
+        log_build_checks(name, fns, builds, (q, k, v), log)
+    if not args.builds_only:
+        cudnn_fp8_rows(name, (q, k, v, g), causal, scale, args, cudnn_ok, times, log)
     summary = {"shape": name, "baseline": baseline, "vs_bf16": {}}
     for (impl, part), t in times.items():
         if impl != baseline:
             base = times[(baseline, part)]["median_ms"]
             summary["vs_bf16"][f"{impl}_{part}"] = base / t["median_ms"]
+    if builds:  # > 1: the build is faster than the default
+        summary["vs_default"] = {
+            f"{impl}_{part}": times[("fp8jax", part)]["median_ms"] / t["median_ms"]
+            for (impl, part), t in times.items() if impl in builds
+        }  # fmt: skip
     log(summary)
     print(f"{name}: " + ", ".join(f"{k} {r:.3f}x" for k, r in summary["vs_bf16"].items())
           + f" {baseline}", flush=True)  # fmt: skip
     return summary
 
 
-def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bool, log):
-    """Relative errors against f32 of every implementation on the same inputs."""
+def cudnn_fp8_rows(name, call, causal, scale, args, cudnn_ok, times, log) -> None:
+    """cuDNN FP8's times into ``times``, or the row that says why there are none."""
+    if not cudnn_ok:
+        log({"shape": name, "impl": "cudnn_fp8", "skipped": "cuDNN needs an NVIDIA GPU"})
+        return
+    q, k, v, g = call
+    try:
+        forward, fwd_bwd = cudnn_fp8(causal, scale)
+        descales = calibrated_descales(fwd_bwd, q, k, v, g)
+        for part, jitted, args_ in (
+            ("fwd", jax.jit(forward), (q, k, v, descales)),
+            ("fwd_bwd", jax.jit(fwd_bwd), (q, k, v, g, descales)),
+        ):
+            if part in args.parts:
+                times[("cudnn_fp8", part)] = harness.time_ms(jitted, *args_, iters=args.iters)
+                log({"shape": name, "impl": "cudnn_fp8", "part": part,
+                     **times[("cudnn_fp8", part)]})  # fmt: skip
+    except Exception as error:  # cuDNN's refusal is the row's result
+        log({"shape": name, "impl": "cudnn_fp8", "refused": _refused(error)})
+
+
+def log_build_checks(name, fns, builds, call, log) -> None:
+    """Each build's forward output against the default build's on the same inputs."""
+    want = jax.jit(fns["fp8jax"])(*call).astype(F32)
+    for impl in builds:
+        got = jax.jit(fns[impl])(*call).astype(F32)
+        log({"shape": name, "impl": impl, "check_vs_default": {
+            "max_abs_diff": float(jnp.max(jnp.abs(got - want))),
+            "frac_differing": float(jnp.mean(got != want)),
+            "max_abs_default": float(jnp.max(jnp.abs(want))),
+        }})  # fmt: skip
+
+
+def _names(text: str, known, flag: str) -> tuple[str, ...]:
+    """A comma-separated list of ``known`` names ("all": every one), or a clear error."""
+    names = tuple(known) if text == "all" else tuple(n for n in text.split(",") if n)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {unknown}; expected names from {list(known)} or 'all'.")
+    return names
+
+
+def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bool, log,
+               builds=()):  # fmt: skip
+    """Relative errors against f32 of every implementation (and forward build) on one input."""
     batch, seq, heads, kv_heads, d = error_shape
     q, k, v, g = inputs(batch, seq, heads, kv_heads, d, case=case, seed=1)
     want = jax.jit(with_backward(reference(causal)))(q, k, v, g)
     runs = {
+        f"fp8jax@{b}": jax.jit(with_backward(fp8jax_attention(causal, build=FORWARD_BUILDS[b])))
+        for b in builds
+    }
+    runs |= {
         "fp8jax": jax.jit(with_backward(fp8jax_attention(causal))),
         "fp8jax_hadamard": jax.jit(with_backward(fp8jax_attention(causal, hadamard=True))),
         baseline: jax.jit(with_backward(bf16_attention(baseline.removesuffix("_bf16"), causal))),
@@ -309,7 +389,22 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="attention.jsonl", help="JSON lines, one per row")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--only", default=None, help="time only the shape of this name")
+    parser.add_argument(
+        "--only", default=None, help="time only the shapes of these names (comma-separated)"
+    )
+    parser.add_argument(
+        "--builds",
+        default="",
+        help="forward builds to time beside the "
+        f"default, comma-separated, or 'all': {', '.join(FORWARD_BUILDS)}",
+    )
+    parser.add_argument(
+        "--builds-only",
+        action="store_true",
+        help="time only the BF16 baseline, the default and --builds",
+    )
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"parts to time, comma-separated: {', '.join(PARTS)}")  # fmt: skip
     parser.add_argument("--skip-errors", action="store_true", help="time only")
     parser.add_argument("--skip-speed", action="store_true", help="measure the errors only")
     parser.add_argument(
@@ -318,6 +413,10 @@ def main(argv=None) -> list[dict]:
     harness.add_heat_argument(parser)
     harness.add_compile_cache_argument(parser)
     args = parser.parse_args(argv)
+    args.builds = _names(args.builds, FORWARD_BUILDS, "--builds")
+    args.parts = _names(args.parts, PARTS, "--parts")
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    only = _names(args.only, [s[0] for s in shapes], "--only") if args.only else None
     env = harness.start(args)
     cudnn_ok = jax.default_backend() == "gpu"
     if not cudnn_ok and not args.dry_run:
@@ -333,14 +432,14 @@ def main(argv=None) -> list[dict]:
             f.write(json.dumps(row) + "\n")
 
     log({"environment": env, "baseline": baseline})
-    for shape in DRY_SHAPES if args.dry_run else SHAPES:
-        if not args.skip_speed and args.only in (None, shape[0]):
+    for shape in shapes:
+        if not args.skip_speed and (only is None or shape[0] in only):
             speed_rows(shape, args, baseline, cudnn_ok, log)
     if not args.skip_errors:
         for causal in (True, False):
             for case in CASES:
                 error_shape = DRY_ERROR_SHAPE if args.dry_run else ERROR_SHAPE
-                error_rows(error_shape, causal, case, baseline, cudnn_ok, log)
+                error_rows(error_shape, causal, case, baseline, cudnn_ok, log, args.builds)
     return rows
 
 

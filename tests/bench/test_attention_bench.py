@@ -7,6 +7,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
 import attention as bench
@@ -60,3 +61,23 @@ def test_cudnn_fp8_call_traces_with_every_scale_and_bf16_results(monkeypatch):
     ]  # fmt: skip
     assert sorted(amaxes) == sorted(bench.SCALED)
     assert all(a.shape == () and a.dtype == jnp.float32 for a in amaxes.values())
+
+
+def test_forward_builds_are_timed_beside_the_default_and_checked_against_it(tmp_path):
+    """``--builds``: each build's forward row, its check against the default, its ratio."""
+    out = tmp_path / "builds.jsonl"
+    argv = ["--dry-run", "--skip-errors", "--builds", "p_registers,overlap", "--builds-only",
+            "--parts", "fwd", "--iters", "2", "--heat", "0", "--out", str(out)]  # fmt: skip
+    with jax.numpy_dtype_promotion("standard"):
+        rows = bench.main(argv)
+    timed = [(r["impl"], r["part"]) for r in rows if "median_ms" in r]
+    assert timed == [("xla_bf16", "fwd"), ("fp8jax", "fwd"), ("fp8jax@p_registers", "fwd"),
+                     ("fp8jax@overlap", "fwd")]  # fmt: skip
+    checks = {r["impl"]: r["check_vs_default"] for r in rows if "check_vs_default" in r}
+    assert sorted(checks) == ["fp8jax@overlap", "fp8jax@p_registers"]
+    # On a CPU every build runs the XLA twin: the same output as the default.
+    assert all(c["max_abs_diff"] == 0 and c["max_abs_default"] > 0 for c in checks.values())
+    (summary,) = [r for r in rows if "vs_default" in r]
+    assert sorted(summary["vs_default"]) == ["fp8jax@overlap_fwd", "fp8jax@p_registers_fwd"]
+    with pytest.raises(SystemExit, match=r"--builds: unknown \['fast'\]"):
+        bench.main(["--dry-run", "--builds", "fast", "--out", str(out)])

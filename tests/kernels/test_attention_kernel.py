@@ -47,6 +47,98 @@ def test_kernel_in_interpret_mode_matches_its_xla_twin(tq, tk, heads, kv_heads, 
     np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2.0**-16)
 
 
+# Each build option on a shape that exercises it: under causality one CTA with
+# a single (masked) block and one with an unmasked block before the diagonal
+# (the overlap's prologue, both loops, its epilogue); unmasked, 3 or 4 blocks
+# so that slots are reused (with 3 stages, 4 blocks), and a GQA group.
+CAUSAL, GQA, FOUR = (
+    (256, 256, 1, 1, 64, True),
+    (128, 384, 2, 1, 64, False),
+    (128, 512, 1, 1, 64, False),
+)
+BUILDS = {
+    "overlap": (kernel.ForwardConfig(overlap=True), CAUSAL),
+    "overlap-in-place-p-registers": (
+        kernel.ForwardConfig(overlap=True, pv_in_place=True, p_registers=True), CAUSAL),
+    "overlap-in-place": (
+        kernel.ForwardConfig(overlap=True, pv_in_place=True, row_scales=True), GQA),
+    "in-place": (kernel.ForwardConfig(pv_in_place=True), CAUSAL),
+    "stages3-p-registers": (kernel.ForwardConfig(stages=3, pingpong=False, registers=240,
+                                                 p_registers=True), FOUR),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config, shape", BUILDS.values(), ids=BUILDS.keys())
+def test_forward_builds_in_interpret_mode_match_the_xla_twin(config, shape):
+    """Every build computes the default's f32 operations: the output bitwise, as the default's.
+
+    With P in registers the operand's keys and Vᵀ's are permuted alike, which
+    moves no product; XLA's f32 dot on the CPU has summed them bitwise alike.
+    PV in place rescales the accumulator by powers of two (V's scale ratios)
+    times alpha: each rounding is the default's, scaled exactly.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    *dims, causal = shape
+    operands = _operands(*dims)
+    out, lse = kernel.mosaic_forward(*operands, causal=causal, config=config,
+                                     interpret=InterpretGPUParams())  # fmt: skip
+    want_out, want_lse = kernel.xla_forward(*operands, causal=causal)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2.0**-16)
+
+
+def _fragment_columns(values_per_register: int):
+    """PTX's wgmma fragments, by thread of a quad: the columns (of 16) its registers hold.
+
+    The f32 accumulator (D, "wgmma-64N16-D"): 2 consecutive columns a thread
+    in each 8; the 8-bit A operand ("wgmma-64N32-A"): 4 consecutive in each
+    16. Listed in register order, a register's values in order.
+    """
+    per_tile = 4 * values_per_register
+    return [[tile + values_per_register * c + e for tile in range(0, 16, per_tile)
+             for e in range(values_per_register)] for c in range(4)]  # fmt: skip
+
+
+def test_p_register_operand_pairs_each_threads_keys_with_vts_permuted_keys():
+    """Reading the accumulator's registers as FP8 A registers relabels P's keys by KEY_ORDER.
+
+    A thread's accumulator registers (two keys each, 8-key tiles 2i and 2i+1)
+    concatenated are its A registers (four keys, 16-key tile i): A's key ``a``
+    of the thread's quad position holds the accumulator's key at the same
+    position, which must be ``KEY_ORDER[a]``; Vᵀ permuted by
+    :func:`permuted_keys` puts key ``KEY_ORDER[a]`` at ``a``.
+    """
+    acc, a_operand = _fragment_columns(2), _fragment_columns(4)
+    for c in range(4):
+        for held, a in zip(acc[c], a_operand[c], strict=True):
+            assert kernel.KEY_ORDER[a] == held, (c, a, held)
+    assert sorted(kernel.KEY_ORDER) == list(range(16))
+    keys = jnp.arange(32)
+    want = np.concatenate([np.array(kernel.KEY_ORDER), 16 + np.array(kernel.KEY_ORDER)])
+    np.testing.assert_array_equal(kernel.permuted_keys(keys), want)
+    # Mosaic GPU's layouts, whose registers the kernel pairs: the same tiles.
+    import jax.experimental.mosaic.gpu as mgpu
+
+    assert (mgpu.WGMMA_LAYOUT.vector_length, mgpu.WGMMA_LAYOUT_8BIT.vector_length) == (2, 4)
+    assert mgpu.WGMMA_LAYOUT.registers_shape((64, 128))[:2] == (1, 16)
+    assert mgpu.WGMMA_LAYOUT_8BIT.registers_shape((64, 128))[:2] == (1, 8)
+
+
+def test_forward_config_refuses_builds_it_has_not():
+    with pytest.raises(ValueError, match=r"stages=\.\.\.\) must be in \[2, 4\], got 5"):
+        kernel.ForwardConfig(stages=5)
+    with pytest.raises(TypeError, match=r"overlap=\.\.\.\) must be a bool, got 1"):
+        kernel.ForwardConfig(overlap=1)
+    with pytest.raises(ValueError, match=r"registers=\.\.\.\) must be 232 or 240, got 256"):
+        kernel.ForwardConfig(registers=256)
+    q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match="forward_config must be None or a"):
+        fp8jax.dot_product_attention(q, q, q, forward_config={"overlap": True})
+    # A build is a static part of the jit key: equal configs are one key.
+    assert hash(kernel.ForwardConfig(overlap=True)) == hash(kernel.ForwardConfig(overlap=True))
+
+
 def _backward_operands(tq, tk, heads, kv_heads, d, causal):
     """The backward kernels' operands, as the op's backward makes them."""
     keys = jax.random.split(jax.random.key(1), 4)
@@ -127,6 +219,55 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, tmp_path, monkeypatch):
     assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
     # Within the 232 registers a compute warpgroup asks for (setmaxnreg).
     assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
+
+
+# Builds that fit the registers: the overlap with a fresh PV tile only at
+# head_dim 64 (at 128 ptxas spills it, 100-508 bytes a thread; bench/attention.py
+# still times it), with PV in place at 128 too.
+COMPILED_BUILDS = {
+    "d64-overlap": (64, kernel.ForwardConfig(overlap=True, p_registers=True, row_scales=True)),
+    "d128-p-registers": (128, kernel.ForwardConfig(p_registers=True, row_scales=True)),
+    "d128-overlap-in-place-p-registers": (
+        128, kernel.ForwardConfig(overlap=True, pv_in_place=True, p_registers=True)),
+    "d128-in-place-stages3": (128, kernel.ForwardConfig(pv_in_place=True, stages=3)),
+}  # fmt: skip
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("d, config", COMPILED_BUILDS.values(), ids=COMPILED_BUILDS.keys())
+def test_deviceless_forward_builds_keep_fp8_wgmma_and_registers(d, config, tmp_path, monkeypatch):
+    """Each build compiles for the H200 with FP8 wgmma, within its registers, without spills.
+
+    P in registers: the PV wgmma's A operand is registers (braces, not a
+    shared-memory descriptor) and P's shared-memory stores are gone.
+    """
+    from fp8jax import verify
+
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
+    q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
+    fn = functools.partial(fp8jax.dot_product_attention, causal=True, forward_config=config)
+    verify.compile_for(fn, q, kv, kv, target="h200")
+    (ptx,) = [p.read_text() for p in tmp_path.glob(f"{kernel.KERNEL_NAME}*.ptx")]
+    (ptxas,) = [p.read_text() for p in tmp_path.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
+    assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= config.registers, ptxas
+    fp8 = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*(\{?)"
+    issued = re.findall(fp8, ptx)
+    assert {n for n, _ in issued} == {"128", str(d)}, issued
+    # One k32 instruction per 32 of K: QKᵀ d / 32, PV 128 / 32, at each site:
+    # the loop and the diagonal step, and with the overlap its prologue's QKᵀ
+    # and epilogue's PV too.
+    sites = 3 if config.overlap else 2
+    assert len(issued) == sites * (d // 32 + 4), issued
+    register_a = [n for n, brace in issued if brace]
+    if config.p_registers:
+        assert register_a == [str(d)] * (sites * 4), issued
+        # P's E4M3 pairs went to shared memory 2 bytes a store (O's BF16 pairs go 4).
+        assert "st.shared.b16" not in ptx, "P still stored to shared memory"
+    else:
+        assert not register_a, issued
 
 
 @pytest.mark.deviceless

@@ -358,3 +358,49 @@ def test_kernels_on_the_gpu_within_derived_budgets(shape, kv_heads, causal):
     for name, got, want in pairs:
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         assert np.linalg.norm(got - want) <= 2.0**-6 * np.linalg.norm(want), name
+
+
+# The forward kernel's builds (bench/attention.py --builds times them): the
+# pipelines of issue 60, each with ping-pong, and FlashAttention-3's whole set.
+GPU_BUILDS = {
+    "p-registers": kernel.ForwardConfig(p_registers=True, row_scales=True),
+    "in-place": kernel.ForwardConfig(pv_in_place=True, stages=3),
+    "overlap": kernel.ForwardConfig(overlap=True, row_scales=True, registers=240),
+    "fa3": kernel.ForwardConfig(overlap=True, pv_in_place=True, p_registers=True),
+    "fa3-no-pingpong": kernel.ForwardConfig(
+        overlap=True, pv_in_place=True, p_registers=True, pingpong=False
+    ),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", GPU_BUILDS.values(), ids=GPU_BUILDS.keys())
+@pytest.mark.parametrize(
+    "shape, kv_heads, causal", [((2, 512, 8, 128), 2, True), ((1, 512, 4, 64), 4, False)]
+)
+def test_forward_builds_on_the_gpu_within_budget_and_near_the_default(build, shape, kv_heads,
+                                                                      causal):  # fmt: skip
+    """Each build's forward on an H100/H200: the derived budget, and the default's values.
+
+    The same FP8 products and f32 softmax steps as the default; only the
+    tensor cores' sums may differ: P in registers reorders keys within a
+    32-key step, PV in place carries the sum across blocks in their
+    accumulator (FlashAttention-3's). Against the default, elementwise: one
+    BF16 rounding step (2**-8 relative) plus 2**-13 of a step's magnitudes
+    per 32 keys (FP8 wgmma's accumulation, docs/design.md#grouped-expert-gemms),
+    a step's magnitudes being at most max|V| (1 + 2**-4 for E4M3) as P / l
+    sums to 1.
+    """
+    q, k, v, _ = inputs(shape, kv_heads, case="outliers")
+
+    def forward(config):
+        fn = functools.partial(fp8jax.dot_product_attention, causal=causal, forward_config=config)
+        return np.asarray(jax.jit(fn)(q, k, v), np.float64)
+
+    out, default = forward(build), forward(None)
+    ref, budget, _, _ = reference(q, k, v, q, causal)
+    assert_within("out", out, ref, budget)
+    steps = shape[1] / 32
+    v_max = np.max(np.abs(np.asarray(v, np.float64))) * (1 + 2.0**-4)
+    assert_within("out vs default", out, default,
+                  2.0**-8 * np.abs(default) + steps * 2.0**-13 * v_max)  # fmt: skip

@@ -24,14 +24,20 @@ reference) walks the same key blocks in a loop with the same operations.
 The Mosaic GPU kernel (:func:`mosaic_forward`) follows FlashAttention-3's
 warp specialization: per CTA, 128 query rows of one head, two compute
 warpgroups of 64 rows each and a memory warpgroup streaming K, Vᵀ and their
-scales through a ring of shared-memory slots by TMA. P goes through shared
-memory to the PV ``wgmma`` (8 KiB a warpgroup): the FP8 accumulator layout
-differs from the FP8 register-operand layout, and one path serves both the
-GPU and the interpreter, which reads ``wgmma`` operands from shared memory.
+scales through a ring of shared-memory slots by TMA. By default P goes
+through shared memory to the PV ``wgmma`` (8 KiB a warpgroup): the FP8
+accumulator layout differs from the FP8 register-operand layout.
+:class:`ForwardConfig` builds other pipelines for A/B timing (issue 60):
+P as the register operand (its keys relabelled, Vᵀ's permuted to match),
+FlashAttention-3's intra-warpgroup overlap, PV accumulated in place, more
+stages, no ping-pong. All compute the default's FP8 products and f32 steps
+(the interpreter's outputs are bitwise the default's); on the GPU only the
+tensor cores' sums may differ (docs/design.md#fp8-attention).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -53,6 +59,75 @@ STAGES = 2  # key blocks in flight in shared memory
 HEAD_DIMS = (64, 128)
 KERNEL_NAME = "fp8jax_attention_fwd"
 FP8 = jnp.float8_e4m3fn
+# FP8 wgmma's register A operand holds 4 consecutive keys a thread (PTX's
+# 8-bit A fragment), its f32 accumulator 2 (the 32-bit D fragment). Read as
+# the A operand in place, the scores' registers give A's key a (within each
+# 16) the accumulator's column KEY_ORDER[a]; Vᵀ's keys are stored in that
+# order instead, so PV's products pair the same keys (tests model both
+# fragments from the PTX documentation).
+KEY_ORDER = tuple(8 * u + 2 * c + e for c in range(4) for u in range(2) for e in range(2))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """How the forward kernel is built; no field changes its FP8 products or f32 steps.
+
+    Frozen and hashable: it reaches the kernel as a static argument, so it is
+    part of ``jit``'s cache key (a new value compiles a new kernel).
+
+    Attributes:
+      stages: key blocks (K, Vᵀ and their scales) in flight in shared memory.
+      overlap: FlashAttention-3's intra-warpgroup pipelining: a warpgroup
+        issues block j+1's QKᵀ and block j's PV together, then runs block
+        j+1's softmax while PV(j) is on the tensor cores (one more f32 tile
+        live in registers: at head_dim 128 ptxas spills 100 to 500 bytes a
+        thread, deviceless; none at 64).
+      p_registers: P enters the PV ``wgmma`` as its register A operand, not
+        through shared memory: the FP8 scores' registers are read in place
+        as the operand (:data:`KEY_ORDER`) and Vᵀ's keys are stored permuted
+        to match. The products are the same; the tensor cores' summation
+        order within a block may differ. Interpreted, P's columns and Vᵀ's
+        keys are permuted as values.
+      pingpong: the two compute warpgroups take turns on the tensor cores
+        (FlashAttention-3's ping-pong): one's softmax runs under the other's
+        MMAs. False: the warpgroups run unsynchronized.
+      row_scales: K's and V's scales, one value a key block (the op expands
+        them), are read as row vectors of their first 64 entries, 2 registers
+        a thread, not 32 (d 128) as a column vector; the same multiplies.
+      registers: per compute thread (``setmaxnreg``); 240 leaves the memory
+        warpgroup 32 (FlashAttention-3's split is 240 and 24).
+      pv_in_place: PV accumulates into the output's accumulator on the
+        tensor cores (FlashAttention-3's), which is first rescaled by alpha
+        times the ratio of the previous and this block's V scales (powers of
+        two, so exactly), and times the last block's at the end: no fresh
+        f32 tile (64 registers at d 128) and no scaling add a block. The
+        f32 steps are the default's; on the GPU the sum across blocks then
+        has the tensor cores' accumulation precision, not f32 adds'.
+    """
+
+    stages: int = STAGES
+    overlap: bool = False
+    p_registers: bool = False
+    pingpong: bool = True
+    row_scales: bool = False
+    registers: int = 232
+    pv_in_place: bool = False
+
+    def __post_init__(self):
+        if self.registers not in (232, 240):
+            raise ValueError(
+                f"ForwardConfig(registers=...) must be 232 or 240, got {self.registers!r}."
+            )
+        if not 2 <= self.stages <= 4:  # 4 slots of K and Vᵀ at d 128 use 128 KiB of 227
+            raise ValueError(f"ForwardConfig(stages=...) must be in [2, 4], got {self.stages}.")
+        for name in ("overlap", "p_registers", "pingpong", "row_scales", "pv_in_place"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"ForwardConfig({name}=...) must be a bool, got {getattr(self, name)!r}."
+                )
+
+
+DEFAULT_CONFIG = ForwardConfig()
 
 
 def fits(q_shape, k_shape) -> bool:
@@ -61,14 +136,18 @@ def fits(q_shape, k_shape) -> bool:
     return d in HEAD_DIMS and tq % CTA_ROWS == 0 and tk % BLOCK == 0
 
 
-def forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
-    """``(out bf16 (B, Tq, H, D), lse2 f32 (B, H, Tq))``: the kernel on NVIDIA GPUs, else XLA."""
+def forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
+            config: ForwardConfig = DEFAULT_CONFIG):  # fmt: skip
+    """``(out bf16 (B, Tq, H, D), lse2 f32 (B, H, Tq))``: the kernel on NVIDIA GPUs, else XLA.
+
+    ``config``: how the kernel is built (:class:`ForwardConfig`); XLA ignores it.
+    """
     placement = dispatch.decide(lambda shards: fits_shards(q8.shape, k8.shape, shards))
     xla = functools.partial(xla_forward, causal=causal)
     operands = (q8, k8, vt8, q_scale, k_scale, v_scale)
     if not placement.kernel:
         return xla(*operands)
-    pallas = functools.partial(mosaic_forward, causal=causal)
+    pallas = functools.partial(mosaic_forward, causal=causal, config=config)
     # Every operand and result leads with the batch, which data parallelism splits.
     return dispatch.on_each_device(
         pallas, xla, operands, len(operands), ("rows", "rows"), placement.row_axes
@@ -132,10 +211,56 @@ def _smem_transforms(plgpu, columns: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _register_operand(plgpu, p8):
+    """E4M3 ``p8`` (64, 128) in the accumulator's layout, read in place as wgmma's A operand.
+
+    Each thread's two 2-key registers of 8-key columns ``2i`` and ``2i + 1``
+    become one 4-key register of 16-key column ``i``: no data moves, and the
+    operand's key ``16i + a`` is ``p8``'s column ``16i + KEY_ORDER[a]``.
+    Mosaic GPU converts no FP8 array from its WGMMA layout to WGMMA_8BIT
+    (``to_layout`` raises NotImplementedError: a real relayout needs warp
+    shuffles), so the relabelling is written in Mosaic GPU itself.
+    """
+    import jax.experimental.mosaic.gpu as mgpu
+    import numpy as np
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    out_type = plgpu.ShapeDtypeStruct(p8.shape, FP8, layout=plgpu.Layout.WGMMA_8BIT)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=out_type)
+    def relabel(_, x):
+        old = x.registers
+        new_shape = mgpu.WGMMA_LAYOUT_8BIT.registers_shape(x.shape)
+        # Both layouts: (1, column tiles, 1, 1, row halves, 1, ...), 8 or 16 columns a tile.
+        if old.shape[1] != 2 * new_shape[1] or old.shape[2:] != tuple(new_shape[2:]):
+            raise NotImplementedError(
+                f"P's registers {old.shape} do not pair into WGMMA_8BIT's {new_shape}."
+            )
+        new = np.empty(new_shape, dtype=object)
+        for index in np.ndindex(*new_shape):
+            pair = [old[(index[0], 2 * index[1] + h, *index[2:])] for h in (0, 1)]
+            new[index] = mgpu_utils.vector_concat(pair)
+        return mgpu.FragmentedArray(_registers=new, _layout=mgpu.WGMMA_LAYOUT_8BIT,
+                                    _is_signed=None)  # fmt: skip
+
+    return relabel(p8)
+
+
+def permuted_keys(x, axis: int = -1):
+    """``x`` with its keys along ``axis`` in :data:`KEY_ORDER` within each 16: P's operand's."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    split = x.reshape(*x.shape[:axis], n // 16, 2, 4, 2, *x.shape[axis + 1 :])
+    # Source key 8u + 2c + e goes to place 4c + 2u + e: swap the (u, c) axes.
+    return jnp.swapaxes(split, axis + 1, axis + 2).reshape(x.shape)
+
+
 def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scoped, *,
-            causal: bool, stages: int, group: int, interpreted: bool):  # fmt: skip
+            causal: bool, config: ForwardConfig, group: int, interpreted: bool):  # fmt: skip
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    stages = config.stages
 
     # The interpreter has no rules for layouts (plgpu.load, layout_cast, iota's
     # layout) and needs none: there these are plain loads, values and iotas.
@@ -145,18 +270,24 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     def laid_out(x, layout):
         return x if interpreted else plgpu.layout_cast(x, layout)
 
-    def mma(a_smem, bt_smem, shape, issued=lambda: None):
-        """``a . btᵀ`` in f32, both operands K-major in shared memory: FP8 wgmma.
+    def dot_t(a, bt_smem):
+        """The interpreter's ``a . btᵀ``, ``a`` a value (its wgmma takes no transposed operand)."""
+        return lax.dot_general(a, bt_smem[...], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)  # fmt: skip
 
-        ``issued`` runs between issuing the MMA and waiting for it.
+    def mma(a, bt_smem, shape, issued=lambda: None, a_value: bool = False):
+        """``a . btᵀ`` in f32 by FP8 wgmma, ``bt`` K-major in shared memory.
+
+        ``a``: a K-major shared-memory ref, or (``a_value``) P's register
+        operand (:func:`p_operand`). ``issued`` runs between issuing the MMA
+        and waiting for it.
         """
-        if interpreted:  # the interpreter's wgmma takes no transposed operand
+        if interpreted:
             issued()
-            return lax.dot_general(a_smem[...], bt_smem[...], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)  # fmt: skip
+            return dot_t(a if a_value else a[...], bt_smem)
 
         def product(ref):
-            plgpu.wgmma(ref, a_smem, plgpu.transpose_ref(bt_smem, (1, 0)))
+            plgpu.wgmma(ref, a, plgpu.transpose_ref(bt_smem, (1, 0)))
             issued()
             return ref[...]  # waits for the MMA
 
@@ -172,11 +303,19 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     )
     q_bars, k_bars, vt_bars, ks_bars, vs_bars, k_done, v_done, turn = bars
 
+    # FlashAttention-3's ping-pong: the two compute warpgroups alternate on the
+    # tensor cores, one's softmax running under the other's MMAs.
+    def turn_arrive():
+        if config.pingpong:
+            plgpu.barrier_arrive(turn)
+
+    def turn_wait():
+        if config.pingpong:
+            plgpu.barrier_wait(turn)
+
     def take_turn():
-        # FlashAttention-3's ping-pong: the two compute warpgroups alternate on
-        # the tensor cores, one's softmax running under the other's MMAs.
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+        turn_arrive()
+        turn_wait()
 
     d = q_ref.shape[-1]
     kv_blocks = k_ref.shape[1] // BLOCK
@@ -187,9 +326,13 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     # at the diagonal block, and only that block is masked.
     steps = q_tile + 1 if causal else kv_blocks
 
+    def slot_of(j):
+        j = jnp.asarray(j, jnp.int32)
+        return lax.rem(j, jnp.array(stages, j.dtype))
+
     @pl.when(wg < 2)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(config.registers, action="increase")
         base = q_tile * CTA_ROWS + wg * WG_ROWS
         q_smem, p_smem, o_smem = q_smem2.at[wg], p_smem2.at[wg], o_smem2.at[wg]
         qs_smem, lse_smem = qs_smem2.at[wg], lse_smem2.at[wg]
@@ -201,48 +344,236 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         col_layout = plgpu.Layout.WGMMA.reduce(0)
         qs = load(qs_smem, row_layout)
+        shape = (WG_ROWS, BLOCK)
         carry = (
             laid_out(jnp.zeros((WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
             laid_out(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), row_layout),
             laid_out(jnp.zeros((WG_ROWS,), jnp.float32), row_layout),
         )
 
-        def kv_step(j, carry, masked: bool):
-            acc, m, l = carry
-            slot = lax.rem(j, jnp.array(stages, j.dtype))
-            plgpu.barrier_wait(k_bars.at[slot])
-            plgpu.barrier_wait(ks_bars.at[slot])
-            s = mma(q_smem, k_smem.at[slot], (WG_ROWS, BLOCK), issued=take_turn)
-            ks = load(ks_smem.at[slot], col_layout)
-            shape = (WG_ROWS, BLOCK)
-            s = s * lax.broadcast_in_dim(qs, shape, [0]) * lax.broadcast_in_dim(ks, shape, [1])
+        def block_scale(ref, columns):
+            """A key block's scale along ``columns``: 2 registers a thread (a row
+            vector of its first 64 entries, all equal) or one a column."""
+            if config.row_scales:
+                return lax.broadcast_in_dim(load(ref.at[pl.ds(0, WG_ROWS)], row_layout),
+                                            (WG_ROWS, columns), [0])  # fmt: skip
+            return lax.broadcast_in_dim(load(ref, col_layout), (WG_ROWS, columns), [1])
+
+        def scaled(s, j):
+            """Block j's raw scores in base-2 units; K's slot is released."""
+            slot = slot_of(j)
+            ks = block_scale(ks_smem.at[slot], BLOCK)
+            s = s * lax.broadcast_in_dim(qs, shape, [0]) * ks
             plgpu.barrier_arrive(k_done.at[slot])
+            return s
+
+        def softmax(s, j, m, l, masked: bool):
+            """``(p, m_new, alpha, l_new)`` from block j's scaled scores."""
             if masked:
                 s = jnp.where(iota(shape, 0) + base >= iota(shape, 1) + j * BLOCK, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            p_smem[...] = (p * P_SCALE).astype(FP8)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(turn)  # this softmax is done
+            return p, m_new, alpha, l * alpha + p.sum(axis=1)
+
+        def p_operand(p8):
+            """E4M3 P x 2**8 as the PV MMA's A operand: in shared memory, or registers."""
+            if not config.p_registers:
+                p_smem[...] = p8
+                plgpu.commit_smem()
+                return p_smem
+            if interpreted:  # the operand's columns as the GPU reads the registers
+                return permuted_keys(p8)
+            return _register_operand(plgpu, p8)
+
+        def accumulated(acc, pv, alpha, j):
+            """The accumulator at the new max plus block j's PV; Vᵀ's slot is released."""
+            slot = slot_of(j)
+            vs = block_scale(vs_smem.at[slot], d)
+            plgpu.barrier_arrive(v_done.at[slot])
+            return acc * lax.broadcast_in_dim(alpha, (WG_ROWS, d), [0]) + pv * vs
+
+        def vs_row(j):
+            """Block j's V scale as a row vector (all its entries are the block's one)."""
+            return load(vs_smem.at[slot_of(j), pl.ds(0, WG_ROWS)], row_layout)
+
+        def rescaled(acc, alpha, vs_prev, vs):
+            """pv_in_place: the accumulator at block j's max, in units of its V scale."""
+            return acc * lax.broadcast_in_dim(alpha * (vs_prev / vs), (WG_ROWS, d), [0])
+
+        def pv_into(acc, a, vt_smem_slot):
+            """``acc + a . vtᵀ``, accumulated by the tensor cores (waits for it)."""
+            if interpreted:
+                return acc + dot_t(a if config.p_registers else a[...], vt_smem_slot)
+
+            def product(ref):
+                plgpu.wgmma(ref, a, plgpu.transpose_ref(vt_smem_slot, (1, 0)))
+
+            return pl.run_state(product)(plgpu.ACC.init(acc))
+
+        def wait_k(j):
+            slot = slot_of(j)
+            plgpu.barrier_wait(k_bars.at[slot])
+            plgpu.barrier_wait(ks_bars.at[slot])
+
+        def wait_v(j):
+            slot = slot_of(j)
             plgpu.barrier_wait(vt_bars.at[slot])
             plgpu.barrier_wait(vs_bars.at[slot])
-            plgpu.barrier_wait(turn)  # the tensor cores are this warpgroup's
-            pv = mma(p_smem, vt_smem.at[slot], (WG_ROWS, d))
-            vs = load(vs_smem.at[slot], col_layout)
-            plgpu.barrier_arrive(v_done.at[slot])
-            acc = (acc * lax.broadcast_in_dim(alpha, (WG_ROWS, d), [0])
-                   + pv * lax.broadcast_in_dim(vs, (WG_ROWS, d), [1]))  # fmt: skip
-            return acc, m_new, l
 
+        def kv_step(j, carry, masked: bool):
+            acc, m, l, *vs_prev = carry
+            slot = slot_of(j)
+            wait_k(j)
+            s = scaled(mma(q_smem, k_smem.at[slot], shape, issued=take_turn), j)
+            p, m_new, alpha, l = softmax(s, j, m, l, masked)
+            a = p_operand((p * P_SCALE).astype(FP8))
+            turn_arrive()  # this softmax is done
+            wait_v(j)
+            if config.pv_in_place:
+                vs = vs_row(j)
+                acc = rescaled(acc, alpha, *vs_prev, vs)
+                turn_wait()  # the tensor cores are this warpgroup's
+                acc = pv_into(acc, a, vt_smem.at[slot])
+                plgpu.barrier_arrive(v_done.at[slot])
+                return acc, m_new, l, vs
+            turn_wait()  # the tensor cores are this warpgroup's
+            pv = mma(a, vt_smem.at[slot], (WG_ROWS, d), a_value=config.p_registers)
+            return accumulated(acc, pv, alpha, j), m_new, l
+
+        def carried(a):  # a ref cannot be a loop's carry: P's shared memory is implied
+            return a if config.p_registers else None
+
+        def operand(carried_a):
+            return carried_a if config.p_registers else p_smem
+
+        def overlapped_step(j, carry, masked: bool):
+            """QKᵀ(j+1) and PV(j) issued together; softmax(j+1) runs while PV(j) does."""
+            if config.pv_in_place:
+                return overlapped_in_place(j, carry, masked)
+            acc, m, l, alpha, a = carry
+            a = operand(a)
+            wait_k(j + 1)
+            wait_v(j)
+            turn_wait()
+
+            def rest(s_next, pv):
+                turn_arrive()
+                turn_wait()
+                p, m_new, alpha_next, l_new = softmax(scaled(s_next(), j + 1), j + 1, m, l, masked)
+                p8 = (p * P_SCALE).astype(FP8)  # 16 registers, not 64, wait for PV(j)
+                acc_new = accumulated(acc, pv(), alpha, j)  # PV(j) has read P(j): P(j+1) may go
+                a_next = carried(p_operand(p8))
+                turn_arrive()
+                return acc_new, m_new, l_new, alpha_next, a_next
+
+            k_next, vt = k_smem.at[slot_of(j + 1)], vt_smem.at[slot_of(j)]
+            if interpreted:
+                s_next = dot_t(q_smem[...], k_next)
+                pv = dot_t(a if config.p_registers else a[...], vt)
+                return rest(lambda: s_next, lambda: pv)
+
+            def issue(s_ref, pv_ref):
+                plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_next, (1, 0)))
+                plgpu.wgmma(pv_ref, a, plgpu.transpose_ref(vt, (1, 0)))
+                # QKᵀ(j+1) was committed first: waiting for all but one MMA group waits for it.
+                return rest(lambda: plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
+                            lambda: pv_ref[...])  # fmt: skip
+
+            return pl.run_scoped(issue, plgpu.ACC(shape, jnp.float32),
+                                 plgpu.ACC((WG_ROWS, d), jnp.float32))  # fmt: skip
+
+        def overlapped_in_place(j, carry, masked: bool):
+            """overlapped_step with PV(j) accumulating into the (rescaled) accumulator."""
+            acc, m, l, alpha, vs_prev, a = carry
+            a = operand(a)
+            wait_k(j + 1)
+            wait_v(j)
+            vs = vs_row(j)
+            acc = rescaled(acc, alpha, vs_prev, vs)
+            turn_wait()
+            k_next, vt = k_smem.at[slot_of(j + 1)], vt_smem.at[slot_of(j)]
+
+            def rest(s_next):
+                turn_arrive()
+                turn_wait()
+                p, m_new, alpha_next, l_new = softmax(scaled(s_next, j + 1), j + 1, m, l, masked)
+                return m_new, l_new, alpha_next, (p * P_SCALE).astype(FP8)
+
+            if interpreted:
+                s_next = dot_t(q_smem[...], k_next)
+                acc = pv_into(acc, a, vt)
+                m, l, alpha, p8 = rest(s_next)
+            else:
+
+                def issue(refs):
+                    acc_ref, s_ref, m_ref, l_ref, alpha_ref, p8_ref = refs
+                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_next, (1, 0)))
+                    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(vt, (1, 0)))
+                    # QKᵀ(j+1) was committed first: all but one MMA group done is it.
+                    outs = rest(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+                    for ref, value in zip((m_ref, l_ref, alpha_ref, p8_ref), outs, strict=True):
+                        ref[...] = value
+
+                zeros = laid_out(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+                p8_init = laid_out(jnp.zeros(shape, FP8), plgpu.Layout.WGMMA)
+                acc, _, m, l, alpha, p8 = pl.run_state(issue)(
+                    (plgpu.ACC.init(acc), plgpu.ACC.init(zeros), m, l, alpha, p8_init)
+                )
+            plgpu.barrier_arrive(v_done.at[slot_of(j)])  # PV(j) is done: P(j+1) may go
+            a_next = carried(p_operand(p8))
+            turn_arrive()
+            return acc, m, l, alpha, vs, a_next
+
+        def overlapped(carry):
+            acc, m, l, *vs_prev = carry
+            zero = jnp.array(0, jnp.int32)
+            wait_k(zero)
+            # Under causality block 0 is masked: the diagonal when the CTA's
+            # rows are the first, else a mask that keeps every score.
+            s = scaled(mma(q_smem, k_smem.at[slot_of(zero)], shape, issued=take_turn), zero)
+            p, m, alpha, l = softmax(s, zero, m, l, masked=causal)
+            a = carried(p_operand((p * P_SCALE).astype(FP8)))
+            carry = (acc, m, l, alpha, *vs_prev, a)
+            turn_arrive()
+            plain = functools.partial(overlapped_step, masked=False)
+            if causal:
+                # Blocks 1 .. steps - 2 unmasked, the diagonal (steps - 1) masked.
+                carry = lax.fori_loop(0, lax.max(steps - 2, 0), plain, carry)
+                masked = functools.partial(overlapped_step, masked=True)
+                carry = lax.fori_loop(lax.max(steps - 2, 0), steps - 1, masked, carry)
+            else:
+                carry = lax.fori_loop(0, steps - 1, plain, carry)
+            acc, m, l, alpha, *vs_prev, a = carry
+            a = operand(a)
+            last = steps - 1
+            wait_v(last)
+            if config.pv_in_place:
+                vs = vs_row(last)
+                acc = rescaled(acc, alpha, *vs_prev, vs)
+                turn_wait()
+                acc = pv_into(acc, a, vt_smem.at[slot_of(last)])
+                plgpu.barrier_arrive(v_done.at[slot_of(last)])
+                return acc, m, l, vs
+            turn_wait()
+            pv = mma(a, vt_smem.at[slot_of(last)], (WG_ROWS, d), a_value=config.p_registers)
+            return accumulated(acc, pv, alpha, last), m, l
+
+        if config.pv_in_place:  # the V scale the accumulator's units follow (none yet)
+            carry = (*carry, laid_out(jnp.ones((WG_ROWS,), jnp.float32), row_layout))
         pl.when(wg == 1)(take_turn)  # warpgroup 0 goes first
-        if causal:
+        if config.overlap:
+            acc, m, l, *vs_last = overlapped(carry)
+        elif causal:
             carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
-            acc, m, l = kv_step(steps - 1, carry, masked=True)
+            acc, m, l, *vs_last = kv_step(steps - 1, carry, masked=True)
         else:
-            acc, m, l = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
+            acc, m, l, *vs_last = lax.fori_loop(
+                0, steps, functools.partial(kv_step, masked=False), carry
+            )
         pl.when(wg == 0)(take_turn)  # as many turns as warpgroup 1
+        if config.pv_in_place:  # back to the values' units, exactly
+            acc = acc * lax.broadcast_in_dim(*vs_last, (WG_ROWS, d), [0])
         o_smem[...] = (acc / lax.broadcast_in_dim(l, (WG_ROWS, d), [0])).astype(o_smem.dtype)
         lse_smem[...] = m + jnp.log2(l)
         plgpu.commit_smem()
@@ -252,7 +583,8 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
 
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        # 2 x 128 compute threads' and 128 memory threads' registers share the SM's 64 Ki.
+        plgpu.set_max_registers(min(40, 512 - 2 * config.registers), action="decrease")
 
         def load(j, slot):
             keys = pl.ds(j * BLOCK, BLOCK)
@@ -268,6 +600,22 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
         @pl.loop(0, steps)
         def _step(j):
             slot = lax.rem(j, jnp.array(stages, j.dtype))
+
+            if config.overlap:
+                # K's slot is released a step before Vᵀ's (QKᵀ(j+1) runs with
+                # PV(j)): the next K need not wait for this PV.
+                keys = pl.ds(j * BLOCK, BLOCK)
+                pl.when(j >= stages)(lambda: plgpu.barrier_wait(k_done.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot],
+                                        k_bars.at[slot])  # fmt: skip
+                plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys], ks_smem.at[slot],
+                                        ks_bars.at[slot])  # fmt: skip
+                pl.when(j >= stages)(lambda: plgpu.barrier_wait(v_done.at[slot]))
+                plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, keys], vt_smem.at[slot],
+                                        vt_bars.at[slot])  # fmt: skip
+                plgpu.copy_gmem_to_smem(vs_ref.at[batch, kv_head, j], vs_smem.at[slot],
+                                        vs_bars.at[slot])  # fmt: skip
+                return
 
             @pl.when(j >= stages)  # the slot's previous block is consumed by both warpgroups
             def _wait():
@@ -286,14 +634,20 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
 
 
 def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
-                   stages: int = STAGES, interpret=None):  # fmt: skip
+                   config: ForwardConfig = DEFAULT_CONFIG, interpret=None):  # fmt: skip
     """The kernel: one CTA per (head, 128 query rows, batch element); see the module docstring.
 
+    ``config``: how the kernel is built (:class:`ForwardConfig`).
     ``interpret``: a Mosaic GPU interpreter's parameters (tests), or None to compile.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if not isinstance(config, ForwardConfig):
+        raise TypeError(f"mosaic_forward: config must be a ForwardConfig, got {config!r}.")
+    stages = config.stages
+    if config.p_registers:  # Vᵀ's keys in P's register-operand order
+        vt8 = permuted_keys(vt8)
     batch, tq, heads, d = q8.shape
     kv_heads = k8.shape[2]
     qk = _smem_transforms(plgpu, d, FP8)
@@ -318,7 +672,7 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
             *[plgpu.Barrier(num_arrivals=2, num_barriers=stages)] * 2,  # K, Vᵀ: consumed
             plgpu.Barrier(num_arrivals=2),  # whose turn on the tensor cores
         )
-        body = functools.partial(_kernel, causal=causal, stages=stages, group=heads // kv_heads,
+        body = functools.partial(_kernel, causal=causal, config=config, group=heads // kv_heads,
                                  interpreted=interpret is not None)  # fmt: skip
         pl.run_scoped(
             lambda *scoped: body(*refs, (scoped[:9], scoped[9:])),

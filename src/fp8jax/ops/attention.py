@@ -49,11 +49,14 @@ class _Config:
     scale: float
     xla_only: bool
     dtypes: tuple  # q's, k's and v's, for their gradients
+    forward: kernel.ForwardConfig = kernel.DEFAULT_CONFIG
 
 
 def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                           recipe=None, implementation: str | None = None,
-                          hadamard: bool = False) -> jax.Array:  # fmt: skip
+                          hadamard: bool = False,
+                          forward_config: kernel.ForwardConfig | None = None,
+                          ) -> jax.Array:  # fmt: skip
     """Scaled dot-product attention with QKᵀ and PV in FP8 (E4M3), per-block current scales.
 
     Args:
@@ -72,6 +75,9 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
         Hadamard matrix before quantizing (:func:`hadamard_rotation`): the
         same logits, less FP8 error where a few channels carry outliers; two
         small extra BF16 GEMMs per call and per gradient.
+      forward_config: how the forward kernel is built
+        (:class:`fp8jax.kernels.attention.ForwardConfig`, for A/B timing of
+        its pipelines); None: the default build. The XLA twin ignores it.
 
     Returns:
       The (batch, q_seq, heads, head_dim) output in ``q``'s dtype (BF16 in
@@ -91,11 +97,18 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
     _validate(q, k, v, causal, recipe, implementation)
     if not isinstance(hadamard, bool):
         raise TypeError(f"dot_product_attention: hadamard must be a bool, got {hadamard!r}.")
+    if forward_config is None:
+        forward_config = kernel.DEFAULT_CONFIG
+    if not isinstance(forward_config, kernel.ForwardConfig):
+        raise TypeError(
+            "dot_product_attention: forward_config must be None or a "
+            f"fp8jax.kernels.attention.ForwardConfig, got {forward_config!r}."
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if hadamard:
         q, k = _rotated(q, k)
     config = _Config(causal=bool(causal), scale=scale, xla_only=implementation == "xla",
-                     dtypes=(q.dtype, k.dtype, v.dtype))  # fmt: skip
+                     dtypes=(q.dtype, k.dtype, v.dtype), forward=forward_config)  # fmt: skip
     return _attention(q, k, v, config).astype(q.dtype)
 
 
@@ -224,7 +237,7 @@ def _forward(q, k, v, config: _Config):
     if config.xla_only:
         out, lse2 = kernel.xla_forward(*operands, causal=config.causal)
     else:
-        out, lse2 = kernel.forward(*operands, causal=config.causal)
+        out, lse2 = kernel.forward(*operands, causal=config.causal, config=config.forward)
     return out, lse2, quantized
 
 
