@@ -118,7 +118,12 @@ def _check_against_reference(activations, bias, forward, gradient, seed=0):
     np.testing.assert_array_less(
         np.abs(_f64(out.q) / G_SCALE - g_ref), _fp8_bound(g_ref, fp8jax.E5M2, G_SCALE)
     )
-    np.testing.assert_array_equal(_f64(out.q_t), _f64(out.q).T)
+    # The transposed copy is branch-major: branch k's columns c become rows
+    # k * COLS + c, so that kernel_1's wgrad writes the parameter's (hidden, n,
+    # ffn) layout (cast_transpose.branch_major).
+    n = len(activations)
+    q = _f64(out.q)
+    np.testing.assert_array_equal(_f64(out.q_t), np.concatenate([q[:, k::n].T for k in range(n)]))
     # Sums and maxima are of the bf16-rounded values: within a bf16 spacing of
     # the exact ones (2**-8 relative, summed over |g|), plus the f32 order of
     # n additions (n * 2**-24 * sum |g|).

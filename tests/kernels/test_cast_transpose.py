@@ -58,6 +58,38 @@ def test_without_column_sums_the_same_bytes_and_maxima_come_out(through):
         np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
 
 
+@pytest.mark.parametrize("through", ["kernel", "xla"])
+def test_branch_major_transposed_copy_holds_each_branchs_rows_together(through):
+    # A gated pair's gradient (columns (ffn, 2), interleaved) is given to
+    # kernel_1's wgrad branch-major: row k * ffn + f of the transposed copy is
+    # column 2 * f + k of q, so the GEMM writes the parameter's (hidden, 2, ffn)
+    # layout. q, the column sums and the maxima stay as without branches.
+    rows, cols = 2 * ct.BLOCK_ROWS, 3 * ct.BLOCK_COLS
+    g = (jax.random.normal(jax.random.key(4), (rows, cols)) * 4).astype(jnp.bfloat16)
+    scale, fmt = jnp.float32(fp8jax.E5M2.max / 8), fp8jax.E5M2
+    if through == "kernel":
+        run = jax.jit(ct._pallas_partials, static_argnames=("fmt", "interpret", "branches"))
+        plain = run(g, scale, fmt=fmt, interpret=True)
+        paired = run(g, scale, fmt=fmt, interpret=True, branches=2)
+    else:
+        run = jax.jit(ct.cast_transpose, static_argnums=2, static_argnames="branches")
+        plain, paired = run(g, scale, fmt), run(g, scale, fmt, branches=2)
+    q = np.asarray(plain[0].astype(jnp.float32))
+    want_t = np.concatenate([q[:, 0::2].T, q[:, 1::2].T])
+    np.testing.assert_array_equal(np.asarray(paired[1].astype(jnp.float32)), want_t)
+    for i in (0, 2, 3):
+        np.testing.assert_array_equal(
+            np.asarray(paired[i]).astype(np.float32), np.asarray(plain[i]).astype(np.float32)
+        )
+
+
+@pytest.mark.parametrize("branches", [0, 3])
+def test_branches_other_than_one_or_a_pair_are_refused(branches):
+    g = jnp.zeros((ct.BLOCK_ROWS, 3 * ct.BLOCK_COLS), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"branches must be 1 or 2.*got {branches}"):
+        ct.cast_transpose(g, jnp.float32(1.0), fp8jax.E5M2, branches=branches)
+
+
 def test_off_gpu_the_same_values_come_from_xla():
     g = jax.random.normal(jax.random.key(1), (ct.BLOCK_ROWS, ct.BLOCK_COLS)).astype(jnp.bfloat16)
     scale = jnp.float32(3.0)

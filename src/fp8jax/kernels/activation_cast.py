@@ -136,13 +136,7 @@ def activation_and_slope(name: str, x: jax.Array, math_=_XlaMath):
     return activations_.REGISTRY[name].value_and_slope(x, math_)
 
 
-def _branches(x, n: int):
-    """The n interleaved branches of a (rows, n * columns) tile: each (rows, columns)."""
-    if n == 1:
-        return (x,)
-    rows, cols = x.shape
-    a, b = jnp.split(x.reshape(rows, cols // 2, 2), 2, axis=2)
-    return a.reshape(rows, cols // 2), b.reshape(rows, cols // 2)
+_branches = cast_transpose.split_branches
 
 
 def _interleaved(parts):
@@ -200,22 +194,29 @@ def _gradient_kernel(activations, fmt, h_fmt, dtype, m, has_bias, dh_ref, pre_re
     # (docs/design.md#the-activation-inside-the-cast-kernels); storing h_t
     # before reading dh was slower for gelu_tanh.
     ht_ref[...] = quantize_with_scale(h.astype(dtype), h_fmt, h_scale_ref[0]).data.T
-    cast_transpose.cast_tile(fmt, d_pre, scale_ref[0], q_ref, qt_ref, sum_ref, max_ref)
+    cast_transpose.cast_tile(fmt, d_pre, scale_ref[0], q_ref, qt_ref, sum_ref, max_ref,
+                             len(activations))  # fmt: skip
 
 
 def _call(pl, kernel, grid, tile, n, inputs, outputs, interpret, name, warps):
     """``pallas_call`` of ``kernel`` over tiles of h; ``inputs``, ``outputs``: kinds in ``index``.
 
-    ``tile`` is h's; the "pre" kinds are ``n`` times as wide.
+    ``tile`` is h's; the "pre" kinds are ``n`` times as wide; "pre_t" is
+    the gradient's transposed copy, branch-major
+    (:func:`fp8jax.kernels.cast_transpose.branch_major`), as (n, columns, rows)
+    for a gated pair.
     """
     from jax.experimental.pallas import triton as pallas_triton
 
     rows, cols = tile
+    pre_t = ((cols, rows), lambda i, j: (j, i))
+    if n > 1:
+        pre_t = ((n, cols, rows), lambda i, j: (0, j, i))
     index = {
         "h": ((rows, cols), lambda i, j: (i, j)),
         "h_t": ((cols, rows), lambda i, j: (j, i)),
         "pre": ((rows, n * cols), lambda i, j: (i, j)),
-        "pre_t": ((n * cols, rows), lambda i, j: (j, i)),
+        "pre_t": pre_t,
         "pre_partial": ((1, n * cols), lambda i, j: (i, j)),
         "tile_max": ((1, 1), lambda i, j: (i, j)),
         "bias": ((1, n * cols), lambda i, j: (0, j)),
@@ -276,14 +277,15 @@ def _pallas_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt
     inputs = ["h", "pre", *["bias"] * len(biases), "scalar", "scalar"]
     outputs = [
         ("pre", (rows, n * cols), fmt.dtype),
-        ("pre_t", (n * cols, rows), fmt.dtype),
+        ("pre_t", (cols, rows) if n == 1 else (n, cols, rows), fmt.dtype),
         *[("pre_partial", (grid[0], n * cols), jnp.float32)] * len(biases),
         ("tile_max", grid, jnp.float32),
         ("h_t", (cols, rows), h_fmt.dtype),
     ]
-    return _call(pl, kernel, grid, tile, n, inputs, outputs, interpret,
-                 "fp8jax_cast_activation_gradient", warps)(
+    q, q_t, *rest = _call(pl, kernel, grid, tile, n, inputs, outputs, interpret,
+                          "fp8jax_cast_activation_gradient", warps)(
         dh, pre, *biases, scale.reshape(1), h_scale.reshape(1))  # fmt: skip
+    return (q, q_t.reshape(n * cols, rows), *rest)
 
 
 def _biased_xla(pre, biases):
@@ -308,7 +310,7 @@ def _xla_gradient(dh, pre, biases, scale, h_scale, *, activations, fmt, h_fmt):
     d_pre = _interleaved([f * dh for f in factors]).astype(pre.dtype)
     (tile_rows, tile_cols), n = GRADIENT_TILES[len(activations)][0], len(activations)
     partials = cast_transpose.xla_partials(
-        d_pre, scale, fmt, (tile_rows, n * tile_cols), column_sums=bool(biases)
+        d_pre, scale, fmt, (tile_rows, n * tile_cols), column_sums=bool(biases), branches=n
     )
     h_t = quantize_with_scale(h.astype(pre.dtype), h_fmt, h_scale).data.T
     return *partials, h_t
@@ -364,8 +366,10 @@ def cast_activation_gradient(
 
     ``pre``, ``bias``, ``activations`` as for :func:`cast_activation`; ``dh``
     is (rows, columns). The gradient, interleaved as ``pre``, is rounded to
-    ``pre.dtype`` and cast at ``scale`` to ``fmt``, with its transposed copy,
-    f32 column sums (with a bias, whose gradient they are; else None) and
+    ``pre.dtype`` and cast at ``scale`` to ``fmt``, with its transposed copy
+    branch-major (:func:`fp8jax.kernels.cast_transpose.branch_major`: each
+    branch's rows together, so that kernel_1's wgrad GEMM writes the
+    parameter's own layout), f32 column sums (with a bias, whose gradient they are; else None) and
     maxima (:class:`~fp8jax.kernels.cast_transpose.CastTransposed`).
     ``h`` is computed again as :func:`cast_activation` computes it and cast
     at ``h_scale`` to ``h_fmt``, as (columns, rows): the operand the second

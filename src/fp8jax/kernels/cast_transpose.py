@@ -122,23 +122,62 @@ class CastTransposed(NamedTuple):
     """What :func:`cast_transpose` returns for a (rows, columns) array ``g``."""
 
     q: jax.Array  # (rows, columns), the FP8 cast
-    q_t: jax.Array  # (columns, rows), its transpose
+    q_t: jax.Array  # (columns, rows), its transpose (branch-major: see cast_transpose's branches)
     column_sums: jax.Array | None  # (columns,) f32 sums of g over its rows, if asked for
     maxima: jax.Array  # f32 maxima of |g| per tile (whose max is the amax), or the amax
 
 
-def cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref):
+def cast_tile(fmt: Fp8Format, g, scale, q_ref, qt_ref, sum_ref, max_ref, branches: int = 1):
     """One tile's outputs: q, its transpose, column sums and maxima (inside a Pallas kernel).
 
-    ``sum_ref`` None: no column sums.
+    ``sum_ref`` None: no column sums. ``branches`` > 1: ``qt_ref`` is a
+    (branches, columns / branches, rows) block, each branch's transpose apart
+    (:func:`branch_major`).
     """
     g = g.astype(jnp.float32)
     q = quantize_with_scale(g, fmt, scale).data
     q_ref[...] = q
-    qt_ref[...] = q.T
+    if branches == 1:
+        qt_ref[...] = q.T
+    else:
+        for k, part in enumerate(split_branches(q, branches)):
+            qt_ref[k] = part.T
     if sum_ref is not None:
         sum_ref[...] = jnp.sum(g, axis=0)[None, :]
     max_ref[...] = tile_max(g)
+
+
+def split_branches(x, n: int) -> tuple[jax.Array, ...]:
+    """The ``n`` interleaved branches of a (rows, n * columns) tile, each (rows, columns).
+
+    Column ``n * c + k`` of ``x`` is column ``c`` of branch ``k``; n is 1 or 2
+    (a gated pair). Inside a kernel too: Triton splits a last axis of two.
+    """
+    if n == 1:
+        return (x,)
+    _check_branches(n)
+    rows, cols = x.shape
+    a, b = jnp.split(x.reshape(rows, cols // 2, 2), 2, axis=2)
+    return a.reshape(rows, cols // 2), b.reshape(rows, cols // 2)
+
+
+def branch_major(q: jax.Array, n: int) -> jax.Array:
+    """``q.T``, rows branch-major: row ``k * (columns / n) + c`` is column ``n * c + k`` of ``q``.
+
+    The transposed copy a gated pre-activation's gradient (columns ``(ffn,
+    n)``, interleaved) gives the wgrad GEMM, which then writes kernel_1's
+    gradient as ``(hidden, n, ffn)``, the parameter's own layout
+    (docs/design.md#the-interleaved-gated-pre-activation).
+    """
+    if n == 1:
+        return q.T
+    rows, cols = q.shape
+    return jnp.transpose(q.reshape(rows, cols // n, n), (2, 1, 0)).reshape(cols, rows)
+
+
+def _check_branches(n: int) -> None:
+    if n not in (1, 2):
+        raise ValueError(f"branches must be 1 or 2 (one activation or a gated pair), got {n}.")
 
 
 def tile_max(g) -> jax.Array:
@@ -165,8 +204,8 @@ def _with_sum_ref(out_refs, column_sums: bool):
     return q_ref, qt_ref, None, max_ref
 
 
-def _kernel(fmt: Fp8Format, column_sums: bool, g_ref, scale_ref, *out_refs):
-    cast_tile(fmt, g_ref[...], scale_ref[0], *_with_sum_ref(out_refs, column_sums))
+def _kernel(fmt: Fp8Format, column_sums: bool, branches: int, g_ref, scale_ref, *out_refs):
+    cast_tile(fmt, g_ref[...], scale_ref[0], *_with_sum_ref(out_refs, column_sums), branches)
 
 
 def _pieces_kernel(fmt: Fp8Format, column_sums: bool, tiles_per_piece: tuple[int, ...], *refs):
@@ -195,10 +234,12 @@ def _piece_index_map(start: int, count: int, per_period: int):
     return index
 
 
-def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_sums: bool = True):
+def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_sums: bool = True,
+                     branches: int = 1):  # fmt: skip
     """The kernel: q, q_t, column sums per tile of rows, one maximum per tile (:func:`_tile`).
 
     ``column_sums`` False: the sums are neither computed nor returned.
+    ``branches`` > 1: q_t branch-major (:func:`branch_major`).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pallas_triton
@@ -207,6 +248,8 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_s
     tile_rows, tile_cols = _tile(g)
     grid = (rows // tile_rows, cols // tile_cols)
     if isinstance(g, Interleaved):
+        if branches != 1:
+            raise ValueError(f"a gradient in pieces has one branch, got branches={branches}.")
         tiles_per_piece = tuple(w // tile_cols for w in g.widths)
         kernel = functools.partial(_pieces_kernel, fmt, column_sums, tiles_per_piece)
         operands = g.pieces
@@ -217,22 +260,23 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_s
             for start, count in zip(starts, tiles_per_piece, strict=True)
         ]  # fmt: skip
     else:
-        kernel, operands = functools.partial(_kernel, fmt, column_sums), (g,)
+        kernel, operands = functools.partial(_kernel, fmt, column_sums, branches), (g,)
         piece_specs = [pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j))]
     params = {} if interpret else {"compiler_params": pallas_triton.CompilerParams(num_warps=WARPS)}
-    return dispatch.pallas_call(
+    q_t_spec, q_t_shape = transposed_block(tile_rows, tile_cols, rows, cols, branches)
+    q, q_t, *rest = dispatch.pallas_call(
         kernel,
         grid=grid,
         in_specs=[*piece_specs, pl.BlockSpec((1,), lambda i, j: (0,))],
         out_specs=[
             pl.BlockSpec((tile_rows, tile_cols), lambda i, j: (i, j)),
-            pl.BlockSpec((tile_cols, tile_rows), lambda i, j: (j, i)),
+            q_t_spec,
             *[pl.BlockSpec((1, tile_cols), lambda i, j: (i, j))] * column_sums,
             pl.BlockSpec((1, 1), lambda i, j: (i, j)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((rows, cols), fmt.dtype),
-            jax.ShapeDtypeStruct((cols, rows), fmt.dtype),
+            jax.ShapeDtypeStruct(q_t_shape, fmt.dtype),
             *[jax.ShapeDtypeStruct((grid[0], cols), jnp.float32)] * column_sums,
             jax.ShapeDtypeStruct(grid, jnp.float32),
         ],
@@ -240,10 +284,29 @@ def _pallas_partials(g, scale, fmt: Fp8Format, interpret: bool = False, column_s
         name="fp8jax_cast_transpose",
         **params,
     )(*operands, scale.astype(jnp.float32).reshape(1))
+    return (q, q_t.reshape(cols, rows), *rest)
 
 
-def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False, column_sums: bool = True):
-    q, qt, *partial_sums, partial_maxima = _pallas_partials(g, scale, fmt, interpret, column_sums)
+def transposed_block(tile_rows: int, tile_cols: int, rows: int, cols: int, branches: int):
+    """The transposed copy's BlockSpec and shape for a kernel over (rows, cols) in tiles.
+
+    Branch-major (``branches`` 2), the copy is written as (branches, cols /
+    branches, rows): each tile's branches go to their own rows, and the
+    caller reshapes it to (cols, rows) for free.
+    """
+    from jax.experimental import pallas as pl
+
+    if branches == 1:
+        return pl.BlockSpec((tile_cols, tile_rows), lambda i, j: (j, i)), (cols, rows)
+    n = branches
+    spec = pl.BlockSpec((n, tile_cols // n, tile_rows), lambda i, j: (0, j, i))
+    return spec, (n, cols // n, rows)
+
+
+def _pallas(g, scale, fmt: Fp8Format, interpret: bool = False, column_sums: bool = True,
+            branches: int = 1):  # fmt: skip
+    q, qt, *partial_sums, partial_maxima = _pallas_partials(g, scale, fmt, interpret, column_sums,
+                                                            branches)  # fmt: skip
     return q, qt, summed_partials(partial_sums), jnp.max(partial_maxima)
 
 
@@ -252,31 +315,34 @@ def summed_partials(partial_sums: list) -> jax.Array | None:
     return jnp.sum(partial_sums[0], axis=0) if partial_sums else None
 
 
-def _xla(g, scale, fmt: Fp8Format, column_sums: bool = True):
+def _xla(g, scale, fmt: Fp8Format, column_sums: bool = True, branches: int = 1):
     if isinstance(g, Interleaved):
         g = g.joined()
     q = quantize_with_scale(g, fmt, scale).data
     g32 = g.astype(jnp.float32)
-    return q, q.T, jnp.sum(g32, axis=0) if column_sums else None, jnp.max(jnp.abs(g32))
+    sums = jnp.sum(g32, axis=0) if column_sums else None
+    return q, branch_major(q, branches), sums, jnp.max(jnp.abs(g32))
 
 
 def xla_partials(g, scale, fmt: Fp8Format, tile: tuple[int, int] | None = None,
-                 column_sums: bool = True):  # fmt: skip
+                 column_sums: bool = True, branches: int = 1):  # fmt: skip
     """:func:`_pallas_partials`'s values from XLA: sums per tile of rows, one maximum per tile.
 
     ``tile``: the kernel's (rows, columns) tile; :func:`_tile` by default.
-    ``column_sums`` False: no sums, as from the kernel.
+    ``column_sums`` False: no sums, as from the kernel. ``branches``: as
+    the kernel's (:func:`branch_major`).
     """
     tile = tile or _tile(g)
     if isinstance(g, Interleaved):
         g = g.joined()
     q = quantize_with_scale(g, fmt, scale).data
+    q_t = branch_major(q, branches)
     g32 = g.astype(jnp.float32)
     maxima = tile_maxima(g32, tile)
     if not column_sums:
-        return q, q.T, maxima
+        return q, q_t, maxima
     sums = jnp.sum(g32.reshape(g.shape[0] // tile[0], tile[0], g.shape[1]), axis=1)
-    return q, q.T, sums, maxima
+    return q, q_t, sums, maxima
 
 
 def tile_maxima(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
@@ -288,7 +354,7 @@ def tile_maxima(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
 
 def cast_transpose(
     g: jax.Array | Interleaved, scale: jax.Array, fmt: Fp8Format, row_axes: tuple[str, ...] = (),
-    *, column_sums: bool = True,
+    *, column_sums: bool = True, branches: int = 1,
 ) -> CastTransposed:  # fmt: skip
     """The saturating FP8 cast of a 2-D ``g`` at ``scale``, its transpose, column sums and maxima.
 
@@ -305,8 +371,14 @@ def cast_transpose(
     values on every platform. ``column_sums`` False: ``column_sums`` is None,
     and the kernel does not compute them (a bias's gradient needs them; a
     GEMM's input or kernel does not, and they cost the kernel 6-12% on the
-    H200; docs/design.md#cast-and-transpose-in-one-kernel).
+    H200; docs/design.md#cast-and-transpose-in-one-kernel). ``branches``
+    2: ``g``'s columns are a gated pair's, interleaved, and ``q_t`` is
+    branch-major (:func:`branch_major`), each branch's rows together; ``q``
+    stays as ``g``.
     """
+    _check_branches(branches)
+    if branches != 1 and isinstance(g, Interleaved):
+        raise ValueError(f"a gradient in pieces has one branch, got branches={branches}.")
     shards = dispatch.devices_along(row_axes)
     if not fits(g, shards):
         tile_rows, tile_cols = _tile(g)
@@ -326,10 +398,10 @@ def cast_transpose(
             f"{BLOCK_COLS}, got shape {g.shape}."
         )
     if not dispatch.enabled():
-        return CastTransposed(*_xla(g, scale, fmt, column_sums))
+        return CastTransposed(*_xla(g, scale, fmt, column_sums, branches))
+    kwargs = {"fmt": fmt, "column_sums": column_sums, "branches": branches}
     outputs = dispatch.on_each_device(
-        functools.partial(_pallas_partials, fmt=fmt, column_sums=column_sums),
-        functools.partial(xla_partials, fmt=fmt, column_sums=column_sums),
+        functools.partial(_pallas_partials, **kwargs), functools.partial(xla_partials, **kwargs),
         (g, scale.astype(jnp.float32)), 1,
         ("rows", "columns", *["rows"] * column_sums, "rows"), tuple(row_axes),
     )  # fmt: skip

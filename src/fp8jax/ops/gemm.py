@@ -193,13 +193,22 @@ def backward_dots(
     """
     d_lhs = dgrad_dot(dims, lhs_ndim, rhs_q, g.fp8, lhs_dtype, recipe,
                       like=None if lhs.transposed else lhs.fp8.data)  # fmt: skip
-    g_wgrad = g.for_wgrad()
-    if not (lhs.transposed or g_wgrad.transposed):
-        wg = dimensions.wgrad(dims, lhs_ndim, rhs_q.data.ndim)
-        d_rhs = scaled_dot(lhs.fp8, g.fp8, wg.dimension_numbers, rhs_dtype,
-                           recipe.wgrad_precision, wg.permutation, like=rhs_q.data)  # fmt: skip
-        return d_lhs, d_rhs
-    return d_lhs, wgrad_over_tokens(lhs, g_wgrad, rhs_q.shape, rhs_dtype, recipe)
+    return d_lhs, wgrad_dot(dims, lhs_ndim, lhs, g.for_wgrad(), rhs_q.data, rhs_dtype, recipe)
+
+
+def wgrad_dot(dims, lhs_ndim: int, lhs: Fp8Layout, g: Fp8Layout, rhs_like, rhs_dtype,
+              recipe: Recipe) -> jax.Array:  # fmt: skip
+    """The wgrad GEMM of ``dot_general(lhs, rhs, dims)``: rhs's gradient, in ``rhs_dtype``.
+
+    ``lhs``, ``g``: as :func:`backward_dots` takes them (``g`` as the wgrad
+    reads it); ``rhs_like``: an array of rhs's shape and sharding, which the
+    gradient takes.
+    """
+    if not (lhs.transposed or g.transposed):
+        wg = dimensions.wgrad(dims, lhs_ndim, rhs_like.ndim)
+        return scaled_dot(lhs.fp8, g.fp8, wg.dimension_numbers, rhs_dtype,
+                          recipe.wgrad_precision, wg.permutation, like=rhs_like)  # fmt: skip
+    return wgrad_over_tokens(lhs, g, rhs_like.shape, rhs_dtype, recipe)
 
 
 def check_bias(bias: jax.Array | None, expected: tuple[int, ...], name: str = "bias") -> None:

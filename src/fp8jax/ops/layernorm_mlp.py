@@ -118,11 +118,31 @@ def _interleave(a):
     HBM twice. Interleaved, a pair sits side by side and neighbouring threads
     share one read; on the H200 the GeGLU block's gradient fusion took about
     30% less time (docs/design.md#the-interleaved-gated-pre-activation).
-    The price is kernel_1's gradient, which the wgrad GEMM writes as (hidden,
-    ffn, n) and which is transposed back in bf16. For one activation (n = 1)
-    the two layouts are the same.
+    kernel_1's gradient still comes out in the parameter's layout: its wgrad
+    GEMM reads pre's gradient branch-major (:func:`_branch_major`), where it
+    used to write (hidden, ffn, n) for XLA to transpose back in the
+    parameter's dtype (f32 for f32 parameters), a pass that read and wrote
+    the whole gradient. For one activation (n = 1) the two layouts are the
+    same.
     """
     return jnp.swapaxes(a, -1, -2)
+
+
+def _branch_major(dpre: QuantizedOperand) -> Fp8Layout:
+    """Pre's FP8 gradient as kernel_1's wgrad reads it: columns (n, ffn), its branches apart.
+
+    Where the cast kernel wrote the transposed copy, it wrote it branch-major
+    (``transposed_branches``, :func:`fp8jax.kernels.cast_transpose.branch_major`);
+    elsewhere the wgrad GEMM's operand is the interleaved gradient viewed as
+    ``(..., n, ffn)``, which XLA transposes for the GEMM in the FP8 copy it
+    makes anyway. Either way the GEMM writes ``(hidden, n, ffn)``: no f32
+    transpose of the gradient after it
+    (docs/design.md#the-interleaved-gated-pre-activation).
+    """
+    if dpre.has_transposed:
+        return transposed_copy(dpre.transposed)
+    fp8 = dpre.fp8
+    return Fp8Layout(Fp8Array(_interleave(fp8.data), fp8.scale_inv, fp8.format))
 
 
 def _activation(pre, bias, activations):
@@ -153,6 +173,13 @@ def _mlp_bwd(config: FusedConfig, saved: MlpResiduals, g):
                            rows_are_tokens=True, column_sums=saved.bias_2 is not None)  # fmt: skip
     # The backward kernel needs the gradient's scale before the gradient:
     # delayed scaling only (docs/design.md#the-activation-cast-under-current-scaling).
+    # In bytes per (token, ffn) element, gated, bf16: delayed, the kernel
+    # reads dh and pre (2 + 4) and writes both FP8 layouts and h_t (4 + 1):
+    # 11. Current scaling here: XLA's fusion reads dh and pre and writes the
+    # bf16 gradient with its row maxima (6 + 4), the cast kernel reads it and
+    # writes both layouts (4 + 4), XLA transposes the forward's FP8 h (1 + 1):
+    # 20. The kernel behind an amax pass of its own, which reads dh and pre
+    # again, would move 17, with its approximate math in place of XLA's.
     placement = dispatch.XLA if state is None else _activation_kernel(pre, config)
     if placement.kernel:
         dh = gemm.dgrad_dot(contract, x.ndim, saved.kernel_2, g_q.fp8, config.x_dtype, recipe,
@@ -178,7 +205,7 @@ def _mlp_bwd(config: FusedConfig, saved: MlpResiduals, g):
     # in Pallas where it runs.
     dpre = quantize_operand(dpre, bwd, fc1 and fc1.grad, recipe, rows_ndim=x.ndim - 1,
                             transpose=True, rows_are_tokens=True, column_sums=b1 is not None,
-                            stored=True)  # fmt: skip
+                            stored=True, transposed_branches=pre.shape[-1])  # fmt: skip
     db1 = None if b1 is None else dpre.column_sums.astype(b1.dtype)
     return _mlp_bwd_after_activation(config, saved, dpre, db1, dk2, g_q, g_residual)
 
@@ -192,10 +219,14 @@ def _mlp_bwd_after_activation(config: FusedConfig, saved: MlpResiduals, dpre: Qu
     x, gamma, beta, mean, rstd, _ = saved.norm
     recipe, state, amaxes = config.recipe, saved.state, saved.amaxes
     normed = _fused.fp8_output(saved.normed, saved.norm, config, dpre.fp8.data)
-    dnormed, dk1 = gemm.backward_dots(dimensions.contract_last(x.ndim), x.ndim, Fp8Layout(normed),
-                                      saved.kernel_1, dpre, x.dtype, config.kernel_dtypes[0],
-                                      recipe)  # fmt: skip
-    dk1 = _interleave(dk1)
+    contract = dimensions.contract_last(x.ndim)
+    dnormed = gemm.dgrad_dot(contract, x.ndim, saved.kernel_1, dpre.fp8, x.dtype, recipe,
+                             like=normed.data)  # fmt: skip
+    # kernel_1's gradient straight in the parameter's layout (hidden, n, ffn):
+    # the wgrad reads pre's gradient with its branches apart.
+    k1_like = _interleave(saved.kernel_1.data)
+    dk1 = gemm.wgrad_dot(contract, x.ndim, Fp8Layout(normed), _branch_major(dpre), k1_like,
+                         config.kernel_dtypes[0], recipe)  # fmt: skip
     db1 = None if db1 is None else _interleave(db1)
     dx, dgamma, dbeta = norm.fused_normalize_backward(dnormed, x, mean, rstd, gamma, beta,
                                                         config.norm, g_residual)  # fmt: skip

@@ -63,6 +63,7 @@ def quantize_operand(
     rows_are_tokens: bool = False,
     column_sums: bool = False,
     stored: bool = False,
+    transposed_branches: int = 1,
 ) -> QuantizedOperand:
     """Quantizes one GEMM operand, with its scale from ``state`` or (None) its own amax.
 
@@ -95,6 +96,10 @@ def quantize_operand(
       stored: ``value``'s math is too costly to compute twice (an
         activation's gradient): it is written once, in its own dtype, and
         read back by the quantize pass (:func:`_stored`).
+      transposed_branches: 2 for a gated pair's interleaved columns (last
+        axis 2): the kernel's transposed copy is then branch-major
+        (:func:`fp8jax.kernels.cast_transpose.branch_major`), (2 * columns / 2,
+        rows), what kernel_1's wgrad reads to write the parameter's layout.
 
     Returns:
       A :class:`~fp8jax.ops.operand.QuantizedOperand`, its ``scale_inv``
@@ -129,10 +134,15 @@ def quantize_operand(
         return _recomputed(value, fmt, state, recipe)
     if (transpose or column_sums) and rows_ndim is None:
         raise ValueError("quantize_operand: transpose and column_sums need rows_ndim, got None.")
+    if transposed_branches != 1 and (not transpose or value.shape[-1] != transposed_branches):
+        raise ValueError(
+            f"quantize_operand: transposed_branches={transposed_branches} needs transpose=True "
+            f"and a last axis of that size, got transpose={transpose} and shape {value.shape}."
+        )
     placement = _cast_placement(value, rows_ndim, rows_are_tokens) if transpose else dispatch.XLA
     if placement.kernel:
         return _cast_transposed(value, fmt, state, recipe, rows_ndim, placement.row_axes,
-                                column_sums)  # fmt: skip
+                                column_sums, transposed_branches)  # fmt: skip
     if isinstance(value, SplitGradient):
         value = value.joined()
     if stored:
@@ -307,7 +317,8 @@ def _cast_placement(value, rows_ndim: int, rows_are_tokens: bool) -> dispatch.Pl
 
 
 def _cast_transposed(value, fmt: Fp8Format, state, recipe: Recipe, rows_ndim: int,
-                     row_axes: tuple[str, ...], column_sums: bool) -> QuantizedOperand:  # fmt: skip
+                     row_axes: tuple[str, ...], column_sums: bool,
+                     branches: int = 1) -> QuantizedOperand:  # fmt: skip
     """The cast kernel's pass: ``value`` and its transposed copy in FP8, and column sums if asked.
 
     Under delayed scaling the kernel also takes the amax, as per-tile
@@ -321,7 +332,7 @@ def _cast_transposed(value, fmt: Fp8Format, state, recipe: Recipe, rows_ndim: in
     else:
         scale = state.scale
     out = cast_transpose.cast_transpose(_as_matrix(value, rows_ndim), scale, fmt, row_axes,
-                                        column_sums=column_sums)  # fmt: skip
+                                        column_sums=column_sums, branches=branches)  # fmt: skip
     if state is not None:
         value_amax = amax_for_update(out.maxima, recipe)
     scale_inv = inverse(scale)
