@@ -294,7 +294,9 @@ def test_data_parallel_step_runs_the_activation_kernels_per_device(activations, 
         if t.dtype.startswith("f8")
     )
     h = [("f8e4m3fn", (local, 512)), ("f8e4m3fn", (512, local))]
-    d_pre = [("f8e5m2", (local, n * 512)), ("f8e5m2", (n * 512, local))]
+    # A gated pair's transposed copy is branch-major, (2, ffn, rows).
+    d_pre_t = (n * 512, local) if n == 1 else (n, 512, local)
+    d_pre = [("f8e5m2", (local, n * 512)), ("f8e5m2", d_pre_t)]
     assert written == sorted(h + d_pre)
     report = verify.gemm_report(hlo)
     assert len(report.gemms) == 6 and len(report.fp8_gemms) == 6

@@ -61,7 +61,8 @@ LLAMA_3B_BATCH = 8
 # moments (12 bytes a parameter) fill most of the H200, so the depth is what leaves
 # room for a batch: at each depth, the largest even batch whose BF16 step, compiled
 # deviceless for an H200, peaks under 100 GiB, 95% of JAX's default share
-# (bench/moe_memory.py, docs/train.md#moe-presets, docs/design.md#the-moe-presets-shapes-and-batches).
+# (bench/moe_memory.py, docs/train.md#moe-presets,
+# docs/design.md#the-moe-presets-shapes-and-batches).
 # mixtral: 4 layers x 4 sequences, bench/moe.py's 16384 tokens, 94.3 GiB (6: 103.5;
 # 5 layers x 2: 105.6); deepseek: 8 layers x 8, 94.8 GiB (10: 104.6), where 10 layers
 # x 4 (95.3) would halve its 64 experts' rows, 3072 each. The FP8 steps peak lower.
