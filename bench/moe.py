@@ -228,18 +228,24 @@ WGRAD_TILINGS = (  # (wgrad_k, wgrad_n, wgrad_warps)
 )
 
 
+def gate_up_operands(shape: Shape, title: str):
+    """The gate+up grouped GEMM's random BF16 operands under balanced routing: ``(rows, k, n,
+    groups, x, w, output gradient, group sizes)``; prints ``title`` with the sizes."""
+    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
+    print(f"\n{title}: rows {rows}, k {k}, n {n}, {g} experts", flush=True)
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (rows, k), BF16)
+    w = (jax.random.normal(keys[1], (g, k, n), F32) * k**-0.5).astype(BF16)
+    gy = jax.random.normal(keys[2], (rows, n), BF16)
+    return rows, k, n, g, x, w, gy, jnp.full((g,), rows // g, jnp.int32)
+
+
 def backward_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
     """Where ``fp8jax.ragged_dot``'s fwd+bwd goes: the forward, dgrad and wgrad grouped GEMMs
     alone on FP8 operands (layout, padding and, for wgrad, the transposes included), and the
     op's fwd+bwd, under each wgrad tiling of :data:`WGRAD_TILINGS` (the other kernels keep
     :func:`gg.current_tiles`'s). Also returns the tiling whose fwd+bwd was fastest."""
-    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
-    print(f"\nbackward: rows {rows}, k {k}, n {n}, {g} experts", flush=True)
-    keys = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(keys[0], (rows, k), BF16)
-    w = (jax.random.normal(keys[1], (g, k, n), F32) * k**-0.5).astype(BF16)
-    gy = jax.random.normal(keys[2], (rows, n), BF16)
-    sizes = jnp.full((g,), rows // g, jnp.int32)
+    rows, k, n, g, x, w, gy, sizes = gate_up_operands(shape, "backward")
     e4, e5 = fp8jax.E4M3.dtype, fp8jax.E5M2.dtype
     x8, w8, g8 = x.astype(e5), w.astype(e5), gy.astype(e5)
     one, scales = jnp.float32(1.0), jnp.ones((g,), F32)
@@ -423,13 +429,7 @@ def block_rows(shape: Shape, recipes=("current",)) -> list[dict]:
 def block_gemm_rows(shape: Shape) -> list[dict]:
     """BlockScaling's grouped GEMM (gate+up, balanced routing) against the dense block-scaled
     GEMM of the same rows and the BF16 dense GEMM, forward and forward+backward."""
-    rows, k, n, g = shape.tokens * shape.top_k, shape.hidden, 2 * shape.ffn, shape.experts
-    print(f"\nblock-scaled grouped GEMM: rows {rows}, k {k}, n {n}, {g} experts", flush=True)
-    keys = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(keys[0], (rows, k), BF16)
-    w = (jax.random.normal(keys[1], (g, k, n), F32) * k**-0.5).astype(BF16)
-    gy = jax.random.normal(keys[2], (rows, n), BF16)
-    sizes = jnp.full((g,), rows // g, jnp.int32)
+    rows, k, n, _, x, w, gy, sizes = gate_up_operands(shape, "block-scaled grouped GEMM")
     block = fp8jax.BlockScaling()
     flops = 2 * rows * k * n
     variants = {

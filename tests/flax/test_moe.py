@@ -156,35 +156,8 @@ def test_linen_block_under_nn_scan():
     assert state["intermediates"]["MoEBlock_0"]["aux_loss"][0].shape == (2,)
 
 
-def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
-    # Forward and backward: the two grouped GEMMs x (fwd, dgrad, wgrad) are
-    # Pallas FP8 kernels; the shared expert's GEMMs are FP8 dots; the only
-    # other GEMM is the router (f32, [tokens, hidden] x [hidden, experts])
-    # and its backward.
-    block = _block(shared_experts=1)
-    x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
-    params = jax.eval_shape(lambda: nn.meta.unbox(block.init(jax.random.key(0), jnp.ones((T, H)))))
-
-    def step(params, x):
-        def f(params, x):
-            return block.apply(params, x, mutable=["intermediates"])[0]
-
-        y, vjp = jax.vjp(f, params, x)
-        return vjp(y)
-
-    report = verify.gemm_report(verify.compile_for(step, params, x, target="h100"))
-    grouped = [g for g in report.gemms if g.target in verify.pallas_gemms.KERNELS]
-    assert len(grouped) == 6 and all(g.backend == "pallas-fp8" for g in grouped)
-    others = [g for g in report.non_fp8_gemms if g not in grouped]
-    assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
-    shared = [g for g in report.fp8_gemms if g not in grouped]
-    assert len(shared) == 6  # the shared expert's two dense GEMMs, fwd, dgrad, wgrad
-
-
-@pytest.fixture(scope="module")
-def block_scaled_hlo():
-    """The BlockScaling block's forward and backward (one shared expert), compiled for an H100."""
-    block = _block(shared_experts=1, recipe=fp8jax.BlockScaling())
+def _h100_forward_and_backward(block):
+    """``block``'s forward and backward on a (T, H) BF16 input, compiled for an H100 (HLO text)."""
     x = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
     params = jax.eval_shape(lambda: nn.meta.unbox(block.init(jax.random.key(0), jnp.ones((T, H)))))
 
@@ -196,6 +169,26 @@ def block_scaled_hlo():
         return vjp(y)
 
     return verify.compile_for(step, params, x, target="h100")
+
+
+def test_every_expert_gemm_is_fp8_in_a_deviceless_h100_compile():
+    # Forward and backward: the two grouped GEMMs x (fwd, dgrad, wgrad) are
+    # Pallas FP8 kernels; the shared expert's GEMMs are FP8 dots; the only
+    # other GEMM is the router (f32, [tokens, hidden] x [hidden, experts])
+    # and its backward.
+    report = verify.gemm_report(_h100_forward_and_backward(_block(shared_experts=1)))
+    grouped = [g for g in report.gemms if g.target in verify.pallas_gemms.KERNELS]
+    assert len(grouped) == 6 and all(g.backend == "pallas-fp8" for g in grouped)
+    others = [g for g in report.non_fp8_gemms if g not in grouped]
+    assert others and all(E in g.lhs_shape + g.rhs_shape for g in others), others
+    shared = [g for g in report.fp8_gemms if g not in grouped]
+    assert len(shared) == 6  # the shared expert's two dense GEMMs, fwd, dgrad, wgrad
+
+
+@pytest.fixture(scope="module")
+def block_scaled_hlo():
+    """The BlockScaling block's forward and backward (one shared expert), compiled for an H100."""
+    return _h100_forward_and_backward(_block(shared_experts=1, recipe=fp8jax.BlockScaling()))
 
 
 def test_every_block_scaled_expert_gemm_is_the_block_kernel_in_a_deviceless_h100_compile(
