@@ -81,3 +81,27 @@ def test_sequence_parallel_mlp():
         P(None, "tp"), P("tp", "fsdp"), P("fsdp"),
     )  # fmt: skip
     _compare(loss, args, specs)
+
+
+# Under these meshes the grouped-GEMM kernel stays off (tensor parallelism splits n);
+# its warning is tested in tests/ops/test_ragged_dot.py.
+@pytest.mark.filterwarnings("ignore:fp8jax.ragged_dot. the grouped-GEMM kernel")
+@pytest.mark.parametrize("permuted", [False, True], ids=["ragged_dot", "permuted_ragged_dot"])
+def test_grouped_gemms_with_fsdp_experts(permuted):
+    # Tokens over dp and fsdp, each expert's k over fsdp and n over tp: the
+    # grouped GEMMs run with the axes Auto inside, the result sharded like the
+    # tokens' rows and the weights' n.
+    sizes = jnp.array([16, 0, 24, 24], jnp.int32)
+    order = jax.random.permutation(jax.random.key(2), 64)
+
+    def loss(x, w):
+        if permuted:
+            y = fp8jax.permuted_ragged_dot(x, w, sizes, lhs_slots=order, repeats=2,
+                                           out_slots=order)  # fmt: skip
+        else:
+            y = fp8jax.ragged_dot(x, w, sizes)
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    rows = 32 if permuted else 64
+    args = (_x((rows, 64)), _x((4, 64, 32)) * 0.1)
+    _compare(loss, args, (P(("dp", "fsdp"), None), P(None, "fsdp", "tp")))

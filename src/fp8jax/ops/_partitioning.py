@@ -158,6 +158,20 @@ def _without(entry, removed):
     return kept[0] if len(kept) == 1 else kept
 
 
+def ragged_out_sharding(lhs, rhs):
+    """The result sharding of a grouped GEMM ``lhs [m, k] . rhs [g, k, n]``; None unless Explicit.
+
+    As :func:`dot_out_sharding`'s forward rule: the rows keep ``lhs``'s
+    (data-parallel) axes, ``n`` keeps ``rhs``'s split unless a row axis is
+    among it.
+    """
+    mesh = _explicit_mesh(lhs)
+    if mesh is None:
+        return None
+    rows = _spec(lhs)[0]
+    return NamedSharding(mesh, P(rows, _without(_spec(rhs)[2], set(_axes(rows)))))
+
+
 def dot_out_sharding(lhs, rhs, dims, like=None, permutation=None):
     """The ``out_sharding`` for ``dot_general(lhs, rhs, dims)``; None unless axes are Explicit.
 

@@ -416,10 +416,28 @@ def ragged_dot(
     """
     _check(lhs, rhs, group_sizes, lhs.shape[0] if lhs.ndim == 2 else 0, "lhs")
     config = _config(lhs, rhs, recipe, state, preferred_element_type)
-    if isinstance(config.recipe, BlockScaling):
-        return block_ragged.block_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
-                                             (None, None), config)  # fmt: skip
-    return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), (None, None), config)
+    return _grouped_product(lhs, rhs, group_sizes.astype(jnp.int32), (None, None), config)
+
+
+def _grouped_product(lhs, rhs, group_sizes, slots, config: RaggedConfig) -> jax.Array:
+    """The op under ``config.recipe``; over Explicit mesh axes with the axes Auto inside.
+
+    The grouped GEMMs' gathers, scatters and weight gradient (which contracts
+    sharded rows) have no sharding their types can state, and
+    ``lax.ragged_dot`` infers none under Explicit axes, so they run Auto,
+    partitioned by XLA as under ``jit``, and the result takes the sharding
+    of :func:`fp8jax.ops._partitioning.ragged_out_sharding` (as the
+    fine-grained GEMMs do, :func:`fp8jax.ops.fine_grained.dot_general`).
+    """
+    op = block_ragged.block_ragged_dot if isinstance(config.recipe, BlockScaling) else _fp8_ragged
+
+    def product(lhs, rhs, group_sizes, slots):
+        return op(lhs, rhs, group_sizes, slots, config)
+
+    out_sharding = None if config.rhs_gather else _partitioning.ragged_out_sharding(lhs, rhs)
+    if out_sharding is None:
+        return product(lhs, rhs, group_sizes, slots)
+    return jax.sharding.auto_axes(product, out_sharding=out_sharding)(lhs, rhs, group_sizes, slots)
 
 
 def check_recipe(owner: str, recipe) -> Recipe:
@@ -582,7 +600,4 @@ def sharded_permuted_ragged_dot(lhs, rhs, group_sizes, *, lhs_slots=None, repeat
             _check_slots(name, slots, rows)
     config = _config(lhs, rhs, recipe, None, preferred_element_type, repeats, gather)
     as_int = [None if i is None else i.astype(jnp.int32) for i in (lhs_slots, out_slots)]
-    if isinstance(config.recipe, BlockScaling):
-        return block_ragged.block_ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
-                                             tuple(as_int), config)  # fmt: skip
-    return _fp8_ragged(lhs, rhs, group_sizes.astype(jnp.int32), tuple(as_int), config)
+    return _grouped_product(lhs, rhs, group_sizes.astype(jnp.int32), tuple(as_int), config)
