@@ -38,3 +38,10 @@ def sleeps(mesh):
 
     time.sleep(600)
     return _fn, _ARGS
+
+
+def exits(mesh):
+    """Ends the compiler child as a crash would, mid-request."""
+    import os
+
+    os._exit(3)

@@ -6,6 +6,8 @@ tests assert on structure: GEMM backends, operand dtypes, collective dtypes.
 
 import functools
 import inspect
+import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import verify_programs as programs
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp8jax.verify import CompileError, compile_for, compile_many, gemm_report
+from fp8jax.verify import CompileError, compilation, compile_for, compile_many, gemm_report
 from fp8jax.verify.meshes import resolve_mesh
 
 TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
@@ -159,6 +161,36 @@ def test_fsdp_dense_gathers_the_kernel_in_fp8(fsdp):
 def test_child_process_errors_become_compile_errors():
     with pytest.raises(CompileError, match="has no attribute 'no_such_factory'"):
         compile_for("verify_programs:no_such_factory")
+
+
+@pytest.mark.deviceless
+def test_a_child_that_dies_mid_request_becomes_a_compile_error_and_the_next_compile_works():
+    with pytest.raises(CompileError, match="the deviceless compiler process exited with status 3"):
+        compile_for("bad_factories:exits")
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    assert "multiply" in compile_for(lambda a: a * 2, x)
+
+
+@pytest.mark.deviceless
+def test_one_child_serves_every_compile_with_the_same_flags_and_a_dead_one_is_replaced():
+    # docs/design.md#deviceless-verification: the child is kept per environment.
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+
+    def served():  # the child that served the last request (kept last), by environment
+        key = list(compilation._kept)[-1]
+        return key, compilation._kept[key].proc.pid
+
+    compile_for(lambda a: a * 2, x)
+    first = served()
+    assert "add" in compile_for(lambda a: a + 1, x)
+    assert served() == first
+    compile_for(lambda a: a * 2, x, xla_flags="--xla_gpu_enable_triton_gemm=false")
+    assert served()[0] != first[0]  # another XLA_FLAGS, another child
+    os.kill(first[1], signal.SIGKILL)
+    compilation._kept[first[0]].proc.wait()
+    assert "multiply" in compile_for(lambda a: a * 2, x)
+    key, pid = served()
+    assert key == first[0] and pid != first[1]
 
 
 @pytest.mark.deviceless

@@ -1,14 +1,17 @@
 """The compiling side: the deviceless child process, and live compiles in-process.
 
-Run as ``python -m fp8jax.verify._worker REQUEST RESPONSE`` with
-``JAX_PLATFORMS=cpu``; ``compilation._run_child`` does that. It reads a pickled
-request, builds the GPU topology, compiles each job, and pickles back one
+Run as ``python -m fp8jax.verify._worker --serve FD FOLDER`` with
+``JAX_PLATFORMS=cpu`` (``compilation._run_child`` does that; FOLDER, where
+its requests lie, only names it; ``REQUEST RESPONSE`` instead answers one
+request). For each request it reads a pickled
+payload, builds the GPU topology, compiles each job, and pickles back one
 ``{"hlo": text, "memory": sizes}`` or ``{"error": message}`` per job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import os
@@ -223,16 +226,21 @@ def _run_job(job: dict[str, Any], topology, axes, mesh):
                          None, job.get("donate", ()))  # fmt: skip
 
 
+@functools.cache
+def _topology(topology: str, target_config: str | None):
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(
+        platform="cuda", topology=topology, target_config=target_config
+    )
+
+
 def main(request_path: str, response_path: str) -> int:
     with open(request_path, "rb") as f:
         request = pickle.load(f)
     # The caller's import path, so 'MODULE:FUNCTION' resolves here as it did there.
     sys.path[:0] = [p for p in request["sys_path"] if p not in sys.path]
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(
-        platform="cuda", topology=request["topology"], target_config=request["target_config"]
-    )
+    topology = _topology(request["topology"], request["target_config"])
     axes = request["mesh"]
     mesh = axes.build(topology.devices) if axes else None
     results = []
@@ -253,5 +261,21 @@ def main(request_path: str, response_path: str) -> int:
     return 0
 
 
+def serve(reply_fd: int) -> int:
+    """Answers requests until stdin closes: two lines (request, response paths) each,
+    then ``done`` on ``reply_fd`` (stdout is left to whatever the compiled code prints)."""
+    with os.fdopen(reply_fd, "w") as replies:
+        while True:
+            request, response = sys.stdin.readline().strip(), sys.stdin.readline().strip()
+            if not request:
+                return 0
+            main(request, response)
+            jax.clear_caches()  # each request's programs are compiled once
+            replies.write("done\n")
+            replies.flush()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        sys.exit(serve(int(sys.argv[2])))
     sys.exit(main(*sys.argv[1:]))

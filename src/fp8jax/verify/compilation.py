@@ -16,6 +16,7 @@ arguments sharded over 8 fake CPU devices compile for 8 H100s.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -360,15 +361,16 @@ _exiting = threading.Event()
 
 
 def stop_children_before_exit() -> None:
-    """Kills every running compiler child with its process group (ptxas) and removes its folder.
+    """Kills every compiler child with its process group (ptxas) and removes its folder.
 
     For the ``fp8jax`` command, whose Ctrl-C thread calls it just before it
     ends the process with ``os._exit`` (which runs no ``finally``). The thread
     waiting for the child then waits for that exit instead of reporting the
     killed child as a failed compile. A KeyboardInterrupt in Python reaches
-    the same cleanup through :func:`_run_child`'s ``finally``.
+    the same cleanup through :func:`_run_child`'s ``except``.
     """
     _exiting.set()
+    _kept.clear()
     for proc, folder in list(_children.items()):
         _stop(proc)
         shutil.rmtree(folder, ignore_errors=True)
@@ -384,30 +386,103 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
+class _Child(NamedTuple):
+    """A compiler child serving requests (``_worker.serve``) until its stdin closes."""
+
+    proc: subprocess.Popen
+    folder: str  # its requests, responses and stderr
+    replies: Any  # the read end of the pipe on which it answers each request
+
+
+# Children kept for the next request with the same environment (XLA_FLAGS
+# among it: XLA reads its flags once per process), so that a process making
+# many deviceless compiles starts Python, JAX and the topology once
+# (docs/design.md#deviceless-verification). One lock: one request at a time.
+_kept: dict[tuple, _Child] = {}
+_kept_lock = threading.Lock()
+
+
+def _start_child(env: dict[str, str]) -> _Child:
+    folder = tempfile.mkdtemp(prefix="fp8jax-verify-")
+    read_fd, write_fd = os.pipe()
+    # The folder on its command line says whose child it is (ps, /proc).
+    cmd = [sys.executable, "-m", "fp8jax.verify._worker", "--serve", str(write_fd), folder]
+    with open(os.path.join(folder, "stderr"), "w") as stderr:
+        # A session of its own, so that stopping it stops the compilers it started
+        # too; a terminal's Ctrl-C then reaches only this process, which stops it.
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=stderr, text=True, pass_fds=(write_fd,),
+                                start_new_session=True)  # fmt: skip
+    os.close(write_fd)
+    _children[proc] = folder
+    return _Child(proc, folder, os.fdopen(read_fd))
+
+
+def _end_child(child: _Child) -> None:
+    _stop(child.proc)
+    with contextlib.suppress(OSError):  # a dead child's pipe may refuse the flush
+        child.proc.stdin.close()
+    child.replies.close()
+    _children.pop(child.proc, None)
+    shutil.rmtree(child.folder, ignore_errors=True)
+
+
+@atexit.register
+def _end_kept_children() -> None:
+    for child in list(_kept.values()):
+        _end_child(child)
+    _kept.clear()
+
+
+def _ask(child: _Child, payload: dict[str, Any]) -> list[dict]:
+    """``payload``'s results from ``child``; CompileError where the child died on it."""
+    request = os.path.join(child.folder, "request.pkl")
+    response = os.path.join(child.folder, "response.pkl")
+    with open(request, "wb") as f:
+        pickle.dump(payload, f)
+    try:
+        child.proc.stdin.write(f"{request}\n{response}\n")
+        child.proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+        pass  # it died before reading: the reply line below is empty
+    reply = child.replies.readline()
+    if _exiting.is_set():
+        threading.Event().wait()  # the Ctrl-C thread ends the process; say nothing
+    if reply.strip() != "done" or not os.path.exists(response):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=10)
+        with open(os.path.join(child.folder, "stderr")) as f:
+            stderr = f.read()
+        raise CompileError(_child_failure(child.proc.returncode, stderr))
+    with open(response, "rb") as f:
+        results = pickle.load(f)
+    os.remove(request)
+    os.remove(response)
+    return results
+
+
 def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[tuple]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with tempfile.TemporaryDirectory(prefix="fp8jax-verify-") as tmp:
-        request, response = os.path.join(tmp, "request.pkl"), os.path.join(tmp, "response.pkl")
-        with open(request, "wb") as f:
-            pickle.dump(payload, f)
-        cmd = [sys.executable, "-m", "fp8jax.verify._worker", request, response]
-        # A session of its own, so that stopping it stops the compilers it started
-        # too; a terminal's Ctrl-C then reaches only this process, which stops it.
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # fmt: skip
-        _children[proc] = tmp
+    # A 'MODULE:FUNCTION' entry imports the user's module into the child, and a
+    # later request must not see a stale copy of it: such children serve once.
+    keep = not any("entry" in job for job in payload["jobs"])
+    key = tuple(sorted(env.items()))
+    with _kept_lock:
+        child = _kept.pop(key, None) if keep else None
+        if child is None or child.proc.poll() is not None:
+            if child is not None:
+                _end_child(child)
+            child = _start_child(env)
         try:
-            stderr = proc.communicate()[1]
-        finally:
-            _stop(proc)
-            _children.pop(proc, None)
-        if _exiting.is_set():
-            threading.Event().wait()  # the Ctrl-C thread ends the process; say nothing
-        if proc.returncode != 0 or not os.path.exists(response):
-            raise CompileError(_child_failure(proc.returncode, stderr))
-        with open(response, "rb") as f:
-            results = pickle.load(f)
+            results = _ask(child, payload)
+        except BaseException:
+            _end_child(child)
+            raise
+        if keep:
+            _kept[key] = child
+        else:
+            _end_child(child)
     texts = []
     for i, (result, name) in enumerate(zip(results, names, strict=True)):
         if result.get("entry"):  # the factory or its function: one line, no traceback
