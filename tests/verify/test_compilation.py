@@ -186,6 +186,7 @@ def test_one_child_serves_every_compile_with_the_same_flags_and_a_dead_one_is_re
     assert served() == first
     compile_for(lambda a: a * 2, x, xla_flags="--xla_gpu_enable_triton_gemm=false")
     assert served()[0] != first[0]  # another XLA_FLAGS, another child
+    assert len(compilation._kept) <= compilation._KEEP_AT_MOST
     os.kill(first[1], signal.SIGKILL)
     compilation._kept[first[0]].proc.wait()
     assert "multiply" in compile_for(lambda a: a * 2, x)

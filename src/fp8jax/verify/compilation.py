@@ -400,6 +400,8 @@ class _Child(NamedTuple):
 # (docs/design.md#deviceless-verification). One lock: one request at a time.
 _kept: dict[tuple, _Child] = {}
 _kept_lock = threading.Lock()
+# Each idle child holds JAX and XLA in memory (about a GiB); few environments recur.
+_KEEP_AT_MOST = 2
 
 
 def _start_child(env: dict[str, str]) -> _Child:
@@ -481,6 +483,8 @@ def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str])
             raise
         if keep:
             _kept[key] = child
+            while len(_kept) > _KEEP_AT_MOST:  # the least recently served goes
+                _end_child(_kept.pop(next(iter(_kept))))
         else:
             _end_child(child)
     texts = []
