@@ -38,6 +38,8 @@ from fp8jax.verify._arguments import abstract_args, donated_leaves, flatten_call
 from fp8jax.verify.meshes import MeshAxes, named_shardings, resolve_mesh
 
 TARGETS = ("h100", "h200", "b200", "live")
+# The folder holding this fp8jax package.
+_FP8JAX_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class CompileError(RuntimeError):
@@ -467,6 +469,8 @@ def _ask(child: _Child, payload: dict[str, Any]) -> list[dict]:
 def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[tuple]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # The child's worker must be this fp8jax, wherever the environment's path points.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_FP8JAX_ROOT, env.get("PYTHONPATH")]))
     # A 'MODULE:FUNCTION' entry imports the user's module into the child, and a
     # later request must not see a stale copy of it: such children serve once.
     keep = not any("entry" in job for job in payload["jobs"])
