@@ -59,6 +59,27 @@ def test_local_routing_gives_the_single_device_values_and_gradients(inputs, mesh
         _assert_within(grads[0][name], want_grads[0][name], BACKWARD, f"d{name}")
 
 
+# Explicit axes are not declared data-parallel (fp8jax.kernels.dispatch), so the
+# grouped GEMMs run as lax.ragged_dot, with the warning that says so.
+@pytest.mark.filterwarnings("ignore:fp8jax.ragged_dot. the grouped-GEMM kernel")
+def test_explicit_fsdp_axes_give_the_single_device_values_and_gradients(inputs):
+    # The grouped GEMMs run with the axes Auto inside (jax.sharding.auto_axes):
+    # lax.ragged_dot infers no sharding over Explicit axes.
+    x, params, one_device = inputs
+    block = _block()
+    if True not in one_device:
+        one_device[True] = _loss(block)(params, x)
+    (_, (want_y, want_aux)), want_grads = one_device[True]
+    explicit = fs.make_mesh(fsdp=8, axis_types=jax.sharding.AxisType.Explicit)
+    with fs.use_mesh(explicit):
+        (_, (y, aux)), grads = _loss(block)(params, x)
+    np.testing.assert_allclose(float(aux), float(want_aux), rtol=1e-5)
+    _assert_within(y, want_y, FORWARD, "y")
+    _assert_within(grads[1], want_grads[1], BACKWARD, "dx")
+    for name in ("router", "wi", "wo"):
+        _assert_within(grads[0][name], want_grads[0][name], BACKWARD, f"d{name}")
+
+
 # Uncombined collectives, so that each reports its own dtype and shape.
 NO_COMBINING = " ".join(f"--xla_gpu_{kind}_combine_threshold_bytes=0"
                         for kind in ("all_gather", "reduce_scatter", "all_reduce"))  # fmt: skip

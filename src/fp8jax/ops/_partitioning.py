@@ -165,9 +165,14 @@ def ragged_out_sharding(lhs, rhs):
     (data-parallel) axes, ``n`` keeps ``rhs``'s split unless a row axis is
     among it.
     """
-    mesh = _explicit_mesh(lhs)
+    # The context's mesh too: rows created inside the program (a MoE block's
+    # tokens) may carry no mesh in their type, and lax.ragged_dot still refuses.
+    mesh = _explicit_mesh(lhs) or _explicit_mesh(rhs)
     if mesh is None:
-        return None
+        context = jax.sharding.get_abstract_mesh()
+        if context.empty or AxisType.Explicit not in tuple(context.axis_types):
+            return None
+        mesh = context
     rows = _spec(lhs)[0]
     return NamedSharding(mesh, P(rows, _without(_spec(rhs)[2], set(_axes(rows)))))
 
