@@ -2,8 +2,7 @@
 
 Run as ``python -m fp8jax.verify._worker --serve FD FOLDER`` with
 ``JAX_PLATFORMS=cpu`` (``compilation._run_child`` does that; FOLDER, where
-its requests lie, only names it; ``REQUEST RESPONSE`` instead answers one
-request). For each request it reads a pickled
+its requests lie, only names it). For each request it reads a pickled
 payload, builds the GPU topology, compiles each job, and pickles back one
 ``{"hlo": text, "memory": sizes}`` or ``{"error": message}`` per job.
 """
@@ -276,6 +275,6 @@ def serve(reply_fd: int) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--serve":
-        sys.exit(serve(int(sys.argv[2])))
-    sys.exit(main(*sys.argv[1:]))
+    if sys.argv[1] != "--serve":
+        sys.exit(f"usage: python -m fp8jax.verify._worker --serve FD FOLDER, got {sys.argv[1:]}")
+    sys.exit(serve(int(sys.argv[2])))
