@@ -57,7 +57,7 @@ def variants(m, k, n):
         return fp8jax.dense(x, w, recipe=delayed, state=s)
 
     # The forward alone returns no state: a training step's gradient calibrates
-    # the scales, which would otherwise stay 1 (docs/design.md#the-delayed-state-in-a-benchmark).
+    # the scales, which would otherwise stay 1 (docs/design.md#the-benchmarks-loss-and-fp8-state).
     train = jax.jit(jax.value_and_grad(
         lambda x, w, s: delayed_dense(x, w, s).astype(jnp.float32).sum(), argnums=(0, 1, 2)
     ))  # fmt: skip

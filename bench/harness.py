@@ -54,7 +54,7 @@ def standard_variants(flax_variant, fp8jax_variant) -> dict:
 # passed in as an argument: the output gradient is then random, as a real loss's
 # is. "mean" makes the output gradient a constant: XLA may then start the backward
 # before the forward has finished and fuse work a real loss rules out, and the GPU
-# draws less power (docs/design.md#the-benchmark-loss). "square" (half the mean
+# draws less power (docs/design.md#the-benchmarks-loss-and-fp8-state). "square" (half the mean
 # square) makes the gradient the output itself.
 LOSSES = {
     "random": lambda y, r: jnp.mean(y.astype(jnp.float32) * r.astype(jnp.float32)),
@@ -212,7 +212,7 @@ def _pipelined(fn, args: list, iters: int, carry: bool) -> float:
     What a train loop sees: the host queues the next step while the GPU runs
     this one, so per-call dispatch and synchronization, which the median of
     synchronized calls includes, are hidden
-    (docs/design.md#synchronized-and-pipelined-time).
+    (docs/design.md#timing-at-the-power-cap).
     """
     start = time.perf_counter()
     jax.block_until_ready(_pipelined_calls(fn, args, iters, carry))
@@ -291,7 +291,7 @@ def measure(
     (:func:`calibrate_state`) before the step is timed, as in a training run:
     a fresh state's scale of 1 would quantize the benchmark loss's tiny output
     gradients to zeros, and GEMMs on zeros run cooler and faster
-    (docs/design.md#the-delayed-state-in-a-benchmark).
+    (docs/design.md#the-benchmarks-loss-and-fp8-state).
     """
     start = time.perf_counter()
     compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted

@@ -206,8 +206,8 @@ def group_update_hlos():
 @pytest.mark.parametrize("group", GROUPS, ids=lambda g: g.__name__)
 def test_a_group_update_compiles_to_three_kernels(group, group_update_hlos):
     # Each kernel costs a synchronized step a few microseconds of launch
-    # (docs/design.md#the-state-update-in-few-kernels). Written with jnp.roll and .at[0].set,
-    # XLA made four a tensor: a concatenate, a dynamic-update-slice, the
+    # (docs/design.md#the-delayed-scaling-state-as-a-cotangent). Written with jnp.roll and
+    # .at[0].set, XLA made four a tensor: a concatenate, a dynamic-update-slice, the
     # history's max and the scale. With the shift as a pad and a select, two
     # a tensor: six for an op's three. Stacked by update_group, the whole
     # group's maxima take one reduction kernel, its scales one kernel and its

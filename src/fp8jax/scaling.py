@@ -179,7 +179,7 @@ def update_group(group, amaxes, recipe: DelayedScaling):
     where tensor by tensor it took two each, and a kernel or two more to
     reduce each tensor's maxima (deviceless H100 compile). Each kernel costs
     a synchronized train step a few microseconds of launch
-    (docs/design.md#the-state-update-in-few-kernels). The values are those
+    (docs/design.md#the-delayed-scaling-state-as-a-cotangent). The values are those
     :func:`update_scale_state` gives tensor by tensor.
 
     Under ``jax.vmap`` with the state shared by every mapped element (not

@@ -265,7 +265,7 @@ def test_activation_amax_takes_no_pass_of_its_own(activations, recipe, request):
     # it (0.40 ms for GeGLU on the H200) means XLA split them apart.
     # One exception, by design: under current scaling the forward cast kernel
     # needs h's scale first, and that amax pass reads pre alone
-    # (docs/design.md#the-activation-cast-under-current-scaling).
+    # (docs/design.md#the-activation-inside-the-cast-kernels).
     from fp8jax.verify import _hlo, gemm_report
 
     tokens, hidden, ffn = 4096, 256, 2048

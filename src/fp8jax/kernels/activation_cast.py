@@ -345,7 +345,7 @@ def cast_activation(
     scaling took it to choose ``scale``) None for them. The tile maximum
     is most of the kernel's time: at Llama's SwiGLU shapes on the H200 it
     took 0.59-0.65 ms with the maxima and 0.33-0.39 ms without
-    (docs/design.md#the-activation-cast-under-current-scaling).
+    (docs/design.md#the-activation-inside-the-cast-kernels).
     """
     activations = _check(pre, activations, row_axes)
     biases = () if bias is None else (bias,)

@@ -189,7 +189,7 @@ def tile_max(g) -> jax.Array:
     (:func:`fp8jax.scaling.update_group`), where a separate reduction took a
     kernel or two each (deviceless H100 compile). Each kernel costs a
     synchronized step a few microseconds of launch
-    (docs/design.md#the-state-update-in-few-kernels).
+    (docs/design.md#the-delayed-scaling-state-as-a-cotangent).
     """
     # One axis at a time: under a mesh in context, JAX 0.11's Triton lowering
     # of a reduction over both axes fails (Explicit axes, seen live on an H200).

@@ -20,7 +20,7 @@ Under current scaling the scale depends on the amax of the whole output,
 so the cast cannot share the pass: the same kernel runs twice, first
 without the cast, writing only the maxima from which the scale comes
 (:func:`output_maxima`), then with it; two reads of ``x`` where XLA's
-passes make three or four (docs/design.md#the-norms-forward-under-current-scaling).
+passes make three or four (docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel).
 The kernel's shape rules and its placement under a mesh are the backward's
 (:mod:`fp8jax.kernels.norm_backward`). Off NVIDIA GPUs, and with the kernels
 off (:mod:`fp8jax.kernels`), XLA runs the same arithmetic, its sums in its own
@@ -199,7 +199,7 @@ def row_maxima(matrix, gamma, beta, *, centred: bool, epsilon: float, row_axes=(
     f32 scale, ``beta`` (1, hidden) f32 or None. With ``residual`` (like
     ``matrix``) the norm is of ``matrix + residual``, and the result is
     ``(sum, maxima)``: the sum written by the same pass
-    (docs/design.md#the-norms-forward-under-current-scaling).
+    (docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel).
     """
     kwargs = {"fmt": None, "centred": centred, "epsilon": epsilon}
     out = _on_each_device(matrix, residual, gamma, beta, None, kwargs, row_axes)

@@ -5,7 +5,7 @@ for the GEMM that contracts its columns, and scaled per column, transposed,
 for the backward GEMM that contracts its rows (:mod:`fp8jax.ops.fine_grained`).
 Written in ``jnp``, XLA took the row maxima and the column maxima in two
 reductions and wrote both FP8 copies through its transpose emitter: four
-kernels, three reads of ``x`` (docs/design.md#the-rowwise-casts). On NVIDIA
+kernels, three reads of ``x`` (docs/design.md#the-fine-grained-casts). On NVIDIA
 GPUs two Pallas (Triton) kernels do it in two reads:
 
 * :func:`row_and_column_maxima`: ``max |x|`` of every row and every column,
@@ -33,7 +33,7 @@ from fp8jax.quantize import quantize_with_scale
 
 # Both kernels' tile and warps: the cast-transpose kernel's, the fastest of
 # its measured shapes for the same reads and writes; a sweep of eight shapes
-# for the maxima kernel found none faster (docs/design.md#the-rowwise-casts).
+# for the maxima kernel found none faster (docs/design.md#the-fine-grained-casts).
 TILE_ROWS, TILE_COLS, WARPS = 64, 128, 4
 
 

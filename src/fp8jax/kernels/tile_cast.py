@@ -9,7 +9,7 @@ block, takes the maxima of its 128 rows and of its 128 columns, and writes
 the block cast per row, its transpose cast per column, and both sets of
 ``scale_inv``. Written in ``jnp``, XLA computed the two casts in two passes
 and, in the TE-config layer's MLP, laid the activation out transposed in f32
-for the second (docs/design.md#the-block-casts).
+for the second (docs/design.md#the-fine-grained-casts).
 
 On NVIDIA GPUs this is a Pallas (Triton) kernel; elsewhere, with the
 kernels off, or for shapes off the 128 grid, XLA computes the same values

@@ -76,7 +76,7 @@ def normalize_and_quantize(
     With ``residual`` the norm is of ``x + residual`` (the residual add of a
     pre-norm block), which ``NormSaved.x`` holds: the kernel pass that reads
     ``x`` reads ``residual`` too and writes the sum, so the stream is not read
-    by an add of its own first (docs/design.md#the-norms-forward-under-current-scaling).
+    by an add of its own first (docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel).
 
     In one kernel where it runs (:mod:`fp8jax.kernels.norm_forward`): at
     delayed scaling's stored scale (``state``, the output's ScaleState), or

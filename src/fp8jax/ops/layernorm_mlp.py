@@ -172,7 +172,7 @@ def _mlp_bwd(config: FusedConfig, saved: MlpResiduals, g):
     g_q = quantize_operand(g, bwd, fc2 and fc2.grad, recipe, rows_ndim=x.ndim - 1, transpose=True,
                            rows_are_tokens=True, column_sums=saved.bias_2 is not None)  # fmt: skip
     # The backward kernel needs the gradient's scale before the gradient:
-    # delayed scaling only (docs/design.md#the-activation-cast-under-current-scaling).
+    # delayed scaling only (docs/design.md#the-activation-inside-the-cast-kernels).
     # In bytes per (token, ffn) element, gated, bf16: delayed, the kernel
     # reads dh and pre (2 + 4) and writes both FP8 layouts and h_t (4 + 1):
     # 11. Current scaling here: XLA's fusion reads dh and pre and writes the
@@ -274,7 +274,7 @@ def _activation_amax_and_scale(pre, b1, config: FusedConfig):
 
     The pass reads ``pre`` and writes only row maxima; the kernel computes the
     activation again, so no bf16 copy of it reaches HBM
-    (docs/design.md#the-activation-cast-under-current-scaling).
+    (docs/design.md#the-activation-inside-the-cast-kernels).
     """
     h = _activation(pre, b1, config.activations).astype(config.x_dtype)
     return current_amax_and_scale(jnp.abs(h), config.recipe.formats.forward, config.recipe)

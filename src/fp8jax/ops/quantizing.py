@@ -191,9 +191,9 @@ def current_amax_and_scale(maxima: jax.Array, fmt: Fp8Format, recipe: Recipe):
     """Current scaling's ``(amax, scale)`` from a kernel's partial ``maxima``, over every device.
 
     For a kernel that needs the scale before it casts: ``maxima`` from a pass
-    of its own (the norm's, docs/design.md#the-norms-forward-under-current-scaling),
+    of its own (the norm's, docs/design.md#the-norms-forward-and-its-fp8-cast-in-one-kernel),
     or the magnitudes of a value XLA computes to reduce them (the
-    activation's, docs/design.md#the-activation-cast-under-current-scaling).
+    activation's, docs/design.md#the-activation-inside-the-cast-kernels).
     """
     value_amax = _partitioning.reduce_amax(jnp.max(maxima), recipe)
     return value_amax, _scale(value_amax, fmt, None, recipe)
