@@ -195,6 +195,19 @@ def test_one_child_serves_every_compile_with_the_same_flags_and_a_dead_one_is_re
 
 
 @pytest.mark.deviceless
+def test_the_child_serves_the_next_test_too(monkeypatch):
+    # pytest names the running test in PYTEST_CURRENT_TEST. With it in the key, each
+    # test started its own child (about 3 s), and the suite kept none.
+    x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    pids = []
+    for test in ("tests/a.py::test_one (call)", "tests/b.py::test_two (call)"):
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", test)
+        compile_for(lambda a: a * 2, x)
+        pids.append(compilation._kept[list(compilation._kept)[-1]].proc.pid)
+    assert pids[0] == pids[1]
+
+
+@pytest.mark.deviceless
 def test_tracing_errors_become_compile_errors():
     x = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
     with pytest.raises(CompileError, match="tracing <lambda> for the cuda platform failed"):
