@@ -14,7 +14,7 @@ own scales. No amax: these recipes keep no state. :func:`quantize_rows`,
 fuses into the producer's kernels. An operand needed in both layouts goes
 through :func:`quantize_rows_and_columns` or :func:`quantize_tiles_both_ways`,
 which run Pallas kernels on the GPU where they can
-(docs/design.md#the-fine-grained-casts, docs/design.md#the-fine-grained-casts).
+(docs/design.md#the-fine-grained-casts).
 """
 
 from __future__ import annotations
