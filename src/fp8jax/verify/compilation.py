@@ -405,10 +405,11 @@ _kept_lock = threading.Lock()
 # Each idle child holds JAX and XLA in memory (0.4 GiB after an FP8 dense step); few
 # environments recur.
 _KEEP_AT_MOST = 2
-# Variables that change while a process runs and mean nothing to a compile: in the
-# key they would start a child per change. pytest names its current test in
-# PYTEST_CURRENT_TEST, so a suite kept no child from one test to the next.
-_NOT_IN_KEY = frozenset({"PYTEST_CURRENT_TEST"})
+# Variables that change while a process runs and mean nothing to a compile; the
+# child's environment (its key) leaves them out, or each change would start a child.
+# pytest names its current test in PYTEST_CURRENT_TEST: a suite kept no child from
+# one test to the next.
+_NOT_PASSED = ("PYTEST_CURRENT_TEST",)
 
 
 def _start_child(env: dict[str, str]) -> _Child:
@@ -472,13 +473,15 @@ def _ask(child: _Child, payload: dict[str, Any]) -> list[dict]:
 
 def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[tuple]:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
+    for volatile in _NOT_PASSED:
+        env.pop(volatile, None)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # The child's worker must be this fp8jax, wherever the environment's path points.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_FP8JAX_ROOT, env.get("PYTHONPATH")]))
     # A 'MODULE:FUNCTION' entry imports the user's module into the child, and a
     # later request must not see a stale copy of it: such children serve once.
     keep = not any("entry" in job for job in payload["jobs"])
-    key = tuple(sorted((k, v) for k, v in env.items() if k not in _NOT_IN_KEY))
+    key = tuple(sorted(env.items()))
     with _kept_lock:
         child = _kept.pop(key, None) if keep else None
         if child is None or child.proc.poll() is not None:
