@@ -59,20 +59,32 @@ def test_local_routing_gives_the_single_device_values_and_gradients(inputs, mesh
         _assert_within(grads[0][name], want_grads[0][name], BACKWARD, f"d{name}")
 
 
-# Explicit axes are not declared data-parallel (fp8jax.kernels.dispatch), so the
-# grouped GEMMs run as lax.ragged_dot, with the warning that says so.
-@pytest.mark.filterwarnings("ignore:fp8jax.ragged_dot. the grouped-GEMM kernel")
-def test_explicit_fsdp_axes_give_the_single_device_values_and_gradients(inputs):
-    # The grouped GEMMs run with the axes Auto inside (jax.sharding.auto_axes):
-    # lax.ragged_dot infers no sharding over Explicit axes.
+@pytest.mark.parametrize("placed", [False, True], ids=["whole", "placed"])
+def test_explicit_fsdp_axes_route_locally_and_give_the_single_device_values(inputs, placed):
+    # Under Explicit axes the block reshards into the same shard_map as under
+    # Auto ones (no all_to_all, the FSDP weights gathered): inputs given whole
+    # are split there, and inputs already split over the batch (as the train
+    # step places them) stay where they are. The result is sharded like x.
+    # No warning: the grouped GEMMs run on each device's rows, not lax.ragged_dot.
     x, params, one_device = inputs
     block = _block()
     if True not in one_device:
         one_device[True] = _loss(block)(params, x)
     (_, (want_y, want_aux)), want_grads = one_device[True]
     explicit = fs.make_mesh(fsdp=8, axis_types=jax.sharding.AxisType.Explicit)
+    if placed:
+        abstract = jax.eval_shape(block.init, jax.random.key(1), x)
+        shardings = nn.meta.unbox(fs.variable_shardings(abstract, explicit))["params"]
+        params = jax.device_put(params, shardings)
+        x = jax.device_put(x, fs.named_sharding(explicit, ("batch",)))
     with fs.use_mesh(explicit):
-        (_, (y, aux)), grads = _loss(block)(params, x)
+        step = _loss(block)
+        jaxpr = str(jax.make_jaxpr(step)(params, x))
+        (_, (y, aux)), grads = step(params, x)
+    assert "shard_map" in jaxpr and "all_to_all" not in jaxpr
+    assert "all_gather" in jaxpr and "reduce_scatter" in jaxpr
+    like_x = fs.named_sharding(explicit, ("batch",) if placed else ())
+    assert y.sharding.is_equivalent_to(like_x, y.ndim), y.sharding
     np.testing.assert_allclose(float(aux), float(want_aux), rtol=1e-5)
     _assert_within(y, want_y, FORWARD, "y")
     _assert_within(grads[1], want_grads[1], BACKWARD, "dx")
@@ -86,7 +98,7 @@ NO_COMBINING = " ".join(f"--xla_gpu_{kind}_combine_threshold_bytes=0"
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize("mesh", ["fsdp8", "dp2_fsdp4"])
+@pytest.mark.parametrize("mesh", ["fsdp8", "dp2_fsdp4", "fsdp8_explicit"])
 def test_h100_train_step_moves_no_token_row_and_runs_every_expert_gemm_in_fp8(mesh):
     # 8 H100s, 768 tokens of hidden 256 (96 per device, 192 slots): the six
     # grouped GEMMs (forward, dgrad, wgrad of both) are Pallas FP8 kernels on
@@ -94,7 +106,10 @@ def test_h100_train_step_moves_no_token_row_and_runs_every_expert_gemm_in_fp8(me
     # (all-gathers), their gradients (reduce-scatters), the router's gradient
     # and scalar statistics: no collective has a token or slot dimension.
     t, hidden = 768, 256
-    sharding_mesh = fs.make_mesh(**MESHES[mesh])
+    if mesh == "fsdp8_explicit":  # placed as the step's inputs are: no reshard moves rows
+        sharding_mesh = fs.make_mesh(fsdp=8, axis_types=jax.sharding.AxisType.Explicit)
+    else:
+        sharding_mesh = fs.make_mesh(**MESHES[mesh])
     block = _block(dtype=jnp.bfloat16, shared_experts=1)
     x = jax.ShapeDtypeStruct((8, t // 8, hidden), jnp.bfloat16)
     abstract = jax.eval_shape(block.init, jax.random.key(0), x)

@@ -179,7 +179,7 @@ def local_layout(x2, wi) -> LocalLayout | None:
     """Where each device can route its own tokens and run every expert on them, or None.
 
     Under a mesh and rules in context whose axes of size > 1 are all ``Auto``
-    and all split the tokens (``dp``, ``fsdp``; no expert axis, see
+    or all ``Explicit`` and all split the tokens (``dp``, ``fsdp``; no expert axis, see
     :func:`layout`), with the experts whole along their expert and ffn axes
     and ``fsdp`` at most on their hidden axis; the tokens and the hidden
     size divisible by the devices. Otherwise None: the block runs on the
@@ -196,7 +196,10 @@ def local_layout(x2, wi) -> LocalLayout | None:
     sizes = dict(mesh.shape)
     split = {a for a, n in sizes.items() if n > 1}
     kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    if not split or any(kinds[a] != AxisType.Auto for a in split):
+    # All Auto, or all Explicit (then local() reshards into and out of the shard_map).
+    if not split or len({kinds[a] for a in split}) > 1:
+        return None
+    if kinds[next(iter(split))] not in (AxisType.Auto, AxisType.Explicit):
         return None
 
     def spec(names):
@@ -238,14 +241,32 @@ def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, ac
 
     on = gather or None
     rows = P(tokens, None)
-    return jax.shard_map(
-        run, in_specs=(rows, P(), P(None, on, None, None), P(None, None, on)),
-        out_specs=(rows, P()),
+    specs = (rows, P(), P(None, on, None, None), P(None, None, on))
+    operands = (x2, router, wi, wo)
+    explicit = _explicit(tokens)
+    if explicit:
+        # Explicit axes type every array's sharding, and shard_map takes its
+        # inputs only as typed: the tokens are split over the token axes (a
+        # no-op where data parallelism has split them already) and the result
+        # goes back to the tokens' own sharding.
+        operands = tuple(jax.sharding.reshard(a, s) for a, s in zip(operands, specs, strict=True))
+    y, stats = jax.shard_map(
+        run, in_specs=specs, out_specs=(rows, P()),
         # As in routed(): the kernels' outputs are not typed by the manual axes;
         # JAX then sums the replicated inputs' cotangents (router, the weights
         # over the axes that do not split them) itself.
         check_vma=False,
-    )(x2, router, wi, wo)  # fmt: skip
+    )(*operands)  # fmt: skip
+    if explicit:
+        y = jax.sharding.reshard(y, jax.typeof(x2).sharding.spec)
+    return y, stats
+
+
+def _explicit(axes) -> bool:
+    """Whether the mesh axes ``axes`` of the mesh in context are ``AxisType.Explicit``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return any(kinds[a] == AxisType.Explicit for a in axes)
 
 
 class Plan(NamedTuple):

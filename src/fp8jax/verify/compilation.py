@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 
 from fp8jax.verify import toolchain
 from fp8jax.verify._arguments import abstract_args, donated_leaves, flatten_call, out_specs
@@ -311,7 +311,7 @@ def _job(call: _Call, axes: MeshAxes | None) -> dict[str, Any]:
         return {"entry": call.fn}
     flat_fn, arrays, specs = flatten_call(call.fn, call.args, call.in_shardings, axes)
     donate = donated_leaves(call.args, call.donate_argnums)
-    abstract_mesh = axes.build() if axes else None
+    abstract_mesh = _traced_mesh(call, axes.build()) if axes else None
     sharding_for = (lambda s: NamedSharding(abstract_mesh, s)) if axes else (lambda s: None)
     sds = abstract_args(arrays, specs, sharding_for)
     outs = out_specs(flat_fn, sds, call.out_shardings) if axes else None
@@ -337,6 +337,28 @@ def _job(call: _Call, axes: MeshAxes | None) -> dict[str, Any]:
     exported = dataclasses.replace(exported, _get_vjp=None)
     return {"exported": pickle.dumps(exported), "in_specs": specs, "out_specs": outs,
             "donate": donate}  # fmt: skip
+
+
+def _traced_mesh(call: _Call, abstract_mesh):
+    """The abstract mesh the arguments are typed with: ``abstract_mesh``, or the context's.
+
+    Over Explicit axes the arguments' types carry their mesh, and JAX refuses
+    a context mesh that differs from it (a CPU Mesh's abstract mesh names its
+    device kind, ``axes.build()`` does not): there the arguments take the
+    abstract mesh of the context :func:`_context_mesh` traces under.
+    """
+    if AxisType.Explicit not in tuple(abstract_mesh.axis_types):
+        return abstract_mesh
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty:
+        concrete = [s.mesh for s in named_shardings(call.args)
+                    if isinstance(s.mesh, jax.sharding.Mesh)]  # fmt: skip
+        context = concrete[0].abstract_mesh if concrete else abstract_mesh
+
+    def axes(mesh):
+        return mesh.axis_names, mesh.axis_sizes, tuple(mesh.axis_types)
+
+    return context if axes(context) == axes(abstract_mesh) else abstract_mesh
 
 
 def _context_mesh(call: _Call, abstract_mesh):
