@@ -69,6 +69,31 @@ def test_ragged_dot_under_an_everything_saveable_checkpoint(recipe):
     )
 
 
+def test_fp8_attention_under_an_everything_saveable_checkpoint():
+    # Q, K and V are quantized per 128 rows and head with their amax at 448: saved
+    # as E4M3, every value above 240 would come back Inf and the gradients NaN.
+    # Not bitwise, unlike the GEMM ops: the checkpointed program fuses the softmax's
+    # f32 sums in another order, which may move a BF16 gradient's last rounding by
+    # one step (an ulp is at most 2**-7 of the value, so of the largest one) and the
+    # f32 loss by an ulp.
+    q, k, v = (jax.random.normal(key, (1, 256, 2, 64), jnp.float32).astype(jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(0), 3))  # fmt: skip
+
+    def loss(q, k, v):
+        y = fp8jax.dot_product_attention(q, k, v, causal=True)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    grad = jax.value_and_grad
+    plain = jax.jit(grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    saved = jax.jit(grad(jax.checkpoint(loss, policy=EVERYTHING), argnums=(0, 1, 2)))(q, k, v)
+    (value, grads), (saved_value, saved_grads) = plain, saved
+    assert abs(float(saved_value) - float(value)) <= 2**-22 * abs(float(value))
+    for a, b in zip(grads, saved_grads, strict=True):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        assert bool(jnp.isfinite(b).all())
+        assert float(jnp.abs(a - b).max()) <= 2**-7 * float(jnp.abs(a).max())
+
+
 def test_no_fp8_residual_is_rounded_by_the_checkpoint():
     x, w = _x_w()
     grad = jax.grad(jax.checkpoint(lambda x, w: jnp.sum(fp8jax.dense(x, w)), policy=EVERYTHING))

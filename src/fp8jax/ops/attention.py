@@ -37,6 +37,7 @@ import numpy as np
 
 from fp8jax.kernels import attention as kernel
 from fp8jax.kernels import attention_backward as backward_kernels
+from fp8jax.ops.residuals import saved_as_bits
 
 IMPLEMENTATIONS = (None, "xla")
 
@@ -272,4 +273,6 @@ def _attention_bwd(config: _Config, residuals, g):
     return tuple(x.astype(dtype) for x, dtype in zip(grads, config.dtypes, strict=True))
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+# Q, K and V travel to the backward as E4M3 bits: a checkpoint policy that saves
+# them would round E4M3 at IEEE bounds (docs/design.md#activation-checkpointing).
+_attention.defvjp(*saved_as_bits(_attention_fwd, _attention_bwd))
