@@ -94,8 +94,10 @@ RUN = ["--batch-size", "8", "--seq-len", "32", "--log-every", "1", "--eval-every
 RUN += ["--eval-batches", "1", "--checkpoint-every", "2", "--mesh", "dp=2,fsdp=4"]
 STEPS, RESUMED_STEPS = 4, 6
 TIMEOUT_S = 300  # bounds a hung run only
-_GLOO_LOG = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
-                       r"connected peer ranks is : \d+")  # fmt: skip
+# Gloo's connection log, piece by piece: its threads write the pieces of their lines
+# (text, a number, a newline) to one stream, which on a loaded machine interleave.
+_GLOO_LOG = re.compile(r"\[Gloo\] Rank|is connected to|peer ranks\. Expected number of "
+                       r"connected peer ranks is :|\d+")  # fmt: skip
 
 
 def _options(out, steps, **kw) -> TrainOptions:
