@@ -85,7 +85,7 @@ def blocks_run(tmp_path_factory):
     """``blocks_run(path, kinds)``: ``(cwd, namespace, output)`` of run_blocks, once per module.
 
     Each run gets a fresh working directory (blocks may write run directories
-    relative to the cwd). Two tests run docs/train.md's block (a 50-step run of
+    relative to the cwd). Two tests run docs/train.md's block (a 20-step run of
     the tiny preset) and two docs/verify.md's (a deviceless compile); each pair
     reads one run instead of making its own.
     """
@@ -112,7 +112,7 @@ def test_the_cpu_blocks_run(path, blocks_run):
 def test_train_md_python_api_trains_the_tiny_preset(blocks_run):
     cwd, namespace, output = blocks_run(ROOT / "docs" / "train.md", ("run",))
     result = namespace["result"]
-    assert result.status == "completed" and result.step == 50
+    assert result.status == "completed" and result.step == 20
     assert (cwd / "runs" / "api" / "summary.json").is_file()
     assert output.splitlines()[-1].startswith("completed ")  # the block's own print
 

@@ -18,6 +18,10 @@ from fp8jax.training.config import resolve
 from fp8jax.training.loop import _check_options
 from fp8jax.training.program import TrainProgram
 
+# The three TrainPrograms (one model, FP8) compile the same initial-state program:
+# through the module's compilation cache, the later two load it instead.
+pytestmark = pytest.mark.usefixtures("shared_compile_cache")
+
 SEQ = 128
 MODEL = GptConfig(hidden=128, layers=1, heads=2, kv_heads=1, ffn=128)
 

@@ -12,11 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from fp8jax.models import GptConfig
 from fp8jax.training import TrainOptions, train
 from fp8jax.training.config import RunConfig, resolve
 from fp8jax.training.program import TrainProgram
+
+# The TrainPrograms of one model and precision compile the same initial-state program:
+# through the module's compilation cache, the later ones load it instead.
+pytestmark = pytest.mark.usefixtures("shared_compile_cache")
 
 SEQ = 32
 MODEL = GptConfig(hidden=64, layers=1, heads=4, kv_heads=2, ffn=128)

@@ -1,4 +1,4 @@
-"""bench/moe_convergence.py end to end on the CPU: a toy preset, two seeds of 2 steps each.
+"""bench/moe_convergence.py end to end on the CPU: a toy preset, two seeds of 2 small steps each.
 
 The numbers mean nothing at 2 steps, and two seeds (the script's default is
 three) keep the test short; it checks the protocol's wiring: four runs,
@@ -19,8 +19,11 @@ import moe_convergence  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("shared_compile_cache")
 
+# Two sequences a batch, not the preset's 8: the wiring does not depend on the batch, and
+# on a CPU each of deepseek-tiny's steps takes seconds (64 experts' grouped GEMMs),
+# about half as long at 2.
 FAST = ["--steps", "2", "--log-every", "2", "--eval-every", "2", "--eval-batches", "1",
-        "--checkpoint-every", "2"]  # fmt: skip
+        "--checkpoint-every", "2", "--batch-size", "2"]  # fmt: skip
 
 
 def test_three_seeds_of_each_precision_are_compared_on_loss_and_load_balance(tmp_path, capsys):

@@ -31,7 +31,9 @@ def _run_workers(out: pathlib.Path) -> list[str]:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        # LLVM without its optimizations, as in this process (tests/conftest.py): each
+        # worker compiles its sharded step faster, and the codegen is the reference's.
+        XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
         TF_CPP_MIN_LOG_LEVEL="2",
     )
     coordinator = f"127.0.0.1:{_free_port()}"
