@@ -17,6 +17,47 @@ from fp8jax.kernels import attention_backward
 from fp8jax.ops import attention as op
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_compile_per_interpreted_thread_body():
+    """Mosaic GPU's interpreter compiles each warpgroup's body once, not once per thread and CTA.
+
+    It runs a CTA's three warpgroups as threads, each of which traces, lowers
+    and compiles the same body (one jaxpr; the thread id and the CTA's grid
+    coordinates are arguments) before running it: a 4-CTA grid made 12
+    identical CPU compiles of about 3 s each, most of these tests' time. Here
+    the first thread compiles it and every thread of every CTA runs that
+    executable, with the same arguments as before, so what is interpreted is
+    unchanged. Where JAX's private ``_run_jaxpr`` is not the one this replaces
+    (another JAX), the interpreter is left as it is.
+    """
+    import inspect
+    import threading
+
+    from jax._src import core as jax_core
+    from jax._src.pallas.mosaic.interpret import thread_map
+
+    run = getattr(thread_map, "_run_jaxpr", None)
+    if run is None or list(inspect.signature(run).parameters) != ["jaxpr", "consts", "args"]:
+        yield
+        return
+    executables, lock = {}, threading.Lock()
+
+    def body(jaxpr, consts, *args):
+        jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_compiled_once(jaxpr, consts, *args):
+        key = (id(jaxpr), tuple(jax.typeof(x) for x in (*consts, *args)))
+        with lock:  # the CTA's other threads wait for the one compile
+            if key not in executables:  # the jaxpr is kept, so its id stays its own
+                traced = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args)
+                executables[key] = (jaxpr, traced.lower().compile())
+        executables[key][1](consts, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(thread_map, "_run_jaxpr", run_compiled_once)
+        yield
+
+
 def _operands(tq, tk, heads, kv_heads, d):
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (1, tq, heads, d)).astype(jnp.bfloat16)
