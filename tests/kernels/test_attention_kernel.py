@@ -15,46 +15,12 @@ import fp8jax
 from fp8jax.kernels import attention as kernel
 from fp8jax.kernels import attention_backward
 from fp8jax.ops import attention as op
+from mosaic_gpu_testing import h200_compiles_with_dumps, one_compile_per_thread_body
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_compile_per_interpreted_thread_body():
-    """Mosaic GPU's interpreter compiles each warpgroup's body once, not once per thread and CTA.
-
-    It runs a CTA's three warpgroups as threads, each of which traces, lowers
-    and compiles the same body (one jaxpr; the thread id and the CTA's grid
-    coordinates are arguments) before running it: a 4-CTA grid made 12
-    identical CPU compiles of about 3 s each, most of these tests' time. Here
-    the first thread compiles it and every thread of every CTA runs that
-    executable, with the same arguments as before, so what is interpreted is
-    unchanged. Where JAX's private ``_run_jaxpr`` is not the one this replaces
-    (another JAX), the interpreter is left as it is.
-    """
-    import inspect
-    import threading
-
-    from jax._src import core as jax_core
-    from jax._src.pallas.mosaic.interpret import thread_map
-
-    run = getattr(thread_map, "_run_jaxpr", None)
-    if run is None or list(inspect.signature(run).parameters) != ["jaxpr", "consts", "args"]:
-        yield
-        return
-    executables, lock = {}, threading.Lock()
-
-    def body(jaxpr, consts, *args):
-        jax_core.eval_jaxpr(jaxpr, consts, *args)
-
-    def run_compiled_once(jaxpr, consts, *args):
-        key = (id(jaxpr), tuple(jax.typeof(x) for x in (*consts, *args)))
-        with lock:  # the CTA's other threads wait for the one compile
-            if key not in executables:  # the jaxpr is kept, so its id stays its own
-                traced = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args)
-                executables[key] = (jaxpr, traced.lower().compile())
-        executables[key][1](consts, *args)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(thread_map, "_run_jaxpr", run_compiled_once)
+def _one_compile_per_thread_body():
+    with one_compile_per_thread_body():  # its docstring says why
         yield
 
 
@@ -232,36 +198,8 @@ def test_kernel_takes_whole_blocks_and_its_head_dims():
 
 @pytest.fixture(scope="module")
 def h200_with_dumps(tmp_path_factory):
-    """``compile(fn, *args, child=name)``: its H200 HLO and a folder of its kernels' dumps.
-
-    The compiling child inherits the environment, in which Mosaic GPU's compiler
-    writes each kernel's PTX and ptxas's report. The environment is the kept
-    child's key (fp8jax.verify.compilation): a dump folder per ``child`` lets
-    one child serve the compiles that name it (a folder per test started a
-    child each, about 4 s). The files are moved to the program's own folder
-    after each compile, so a test reads only its program's kernels. A child
-    compiles a kernel once and dumps it then only, so the programs that name
-    one child must not share a kernel.
-    """
-    from fp8jax import verify
-
-    dumped = {}
-
-    def compile_with_dumps(fn, *args, child):
-        if child not in dumped:
-            dumped[child] = tmp_path_factory.mktemp(f"mosaic-gpu-dump-{child}")
-        folder = tmp_path_factory.mktemp("program")
-        try:
-            with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-                patch.setenv("MOSAIC_GPU_DUMP_TO", str(dumped[child]))
-                hlo = verify.compile_for(fn, *args, target="h200")
-        finally:  # also a failed compile's, which are no later program's
-            for path in dumped[child].iterdir():
-                path.rename(folder / path.name)
-        return hlo, folder
-
-    return compile_with_dumps
+    """H200 compiles with each kernel's PTX and ptxas's report (mosaic_gpu_testing)."""
+    return h200_compiles_with_dumps(tmp_path_factory, {"MOSAIC_GPU_DUMP_PTXAS": "1"})
 
 
 @pytest.mark.deviceless
