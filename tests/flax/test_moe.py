@@ -70,14 +70,14 @@ def _expert_scales(w, experts):
 # per-tensor one: the relative rounding is the format's, and the subnormal
 # term half the smallest subnormal over a larger scale.
 @pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling()], ids=["current", "block"])
-def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup, recipe):
+def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup, recipe,
+                                                                            request):  # fmt: skip
     x, p = setup
     y, state = jax.jit(lambda v, x: _block(recipe=recipe).apply(v, x, mutable=["intermediates"]))(
         {"params": p["params"]}, x
     )
     if recipe is not None:  # not a silent fallback to the per-tensor experts
-        per_tensor = jax.jit(_block().apply)({"params": p["params"]}, x)
-        assert not np.array_equal(np.asarray(y), np.asarray(per_tensor))
+        assert not np.array_equal(np.asarray(y), np.asarray(request.getfixturevalue("linen_y")))
     want, r = _reference(x, p["params"])
     scale_x = 448.0 / np.abs(r["rows_x"]).max()
     s_wi = _expert_scales(p["params"]["wi"], r["experts"])[:, None, None, None]
@@ -102,36 +102,55 @@ def test_linen_block_matches_an_f32_per_token_reference_within_fp8_budgets(setup
     np.testing.assert_allclose(aux, E * np.sum(counts * probs.mean(0)), rtol=1e-5)
 
 
+def _gradients(params, x, fp8, recipe):
+    """The gradients of ``sum(y * g)`` for the block's parameters and input."""
+    g = jax.random.normal(jax.random.key(5), x.shape)
+
+    def loss(params, x):
+        block = _block(fp8=fp8, recipe=recipe)
+        y, _ = block.apply({"params": params}, x, mutable=["intermediates"])
+        return jnp.sum(y * g)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+
+
+@pytest.fixture(scope="module")
+def f32_gradients(setup):
+    """The f32 block's (fp8=False) gradients: each recipe's test compares with the same."""
+    x, p = setup
+    return _gradients(p["params"], x, fp8=False, recipe=None)
+
+
 @pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling(formats=fp8jax.HYBRID)],
                          ids=["current", "block"])  # fmt: skip
-def test_gradients_track_the_f32_block(setup, recipe):
+def test_gradients_track_the_f32_block(setup, f32_gradients, recipe):
     # The same block with fp8=False in f32 is the reference (its values are
     # lax.ragged_dot's); ref.MOE_GRADIENT_BUDGET says why its budget holds.
     # Under BlockScaling (HYBRID: the same formats) every tile's scale is at
     # least its tensor's, and the gradients are not converted to E5M2 a
     # second time: no larger error.
     x, p = setup
-    g = jax.random.normal(jax.random.key(5), x.shape)
-
-    def grads(fp8):
-        def loss(params, x):
-            block = _block(fp8=fp8, recipe=recipe if fp8 else None)
-            y, _ = block.apply({"params": params}, x, mutable=["intermediates"])
-            return jnp.sum(y * g)
-
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))(p["params"], x)
-
-    errors = ref.gradient_errors(grads(True), grads(False))
+    errors = ref.gradient_errors(_gradients(p["params"], x, True, recipe), f32_gradients)
     assert all(0 < e < ref.MOE_GRADIENT_BUDGET for e in errors.values()), errors
 
 
+@pytest.fixture(scope="module")
+def linen_y(setup):
+    """The per-tensor (default) Linen block's output: two tests compare with it."""
+    x, p = setup
+    return jax.jit(_block().apply)({"params": p["params"]}, x)
+
+
 @pytest.mark.parametrize("recipe", [None, fp8jax.BlockScaling()], ids=["current", "block"])
-def test_nnx_block_equals_linen_with_the_same_parameters(setup, recipe):
+def test_nnx_block_equals_linen_with_the_same_parameters(setup, recipe, request):
     x, p = setup
     block = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, recipe=recipe, rngs=nnx.Rngs(0))
     for name in ("router", "wi", "wo"):
         getattr(block, name).set_value(p["params"][name])
-    want = jax.jit(_block(recipe=recipe).apply)({"params": p["params"]}, x)
+    if recipe is None:
+        want = request.getfixturevalue("linen_y")
+    else:
+        want = jax.jit(_block(recipe=recipe).apply)({"params": p["params"]}, x)
     got = nnx.jit(lambda block, x: block(x))(block, x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert float(block.aux_loss[...]) > 0

@@ -15,6 +15,13 @@ import fp8jax
 from fp8jax.kernels import attention as kernel
 from fp8jax.kernels import attention_backward
 from fp8jax.ops import attention as op
+from mosaic_gpu_testing import h200_compiles_with_dumps, one_compile_per_thread_body
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_compile_per_thread_body():
+    with one_compile_per_thread_body():  # its docstring says why
+        yield
 
 
 def _operands(tq, tk, heads, kv_heads, d):
@@ -189,9 +196,15 @@ def test_kernel_takes_whole_blocks_and_its_head_dims():
     assert not kernel.fits((1, 512, 8, 128), (1, 448, 2, 128))
 
 
+@pytest.fixture(scope="module")
+def h200_with_dumps(tmp_path_factory):
+    """H200 compiles with each kernel's PTX and ptxas's report (mosaic_gpu_testing)."""
+    return h200_compiles_with_dumps(tmp_path_factory, {"MOSAIC_GPU_DUMP_PTXAS": "1"})
+
+
 @pytest.mark.deviceless
 @pytest.mark.parametrize("d", [64, 128])
-def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, tmp_path, monkeypatch):
+def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, h200_with_dumps):
     """The op's forward compiles for the H200 to the Mosaic GPU kernel on FP8 tensor cores.
 
     The compiling child inherits the environment, in which Mosaic GPU's
@@ -199,13 +212,10 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, tmp_path, monkeypatch):
     """
     from fp8jax import verify
 
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
-
     q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
     fn = functools.partial(fp8jax.dot_product_attention, causal=True)
-    hlo = verify.compile_for(fn, q, kv, kv, target="h200")
+    hlo, dumps = h200_with_dumps(fn, q, kv, kv, child="forward")
     report = verify.gemm_report(hlo)
     kernels = [g for g in report.gemms if g.target == kernel.KERNEL_NAME]
     assert [(g.backend, g.lhs_shape, g.rhs_shape) for g in kernels] == [
@@ -215,7 +225,7 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, tmp_path, monkeypatch):
     # both E4M3 x E4M3 into f32, 32 of K an instruction.
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", hlo))
     assert shapes == {"128", str(d)}, shapes
-    (ptxas,) = [p.read_text() for p in tmp_path.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
+    (ptxas,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
     assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
     # Within the 232 registers a compute warpgroup asks for (setmaxnreg).
     assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
@@ -235,22 +245,18 @@ COMPILED_BUILDS = {
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("d, config", COMPILED_BUILDS.values(), ids=COMPILED_BUILDS.keys())
-def test_deviceless_forward_builds_keep_fp8_wgmma_and_registers(d, config, tmp_path, monkeypatch):
+def test_deviceless_forward_builds_keep_fp8_wgmma_and_registers(d, config, h200_with_dumps):
     """Each build compiles for the H200 with FP8 wgmma, within its registers, without spills.
 
     P in registers: the PV wgmma's A operand is registers (braces, not a
     shared-memory descriptor) and P's shared-memory stores are gone.
     """
-    from fp8jax import verify
-
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
     fn = functools.partial(fp8jax.dot_product_attention, causal=True, forward_config=config)
-    verify.compile_for(fn, q, kv, kv, target="h200")
-    (ptx,) = [p.read_text() for p in tmp_path.glob(f"{kernel.KERNEL_NAME}*.ptx")]
-    (ptxas,) = [p.read_text() for p in tmp_path.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
+    _, dumps = h200_with_dumps(fn, q, kv, kv, child="forward")
+    (ptx,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptx")]
+    (ptxas,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
     assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= config.registers, ptxas
     fp8 = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*(\{?)"
@@ -272,8 +278,7 @@ def test_deviceless_forward_builds_keep_fp8_wgmma_and_registers(d, config, tmp_p
 
 @pytest.mark.deviceless
 @pytest.mark.parametrize("d, causal", [(64, True), (128, True), (128, False)])
-def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal, tmp_path,
-                                                                       monkeypatch):  # fmt: skip
+def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal, h200_with_dumps):
     """Forward and backward for the H200: FP8 wgmma for the scores, BF16 for the gradients.
 
     The report lists the forward as an FP8 GEMM and the two backward kernels as
@@ -282,8 +287,6 @@ def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal
     """
     from fp8jax import verify
 
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTXAS", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
 
@@ -292,7 +295,9 @@ def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal
         out, vjp = jax.vjp(attention, q, k, v)
         return out, vjp(g)
 
-    hlo = verify.compile_for(step, q, kv, kv, q, target="h200")
+    # Its forward kernel is one that test_deviceless_attention_is_one_fp8_wgmma_kernel
+    # compiles too: another child, which compiles and dumps it again.
+    hlo, dumps = h200_with_dumps(step, q, kv, kv, q, child="backward")
     report = verify.gemm_report(hlo)
     assert sorted((g.target, g.backend) for g in report.gemms) == [
         (attention_backward.DKV_KERNEL, "pallas"),
@@ -302,14 +307,14 @@ def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal
     assert re.search(r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", hlo)
     assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", hlo)
     for name in (kernel.KERNEL_NAME, attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
-        (ptxas,) = [p.read_text() for p in tmp_path.glob(f"{name}*.ptxas")]
+        (ptxas,) = [p.read_text() for p in dumps.glob(f"{name}*.ptxas")]
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
         assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
     # P and dS enter dV, dK and dQ's products as wgmma's register operand (the
     # A operand in braces, not a shared-memory descriptor).
     register_a = r"wgmma\.mma_async\S*\.f32\.bf16\.bf16\s*\{[^}]*\},\s*\{"
     for name in (attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
-        (ptx,) = [p.read_text() for p in tmp_path.glob(f"{name}*.ptx")]
+        (ptx,) = [p.read_text() for p in dumps.glob(f"{name}*.ptx")]
         assert re.search(register_a, ptx), name
 
 

@@ -6,7 +6,6 @@ in Mosaic GPU's interpret mode against XLA's sums and compiled for the H200.
 """
 
 import functools
-import pathlib
 import re
 import subprocess
 
@@ -17,8 +16,15 @@ import pytest
 
 from fp8jax.kernels import block_gemm
 from fp8jax.kernels.block_gemm import KernelConfig
+from mosaic_gpu_testing import h200_compiles_with_dumps, one_compile_per_thread_body
 
 B = block_gemm.BLOCK
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_compile_per_thread_body():
+    with one_compile_per_thread_body():  # its docstring says why
+        yield
 
 
 def _exact_operands(batch, m, n, k, b_blocks, seed=0):
@@ -133,20 +139,24 @@ DEVICELESS_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def h200_with_ptx(tmp_path_factory):
+    """H200 compiles with each kernel's PTX (mosaic_gpu_testing)."""
+    return h200_compiles_with_dumps(tmp_path_factory, {"MOSAIC_GPU_DUMP_PTX": "1"})
+
+
 @pytest.mark.deviceless
 @pytest.mark.parametrize("case", DEVICELESS_CASES)
-def test_deviceless_block_kernel_builds_fit_the_registers(case, tmp_path, monkeypatch):
+def test_deviceless_block_kernel_builds_fit_the_registers(case, tmp_path, h200_with_ptx):
     """Each build compiles for the H200 to FP8 wgmma of its tile, with no register spilled."""
-    from fp8jax import verify
     from fp8jax.verify import toolchain
 
     b_blocks, n, config = DEVICELESS_CASES[case]
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
-    monkeypatch.setenv("MOSAIC_GPU_DUMP_TO", str(tmp_path))
     fn = functools.partial(block_gemm.mosaic_block_matmul, out_dtype=jnp.bfloat16,
                            b_blocks=b_blocks, config=config)  # fmt: skip
-    verify.compile_for(fn, *_args(1, 256, n, 512, b_blocks), target="h200")
-    (ptx,) = pathlib.Path(tmp_path).glob(f"{block_gemm.KERNEL_NAME}*.ptx")
+    # Each case is another build of the kernel: one child compiles them all.
+    _, dumps = h200_with_ptx(fn, *_args(1, 256, n, 512, b_blocks), child="builds")
+    (ptx,) = dumps.glob(f"{block_gemm.KERNEL_NAME}*.ptx")
     tile_n = config.tile_n or block_gemm.tile_n_for(
         256, n, b_blocks, scales_first=config.scales_first
     )

@@ -83,6 +83,34 @@ def skewed():
     return _skewed_inputs()
 
 
+# The blocks the layouts' tests compare with themselves on one device.
+ONE_DEVICE_BLOCKS = {
+    "fp8": {},
+    "no_fp8": {"fp8": False},
+    "block_scaled": {"recipe": fp8jax.BlockScaling()},
+}
+
+
+@pytest.fixture(scope="module")
+def one_device(skewed):
+    """``run(name)``: ``_loss`` of the block ``ONE_DEVICE_BLOCKS[name]`` on the skewed inputs,
+    on one device (no mesh), computed once.
+
+    Every layout's test compares with the same single-device step of the same
+    block on the same inputs; each compiled and ran it again (12 runs of 3
+    programs).
+    """
+    x, params = skewed
+    results = {}
+
+    def run(name):
+        if name not in results:
+            results[name] = _loss(_block(**ONE_DEVICE_BLOCKS[name]))(params, x)
+        return results[name]
+
+    return run
+
+
 def test_the_skewed_routing_is_uneven_and_leaves_an_expert_empty(skewed):
     x, params = skewed
     _, experts, _ = moe_ops.route(x.reshape(-1, H) @ params["router"], K, "softmax")
@@ -92,7 +120,7 @@ def test_the_skewed_routing_is_uneven_and_leaves_an_expert_empty(skewed):
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "no_fp8"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_expert_parallel_block_gives_the_single_device_values(skewed, layout, fp8):
+def test_expert_parallel_block_gives_the_single_device_values(skewed, one_device, layout, fp8):
     # Both runs compute the same math on the same values: the EP run quantizes
     # with the same scales (every per-tensor amax is max-reduced over the token
     # axes, each expert's weights are whole on one device) and sends each row
@@ -113,7 +141,7 @@ def test_expert_parallel_block_gives_the_single_device_values(skewed, layout, fp
     # which this bound (far below an FP8 step, 2**-3) would catch.
     x, params = skewed
     block = _block(fp8=fp8)
-    (_, (want_y, want_aux)), want_grads = _loss(block)(params, x)
+    (_, (want_y, want_aux)), want_grads = one_device("fp8" if fp8 else "no_fp8")
     sizes, config = LAYOUTS[layout]
     with fs.use_mesh(fs.make_mesh(**sizes, config=config), config):
         step = _loss(block)
@@ -134,14 +162,14 @@ def test_expert_parallel_block_gives_the_single_device_values(skewed, layout, fp
 # each replica's weight gradient tiles its own share of the rows (from its
 # first row), other tiles than one device's: another FP8 rounding, by design.
 @pytest.mark.parametrize("layout", ["ep8", "ep_on_fsdp8"])
-def test_block_scaled_experts_under_ep_give_the_single_device_values(skewed, layout):
+def test_block_scaled_experts_under_ep_give_the_single_device_values(skewed, one_device, layout):
     # BlockScaling's tiles and blocks lie within one device: each expert's
     # rows are all received by the device holding it, in the same order, so
     # its token tiles (from the group's first row) and weight blocks are the
     # single device's, and the budgets above hold for the same reasons.
     x, params = skewed
-    block = _block(recipe=fp8jax.BlockScaling())
-    (_, (want_y, _)), want_grads = _loss(block)(params, x)
+    block = _block(**ONE_DEVICE_BLOCKS["block_scaled"])
+    (_, (want_y, _)), want_grads = one_device("block_scaled")
     sizes, config = LAYOUTS[layout]
     with fs.use_mesh(fs.make_mesh(**sizes, config=config), config):
         (_, (y, _)), grads = _loss(block)(params, x)
@@ -149,7 +177,7 @@ def test_block_scaled_experts_under_ep_give_the_single_device_values(skewed, lay
     _assert_within(grads[1], want_grads[1], BACKWARD, "dx")
     for name in ("router", "wi", "wo"):
         _assert_within(grads[0][name], want_grads[0][name], BACKWARD, f"d{name}")
-    per_tensor = _loss(_block())(params, x)[0][1][0]
+    per_tensor = one_device("fp8")[0][1][0]  # _block()'s
     assert not np.array_equal(np.asarray(y), np.asarray(per_tensor))
 
 

@@ -37,6 +37,8 @@ activations in f32, a cost rather than an error
 (docs/design.md#fine-grained-scaling).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -119,6 +121,9 @@ DIMS = (((1,), (0,)), ((), ()))
 DOT_LAYOUTS = {"dp8": (P("dp"), P()), "fsdp8": (P("fsdp"), P("fsdp"))}
 
 
+# Once per recipe: the tests' single-device runs of one recipe's step are then one
+# jitted function, compiled once (ten compiles of two programs before).
+@functools.cache
 def _dot_values_and_grads(recipe):
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (128, 64), jnp.float32)
