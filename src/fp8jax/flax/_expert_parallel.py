@@ -173,6 +173,7 @@ class LocalLayout(NamedTuple):
 
     token_axes: tuple[str, ...]  # every mesh axis of size > 1 splits the tokens
     gather_axes: tuple[str, ...]  # those splitting the experts' hidden axis (FSDP)
+    explicit: bool  # the axes are Explicit: local() reshards into and out of its shard_map
 
 
 def local_layout(x2, wi) -> LocalLayout | None:
@@ -196,10 +197,8 @@ def local_layout(x2, wi) -> LocalLayout | None:
     sizes = dict(mesh.shape)
     split = {a for a, n in sizes.items() if n > 1}
     kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    # All Auto, or all Explicit (then local() reshards into and out of the shard_map).
-    if not split or len({kinds[a] for a in split}) > 1:
-        return None
-    if kinds[next(iter(split))] not in (AxisType.Auto, AxisType.Explicit):
+    types = {kinds[a] for a in split}
+    if types not in ({AxisType.Auto}, {AxisType.Explicit}):
         return None
 
     def spec(names):
@@ -215,7 +214,7 @@ def local_layout(x2, wi) -> LocalLayout | None:
         return None
     if wi.shape[1] % math.prod(sizes[a] for a in hidden):
         return None
-    return LocalLayout(tokens, hidden)
+    return LocalLayout(tokens, hidden, types == {AxisType.Explicit})
 
 
 def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, activation: str,
@@ -229,7 +228,7 @@ def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, ac
     BF16 experts (``fp8`` False) take them whole (gathered in their dtype,
     as a BF16 layer's are).
     """
-    tokens, hidden = where
+    tokens, hidden, explicit = where
     gather = hidden if fp8 else ()
 
     def run(x2, router, wi, wo):
@@ -243,7 +242,6 @@ def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, ac
     rows = P(tokens, None)
     specs = (rows, P(), P(None, on, None, None), P(None, None, on))
     operands = (x2, router, wi, wo)
-    explicit = _explicit(tokens)
     if explicit:
         # Explicit axes type every array's sharding, and shard_map takes its
         # inputs only as typed: the tokens are split over the token axes (a
@@ -260,13 +258,6 @@ def local(x2, router, wi, wo, where: LocalLayout, *, top_k: int, gating: str, ac
     if explicit:
         y = jax.sharding.reshard(y, jax.typeof(x2).sharding.spec)
     return y, stats
-
-
-def _explicit(axes) -> bool:
-    """Whether the mesh axes ``axes`` of the mesh in context are ``AxisType.Explicit``."""
-    mesh = jax.sharding.get_abstract_mesh()
-    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    return any(kinds[a] == AxisType.Explicit for a in axes)
 
 
 class Plan(NamedTuple):

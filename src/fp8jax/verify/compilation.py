@@ -351,9 +351,8 @@ def _traced_mesh(call: _Call, abstract_mesh):
         return abstract_mesh
     context = jax.sharding.get_abstract_mesh()
     if context.empty:
-        concrete = [s.mesh for s in named_shardings(call.args)
-                    if isinstance(s.mesh, jax.sharding.Mesh)]  # fmt: skip
-        context = concrete[0].abstract_mesh if concrete else abstract_mesh
+        concrete = _arguments_mesh(call)
+        context = concrete.abstract_mesh if concrete is not None else abstract_mesh
 
     def axes(mesh):
         return mesh.axis_names, mesh.axis_sizes, tuple(mesh.axis_types)
@@ -372,10 +371,17 @@ def _context_mesh(call: _Call, abstract_mesh):
     """
     if abstract_mesh is None or not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
+    if (concrete := _arguments_mesh(call)) is not None:
+        return jax.set_mesh(concrete)
+    return jax.sharding.use_abstract_mesh(abstract_mesh)
+
+
+def _arguments_mesh(call: _Call):
+    """The first concrete Mesh the call's arguments are sharded on, or None."""
     for sharding in named_shardings(call.args):
         if isinstance(sharding.mesh, jax.sharding.Mesh):
-            return jax.set_mesh(sharding.mesh)
-    return jax.sharding.use_abstract_mesh(abstract_mesh)
+            return sharding.mesh
+    return None
 
 
 # The compiler children running now, each with its temporary folder: what
