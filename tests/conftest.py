@@ -37,7 +37,35 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the marks
 def pytest_collection_modifyitems(config, items):
+    _keep_module_fixtures_on_one_worker(items)
+    _mark_gpu_and_deviceless(config, items)
+
+
+def _keep_module_fixtures_on_one_worker(items):
+    """Marks the tests of a module that shares a module-scoped fixture as one xdist group.
+
+    ``addopts`` runs ``--dist loadgroup``: a group goes to one worker, which
+    runs its tests one after another, so each module fixture (a deviceless
+    compile of four train steps, a reference run) is computed once. Under
+    ``--dist load`` a module's tests were spread over both workers in chunks,
+    and each chunk computed the fixture again. Tests without such a fixture
+    stay single work units, which balance the workers at the end.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        if any(
+            defs and defs[-1].scope == "module"
+            for name, defs in info.name2fixturedefs.items()
+            if name in item.fixturenames
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def _mark_gpu_and_deviceless(config, items):
     """Deviceless GPU compiles need fp8jax[verify]; where it is missing, say so.
 
     Without the extra (no jax-cuda13-plugin distribution), every
