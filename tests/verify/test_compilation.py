@@ -208,6 +208,17 @@ def test_the_child_serves_the_next_test_too(monkeypatch):
 
 
 @pytest.mark.deviceless
+def test_the_callers_compilation_cache_gets_no_deviceless_entries(monkeypatch, tmp_path):
+    # docs/verify.md: JAX could not load them back ("PjRtCompiler must be constructed
+    # with a Client"), so each was written for nothing.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    x, kernel = programs.args()
+    assert len(gemm_report(compile_for(programs.fp8_train_step, x, kernel)).fp8_gemms) == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.deviceless
 def test_tracing_errors_become_compile_errors():
     x = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)
     with pytest.raises(CompileError, match="tracing <lambda> for the cuda platform failed"):

@@ -504,6 +504,9 @@ def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str])
     for volatile in _NOT_PASSED:
         env.pop(volatile, None)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # JAX cannot load a deviceless executable from its persistent cache (docs/verify.md):
+    # with the caller's cache passed on, the child wrote entries no one can read.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     # The child's worker must be this fp8jax, wherever the environment's path points.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_FP8JAX_ROOT, env.get("PYTHONPATH")]))
     # A 'MODULE:FUNCTION' entry imports the user's module into the child, and a
