@@ -8,7 +8,10 @@ its GPU platform and only the tests marked ``gpu`` run (the rest assume the
 fake CPU devices). Without it, ``gpu`` tests are skipped with that hint.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 GPU_MODE = os.environ.get("FP8JAX_TEST_GPU") == "1"
 if not GPU_MODE:
@@ -27,6 +30,15 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# XLA's kernel cache for the deviceless compiles (docs/verify.md#how-the-deviceless-
+# compile-works): the suite's train steps share most of their kernels, and code
+# generation is most of a deviceless compile. One file per process, since XLA
+# rewrites the whole file after each compile: each pytest-xdist worker sets its own
+# here (the controller's goes unused), in a fresh folder removed at exit.
+_kernels = tempfile.mkdtemp(prefix="fp8jax-test-kernels-")
+atexit.register(shutil.rmtree, _kernels, True)
+os.environ["FP8JAX_VERIFY_KERNEL_CACHE"] = os.path.join(_kernels, "kernels.bin")
 
 # tests/verify/test_deviceless_gate.py runs this conftest's hooks in a pytester session.
 pytest_plugins = ["pytester"]

@@ -7,6 +7,7 @@ tests assert on structure: GEMM backends, operand dtypes, collective dtypes.
 import functools
 import inspect
 import os
+import re
 import signal
 
 import jax
@@ -216,6 +217,32 @@ def test_the_callers_compilation_cache_gets_no_deviceless_entries(monkeypatch, t
     x, kernel = programs.args()
     assert len(gemm_report(compile_for(programs.fp8_train_step, x, kernel)).fp8_gemms) == 3
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.deviceless
+def test_a_kernel_cache_file_changes_no_hlo_and_a_dumping_compile_does_not_use_it(
+    monkeypatch, tmp_path
+):
+    # docs/verify.md: the cache gives machine code only; a dump must hold every kernel.
+    x, kernel = programs.args()
+    monkeypatch.delenv(compilation.KERNEL_CACHE_VARIABLE, raising=False)
+    plain = compile_for(programs.fp8_train_step, x, kernel)
+    cache = tmp_path / "kernels.bin"
+    monkeypatch.setenv(compilation.KERNEL_CACHE_VARIABLE, str(cache))
+    dump = tmp_path / "dump"
+    dumped = compile_for(programs.fp8_train_step, x, kernel, xla_flags=f"--xla_dump_to={dump}")
+    assert list(dump.glob("*.ptx")) and not cache.exists()
+    first = compile_for(programs.fp8_train_step, x, kernel)
+    written = cache.read_bytes()
+    assert written
+    while compilation._kept:  # a fresh child: the kernels can only come from the file
+        compilation._end_child(compilation._kept.pop(next(iter(compilation._kept))))
+    again = compile_for(programs.fp8_train_step, x, kernel)
+    assert cache.read_bytes() == written  # every kernel was found in it
+    # The same program from four calls in this test: equal but for their places.
+    place = r"\b(end_)?(line|column)=\d+"
+    texts = {re.sub(place, "", t) for t in (plain, dumped, first, again)}
+    assert len(texts) == 1
 
 
 @pytest.mark.deviceless

@@ -499,8 +499,54 @@ def _ask(child: _Child, payload: dict[str, Any]) -> list[dict]:
     return results
 
 
+# A file in which XLA keeps the kernels it compiled, for the children to load instead
+# of compiling them again (docs/verify.md#how-the-deviceless-compile-works).
+KERNEL_CACHE_VARIABLE = "FP8JAX_VERIFY_KERNEL_CACHE"
+
+
+def _kernel_cache(xla_flags: str) -> str | None:
+    """The kernel cache file to compile with, or None.
+
+    None where the variable is unset, where the flags name a cache of their own,
+    and where the compile dumps its kernels (``--xla_dump_to``,
+    ``MOSAIC_GPU_DUMP_TO``): a kernel loaded from the cache is not compiled, so
+    its PTX would be missing from the dump.
+    """
+    cache = os.environ.get(KERNEL_CACHE_VARIABLE)
+    if not cache or "xla_gpu_kernel_cache_file" in xla_flags:
+        return None
+    if "xla_dump_to" in xla_flags or os.environ.get("MOSAIC_GPU_DUMP_TO"):
+        return None
+    return os.path.abspath(cache)
+
+
+@contextlib.contextmanager
+def _holding(cache: str | None):
+    """Holds ``cache``'s lock file: XLA reads the whole file and writes it back, and
+    two processes doing so at once lose entries or read half a file."""
+    if cache is None:
+        yield
+        return
+    import fcntl
+
+    with open(f"{cache}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str]) -> list[tuple]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags or "")
+    flags = xla_flags or ""
+    cache = _kernel_cache(flags)
+    if cache is not None:
+        # XLA caches kernels only when it compiles each in an LLVM module of its own.
+        flags = (
+            f"{flags} --xla_gpu_kernel_cache_file={cache}"
+            " --xla_gpu_enable_llvm_module_compilation_parallelism=true"
+        ).strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     for volatile in _NOT_PASSED:
         env.pop(volatile, None)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -520,7 +566,8 @@ def _run_child(payload: dict[str, Any], xla_flags: str | None, names: list[str])
                 _end_child(child)
             child = _start_child(env)
         try:
-            results = _ask(child, payload)
+            with _holding(cache):
+                results = _ask(child, payload)
         except BaseException:
             _end_child(child)
             raise
