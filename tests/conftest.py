@@ -32,10 +32,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # XLA's kernel cache for the deviceless compiles (docs/verify.md#how-the-deviceless-
-# compile-works): the suite's train steps share most of their kernels, and code
-# generation is most of a deviceless compile. One file per process, since XLA
-# rewrites the whole file after each compile: each pytest-xdist worker sets its own
-# here (the controller's goes unused), in a fresh folder removed at exit.
+# compile-works): code generation is most of a deviceless compile, and tests of one
+# module often compile the same kernels. One file per process, since XLA rewrites
+# the whole file after each compile: each pytest-xdist worker sets its own here (the
+# controller's goes unused), in a fresh folder removed at exit.
 _kernels = tempfile.mkdtemp(prefix="fp8jax-test-kernels-")
 atexit.register(shutil.rmtree, _kernels, True)
 os.environ["FP8JAX_VERIFY_KERNEL_CACHE"] = os.path.join(_kernels, "kernels.bin")
@@ -49,35 +49,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the marks
 def pytest_collection_modifyitems(config, items):
-    _keep_module_fixtures_on_one_worker(items)
-    _mark_gpu_and_deviceless(config, items)
-
-
-def _keep_module_fixtures_on_one_worker(items):
-    """Marks the tests of a module that shares a module-scoped fixture as one xdist group.
-
-    ``addopts`` runs ``--dist loadgroup``: a group goes to one worker, which
-    runs its tests one after another, so each module fixture (a deviceless
-    compile of four train steps, a reference run) is computed once. Under
-    ``--dist load`` a module's tests were spread over both workers in chunks,
-    and each chunk computed the fixture again. Tests without such a fixture
-    stay single work units, which balance the workers at the end.
-    """
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None:
-            continue
-        if any(
-            defs and defs[-1].scope == "module"
-            for name, defs in info.name2fixturedefs.items()
-            if name in item.fixturenames
-        ):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
-def _mark_gpu_and_deviceless(config, items):
     """Deviceless GPU compiles need fp8jax[verify]; where it is missing, say so.
 
     Without the extra (no jax-cuda13-plugin distribution), every
