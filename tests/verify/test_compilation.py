@@ -245,6 +245,12 @@ def test_a_kernel_cache_file_changes_no_hlo_and_a_dumping_compile_does_not_use_i
     assert len(texts) == 1
 
 
+def test_a_kernel_cache_in_a_missing_folder_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv(compilation.KERNEL_CACHE_VARIABLE, str(tmp_path / "none" / "k.bin"))
+    with pytest.raises(ValueError, match=r"FP8JAX_VERIFY_KERNEL_CACHE=.*none.*not a folder"):
+        compilation._kernel_cache("")
+
+
 @pytest.mark.deviceless
 def test_tracing_errors_become_compile_errors():
     x = jax.ShapeDtypeStruct((16, 32), jnp.bfloat16)

@@ -517,7 +517,13 @@ def _kernel_cache(xla_flags: str) -> str | None:
         return None
     if "xla_dump_to" in xla_flags or os.environ.get("MOSAIC_GPU_DUMP_TO"):
         return None
-    return os.path.abspath(cache)
+    path = os.path.abspath(cache)
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(
+            f"{KERNEL_CACHE_VARIABLE}={cache!r} names a file in {os.path.dirname(path)}, "
+            "which is not a folder; create it or point the variable at a file in one."
+        )
+    return path
 
 
 @contextlib.contextmanager
