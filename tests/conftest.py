@@ -13,19 +13,18 @@ import os
 import shutil
 import tempfile
 
+import cpu_compile
+
 GPU_MODE = os.environ.get("FP8JAX_TEST_GPU") == "1"
 if not GPU_MODE:
     os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = f"{_flags} --xla_force_host_platform_device_count=8"
-# The suite compiles well over a thousand small CPU programs: LLVM without its
-# optimizations took tests/ops from 345 to 303 s on a 2-core machine, with every
-# test passing. Fast-math stays off; what may differ is last-bit rounding, far
-# below the numerics budgets. The deviceless GPU compiles run in children with
-# their own XLA_FLAGS (fp8jax.verify.compilation), so the flag never reaches them.
+# Faster CPU compiles (tests/cpu_compile.py). The deviceless GPU compiles run in
+# children with their own XLA_FLAGS (fp8jax.verify.compilation): these never reach them.
 if not GPU_MODE and "xla_backend_optimization_level" not in _flags:
-    _flags = f"{_flags} --xla_backend_optimization_level=0"
+    _flags = f"{_flags} {cpu_compile.FLAGS}"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402

@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import cpu_compile
 from fp8jax import data
 from fp8jax.training import ConfigError, TrainOptions, read_metrics, train
 from fp8jax.training import distributed as dist
@@ -117,10 +118,9 @@ def _run_two_processes(
     out: pathlib.Path, extra=lambda i: [], check: bool = True
 ) -> list[tuple[str, str]]:
     """Runs the command as processes 0 and 1 (``extra(i)``: more options); their (out, err)."""
-    flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
     env = os.environ | {
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": flags,
+        "XLA_FLAGS": cpu_compile.with_devices(4),
         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "PYTHONUNBUFFERED": "1",

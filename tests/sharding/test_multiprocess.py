@@ -16,6 +16,8 @@ import time
 
 import sharded_layer as sl
 
+import cpu_compile
+
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
 PROCESSES = 2
 TIMEOUT = 180  # seconds for both; a run takes ~15 s on 2 cores
@@ -31,9 +33,9 @@ def _run_workers(out: pathlib.Path) -> list[str]:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        # LLVM without its optimizations, as in this process (tests/conftest.py): each
-        # worker compiles its sharded step faster, and the codegen is the reference's.
-        XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+        # The CPU compile flags of this process (tests/cpu_compile.py): each worker
+        # compiles its sharded step faster, and the codegen is the reference's.
+        XLA_FLAGS=cpu_compile.with_devices(4),
         TF_CPP_MIN_LOG_LEVEL="2",
     )
     coordinator = f"127.0.0.1:{_free_port()}"
