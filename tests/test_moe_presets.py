@@ -83,13 +83,23 @@ def test_a_short_moe_run_reports_its_load_balance(tmp_path):
 def test_the_bf16_moe_model_has_the_fp8_models_parameters_and_bf16_experts():
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from fp8jax.models import Gpt
 
     model, tokens = PRESETS["deepseek-tiny"].model, jnp.zeros((2, 16), jnp.int32)
     init = {p: jax.jit(Gpt(config=model, precision=p).init)(jax.random.key(0), tokens)["params"]
             for p in ("fp8", "bf16")}  # fmt: skip
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), init["fp8"], init["bf16"]))
+
+    # The same initializers, compiled in two programs: XLA's CPU loop emitters round
+    # a few leaves' truncated-normal math differently (at most 3 f32 spacings of the
+    # leaf's largest value, measured), so equal up to 4 spacings, not bit for bit.
+    def same(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        spacing = np.spacing(np.abs(a).max()) if a.size else 0
+        return a.shape == b.shape and bool((np.abs(a - b) <= 4 * spacing).all())
+
+    assert jax.tree.all(jax.tree.map(same, init["fp8"], init["bf16"]))
     jaxpr = str(jax.make_jaxpr(Gpt(config=model, precision="bf16").apply)({"params": init["bf16"]},
                                                                           tokens))  # fmt: skip
     assert "ragged_dot" in jaxpr and "f8" not in jaxpr

@@ -70,8 +70,12 @@ def _reference(activations, pre, dh, bias):
 
 def test_references_agree_with_jax_where_f32_does_not_cancel():
     # The f64 definitions are JAX's activations (fp8jax.activations.REGISTRY's
-    # XLA formulas): on |x| <= 3, JAX's f32 values and VJPs lie within 2**-20
-    # (relative to max(|value|, 1)) of them.
+    # XLA formulas): on |x| <= 3, JAX's f32 values and VJPs lie within 2**-19
+    # (relative to max(|value|, 1)) of them. The widest is gelu_tanh's slope: an
+    # error e in XLA's CPU tanh (a few f32 ulps near 1, up to about 2**-22) reaches
+    # it multiplied by |0.5 - x t k (1 + 3a x^2)|, about 4.7 at x = 3; measured
+    # 2**-19.9 with XLA's CPU loop emitters (tests/cpu_compile.py), 2**-20.3 with
+    # its fusion emitters. A formula that differed would miss by 1e-3 or more.
     from fp8jax.activations import REGISTRY
 
     x = jnp.linspace(-3, 3, 4097, dtype=jnp.float32)
@@ -81,7 +85,7 @@ def test_references_agree_with_jax_where_f32_does_not_cancel():
         want_value, want_slope = REFERENCE[name](np.asarray(x, np.float64))
         for got, want in ((value, want_value), (slope, want_slope)):
             got = np.asarray(got, np.float64)
-            np.testing.assert_array_less(np.abs(got - want), 2.0**-20 * np.maximum(np.abs(want), 1))
+            np.testing.assert_array_less(np.abs(got - want), 2.0**-19 * np.maximum(np.abs(want), 1))
 
 
 def _fp8_bound(ref, fmt, scale):
