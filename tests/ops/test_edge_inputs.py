@@ -217,10 +217,14 @@ def test_zero_size_fused_ops_give_what_jnp_gives(recipe, x_shape, k1_shape, k2_s
         # A norm over no features normalizes nothing; the GEMMs then contract
         # an empty axis, which sums no terms: zeros, as jnp gives.
         np.testing.assert_array_equal(y1, jnp.zeros(y1.shape))
+    if hidden == 0 or k1_shape[-1] == 0:
+        # The MLP's first GEMM (hidden) or its second (ffn) sums no terms: zeros.
+        np.testing.assert_array_equal(y2, jnp.zeros(y2.shape))
     for g, primal in zip(grads, (x, gamma, k1, k2), strict=True):
         assert g.shape == primal.shape
         assert bool(jnp.all(jnp.isfinite(g)))
-    if y1.size == 0 and y2.size == 0:
+    if hidden == 0 or (y1.size == 0 and y2.size == 0):
+        # Every output is empty or a constant 0: no gradient anywhere, as jnp gives.
         for g in grads:
             np.testing.assert_array_equal(g, jnp.zeros(g.shape))
 
