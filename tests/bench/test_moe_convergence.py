@@ -26,7 +26,7 @@ FAST = ["--steps", "2", "--log-every", "2", "--eval-every", "2", "--eval-batches
         "--checkpoint-every", "2", "--batch-size", "2"]  # fmt: skip
 
 
-def test_three_seeds_of_each_precision_are_compared_on_loss_and_load_balance(tmp_path, capsys):
+def test_the_seeds_of_each_precision_are_compared_on_loss_and_load_balance(tmp_path, capsys):
     argv = ["--config", "deepseek-tiny", "--seeds", "0", "1", "--out", str(tmp_path), "--data",
             str(ROOT / "src" / "fp8jax"), *FAST]  # fmt: skip
     status = moe_convergence.main(argv)
