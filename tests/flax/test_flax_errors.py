@@ -86,6 +86,20 @@ CASES = [
         "TransformerLayer: norm_position must be one of ('pre', 'post'), got 'sandwich'",
     ),
     (
+        "unknown attention_implementation",
+        lambda: fnn.MultiHeadAttention(4, attention_implementation="flash"),
+        lambda: nnx_make(fnnx.MultiHeadAttention, 4, 32, attention_implementation="flash"),
+        "MultiHeadAttention.attention_implementation must be one of "
+        "(None, 'xla', 'cudnn', 'fp8'), got 'flash'",
+    ),
+    (
+        "unknown attention_implementation in a layer",
+        lambda: fnn.TransformerLayer(4, 64, attention_implementation="flash"),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, attention_implementation="flash"),
+        "TransformerLayer.attention_implementation must be one of "
+        "(None, 'xla', 'cudnn', 'fp8'), got 'flash'",
+    ),
+    (
         "residual_from_norm needs pre-norm",
         lambda: fnn.TransformerLayer(4, 64, norm_position="post", residual_from_norm=True),
         lambda: nnx_make(

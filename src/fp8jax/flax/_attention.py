@@ -10,9 +10,18 @@ from fp8jax.flax.rotary import apply_rotary
 from fp8jax.ops.attention import dot_product_attention
 from fp8jax.sharding import constrain
 
+# The attention cores: jax.nn.dot_product_attention's, and "fp8" (fp8jax's).
+IMPLEMENTATIONS = (None, "xla", "cudnn", "fp8")
+
 
 def check_hadamard(owner: str, hadamard, implementation: str | None) -> None:
-    """``attention_hadamard`` is a bool, True only with the FP8 attention that rotates."""
+    """``attention_implementation`` is a known core, and ``attention_hadamard`` a bool, True
+    only with the FP8 attention that rotates."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{owner}.attention_implementation must be one of {IMPLEMENTATIONS}, "
+            f"got {implementation!r}."
+        )
     if not isinstance(hadamard, bool):
         raise TypeError(f"{owner}.attention_hadamard must be a bool, got {hadamard!r}.")
     if hadamard and implementation != "fp8":
