@@ -17,6 +17,7 @@ from fp8jax.flax import nnx as fnnx
 from fp8jax.flax.rotary import apply_rotary
 
 DELAYED = fp8jax.DelayedScaling(amax_history_len=4)
+BLOCK = fp8jax.BlockScaling()
 X = jnp.ones((2, 8, 32))
 
 
@@ -136,6 +137,12 @@ CASES = [
         lambda: fnn.DenseGeneral(8, dot_general=jax.lax.dot_general, recipe=DELAYED),
         lambda: nnx_make(fnnx.DenseGeneral, 32, 8, dot_general=jax.lax.dot_general, recipe=DELAYED),
         "DenseGeneral: dot_general= replaces the FP8 op, so it cannot use recipe=DelayedScaling",
+    ),
+    (
+        "custom dot_general cannot apply a fine-grained recipe",
+        lambda: fnn.DenseGeneral(8, dot_general=jax.lax.dot_general, recipe=BLOCK),
+        lambda: nnx_make(fnnx.DenseGeneral, 32, 8, dot_general=jax.lax.dot_general, recipe=BLOCK),
+        "DenseGeneral: dot_general= replaces the FP8 op, so it cannot use recipe=BlockScaling",
     ),
     (
         "kernel_axes length",

@@ -20,7 +20,7 @@ from fp8jax import activations as activations_
 # Re-exported: the modules take their axis names from here.
 from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LENGTH, MLP, QKV, RESIDUAL  # noqa: F401
 from fp8jax.ops.norm import NORM_TYPES
-from fp8jax.recipes import DelayedScaling, Recipe, resolve_recipe
+from fp8jax.recipes import CurrentScaling, DelayedScaling, Recipe, resolve_recipe
 
 NORM_POSITIONS = ("pre", "post")
 
@@ -142,10 +142,17 @@ def is_delayed(recipe: Recipe | None) -> bool:
 
 
 def no_custom_dot_with_state(owner: str, dot_general, recipe: Recipe | None) -> None:
+    """Raises where ``dot_general=`` would leave ``recipe`` unused: any but CurrentScaling."""
     if dot_general is not None and is_delayed(recipe):
         raise ValueError(
             f"{owner}: dot_general= replaces the FP8 op, so it cannot use "
             "recipe=DelayedScaling (whose state the FP8 op updates); pass one or the other."
+        )
+    if dot_general is not None and not isinstance(resolve_recipe(recipe), CurrentScaling):
+        raise ValueError(
+            f"{owner}: dot_general= replaces the FP8 op, so it cannot use "
+            f"recipe={type(recipe).__name__} (which only the FP8 op applies; the GEMM would "
+            "run in the custom dot_general's precision); pass one or the other."
         )
 
 
