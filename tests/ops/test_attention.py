@@ -323,6 +323,8 @@ REFUSALS = {
               "implementation must be one of"),
     "hadamard-str": ((1, 128, 2, 64), (1, 128, 2, 64), {"hadamard": "yes"}, TypeError,
                      "hadamard must be a bool, got 'yes'"),
+    "scale-nan": ((1, 128, 2, 64), (1, 128, 2, 64), {"scale": float("nan")}, ValueError,
+                  "scale must be None or a finite number, got nan"),
 }  # fmt: skip
 
 
@@ -333,6 +335,14 @@ def test_unsupported_arguments_are_refused_by_name(q_shape, k_shape, kwargs, err
     q, k = jnp.zeros(q_shape, jnp.bfloat16), jnp.zeros(k_shape, jnp.bfloat16)
     with pytest.raises(error, match=match):
         fp8jax.dot_product_attention(q, k, k, **kwargs)
+
+
+def test_a_traced_scale_is_refused_by_name():
+    # The scale is static (the kernels' config); under jit as an argument it is a tracer.
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    match = r"scale must be None or a Python number \(static.*got a traced array of shape \(\)"
+    with pytest.raises(TypeError, match=match):
+        jax.jit(lambda s: fp8jax.dot_product_attention(q, q, q, scale=s))(0.125)
 
 
 @pytest.mark.gpu

@@ -67,7 +67,7 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
         ``jax.nn.dot_product_attention``'s GQA does).
       causal: each query attends to keys at or before its position (then
         ``q_seq == kv_seq``).
-      scale: the logits' scale; None: ``1 / sqrt(head_dim)``.
+      scale: the logits' scale, a Python number (static); None: ``1 / sqrt(head_dim)``.
       recipe: reserved for other scaling schemes; None: E4M3 with one current
         scale per 128 rows and head of Q, K and V.
       implementation: None (the Mosaic GPU kernel where it runs, else its XLA
@@ -86,8 +86,9 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
 
     Raises:
       ValueError: head_dim other than 64 or 128, sequence lengths not a
-        multiple of 128, mismatched shapes, or causal with ``q_seq != kv_seq``.
-      TypeError: a recipe other than None, or non-floating inputs.
+        multiple of 128, mismatched shapes, causal with ``q_seq != kv_seq``, or a
+        non-finite scale.
+      TypeError: a recipe other than None, non-floating inputs, or a traced scale.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -105,12 +106,28 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
             "dot_product_attention: forward_config must be None or a "
             f"fp8jax.kernels.attention.ForwardConfig, got {forward_config!r}."
         )
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _static_scale(scale)
     if hadamard:
         q, k = _rotated(q, k)
     config = _Config(causal=bool(causal), scale=scale, xla_only=implementation == "xla",
                      dtypes=(q.dtype, k.dtype, v.dtype), forward=forward_config)  # fmt: skip
     return _attention(q, k, v, config).astype(q.dtype)
+
+
+def _static_scale(scale) -> float:
+    """``scale`` as a Python float: it is part of the kernels' static configuration."""
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError(
+            "dot_product_attention: scale must be None or a Python number (static: the "
+            f"kernels are built for it), got a traced array of shape {scale.shape}; pass it "
+            "outside jit's arguments (functools.partial, or static_argnames)."
+        )
+    value = float(scale)
+    if not math.isfinite(value):
+        raise ValueError(
+            f"dot_product_attention: scale must be None or a finite number, got {value}."
+        )
+    return value
 
 
 def _validate(q, k, v, causal, recipe, implementation) -> None:
