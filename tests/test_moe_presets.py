@@ -118,6 +118,13 @@ def test_bad_moe_options_name_the_option(overrides, match):
         resolve(TrainOptions(out="unused", config="mixtral-tiny", **overrides))
 
 
+def test_the_aux_weight_is_refused_for_a_dense_preset_which_has_no_aux_loss():
+    with pytest.raises(ConfigError, match=r"--moe-aux-weight .* dense preset 'tiny' .* got 0.1"):
+        resolve(TrainOptions(out="unused", config="tiny", moe_aux_weight=0.1))
+    # A dense run's config.json records the default, which its resume passes back.
+    assert resolve(TrainOptions(out="x", config="tiny", moe_aux_weight=0.01)).moe_aux_weight == 0.01
+
+
 def test_the_aux_weight_is_an_option_recorded_in_the_run():
     assert resolve(TrainOptions(out="x", config="deepseek-tiny")).moe_aux_weight == 0.01
     config = resolve(TrainOptions(out="x", config="deepseek-tiny", moe_aux_weight=0.1))

@@ -429,6 +429,14 @@ def resolve(options: TrainOptions) -> RunConfig:
     if (isinstance(aux_weight, bool) or not isinstance(aux_weight, numbers.Real)
             or not 0 <= aux_weight < math.inf):  # fmt: skip
         raise ConfigError(f"--moe-aux-weight must be a finite number >= 0, got {aux_weight!r}.")
+    # A dense run's config.json records the default, which its --resume passes back.
+    if not preset.model.experts and aux_weight != MOE_AUX_WEIGHT:
+        moe_presets = sorted(name for name, p in PRESETS.items() if p.model.experts)
+        raise ConfigError(
+            f"--moe-aux-weight weighs the MoE load-balancing loss; the dense preset "
+            f"{options.config!r} has none, so it would be ignored, got {aux_weight!r}. Drop it "
+            f"or use an MoE preset ({', '.join(moe_presets)})."
+        )
     seed = options.seed
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
         # jax.random.key and numpy's batch order both take an unsigned 32-bit seed.
