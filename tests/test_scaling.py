@@ -101,6 +101,23 @@ def test_combine_states_rejects_current_scaling():
         fp8jax.combine_states(None, None, recipe=fp8jax.CurrentScaling())
 
 
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ("mlp", TypeError, r"combine_states: b must have the structure of a.*MlpScaleState"),
+        ("longer", ValueError, r"b\.x has .* \(\(8,\), \(\)\), expected a's \(\(4,\), \(\)\)"),
+    ],
+)
+def test_combine_states_refuses_states_that_do_not_match(bad, error, match):
+    recipe = fp8jax.DelayedScaling(amax_history_len=4)
+    if bad == "mlp":
+        bad = fp8jax.init_state(recipe, fp8jax.MlpScaleState)
+    else:
+        bad = fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=8))
+    with pytest.raises(error, match=match):
+        fp8jax.combine_states(fp8jax.init_state(recipe), bad, recipe=recipe)
+
+
 def test_stacked_state_updates_each_layer_on_its_own():
     # nn.scan stacks states on a leading layer axis; one layer's amax must not
     # reach another layer's scale.

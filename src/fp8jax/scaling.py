@@ -411,6 +411,11 @@ def combine_states(a, b, *, recipe: DelayedScaling):
     Returns:
       The merged pytree.
 
+    Raises:
+      TypeError: for a recipe other than DelayedScaling, or ``a`` and ``b``
+        of different structures.
+      ValueError: for states of different shapes (another amax_history_len).
+
     Example:
       >>> import jax.numpy as jnp, fp8jax
       >>> r = fp8jax.DelayedScaling(amax_history_len=2)
@@ -424,7 +429,33 @@ def combine_states(a, b, *, recipe: DelayedScaling):
         raise TypeError(
             f"combine_states needs the DelayedScaling recipe of the states, got {recipe!r}."
         )
+    _check_combinable(a, b)
     return jax.tree.map(lambda x, y: _combine_group(x, y, recipe), a, b, is_leaf=_is_group)
+
+
+def _check_combinable(a, b) -> None:
+    """Raises unless ``b`` has ``a``'s tree structure and state shapes."""
+    is_state = lambda n: isinstance(n, ScaleState)  # noqa: E731
+    a_def = jax.tree.structure(a, is_leaf=is_state)
+    b_def = jax.tree.structure(b, is_leaf=is_state)
+    if a_def != b_def:
+        raise TypeError(
+            "combine_states: b must have the structure of a (two new states from one old "
+            f"state, one per micro-batch); expected {a_def}, got {b_def} ({type(b).__name__})."
+        )
+    b_leaves = jax.tree.leaves(b, is_leaf=is_state)
+    a_leaves = jax.tree_util.tree_leaves_with_path(a, is_leaf=is_state)
+    for (path, sa), sb in zip(a_leaves, b_leaves, strict=True):
+        if not is_state(sa):
+            continue
+        a_shapes = (jnp.shape(sa.amax_history), jnp.shape(sa.scale))
+        b_shapes = (jnp.shape(sb.amax_history), jnp.shape(sb.scale))
+        if a_shapes != b_shapes:
+            raise ValueError(
+                f"combine_states: b{jax.tree_util.keystr(path)} has (amax_history, scale) "
+                f"shapes {b_shapes}, expected a's {a_shapes}: the two states come from "
+                "different recipes (amax_history_len) or models."
+            )
 
 
 def take_new_state(old_state, state_grads):
