@@ -46,6 +46,16 @@ def test_version_names_the_installed_distribution(capsys):
     assert capsys.readouterr().out.strip() == f"fp8jax {importlib.metadata.version('fp8jax')}"
 
 
+def test_trains_help_names_every_preset(capsys, monkeypatch):
+    from fp8jax.training.config import PRESETS
+
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps lines after a name's hyphen
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    words = set(capsys.readouterr().out.replace(",", " ").replace(";", " ").split())
+    assert set(PRESETS) - words == set()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

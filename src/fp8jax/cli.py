@@ -154,7 +154,11 @@ def _add_train(sub) -> None:
     )
     p.add_argument(
         "--config",
-        help="preset: tiny (CPU, the default), small, medium, llama-1b, llama-3b (GPU)",
+        help=(
+            "preset: tiny (CPU, the default), small, medium, llama-1b, llama-3b (GPU); MoE: "
+            "mixtral-tiny, deepseek-tiny (CPU), mixtral-small, deepseek-small, mixtral, "
+            "deepseek (GPU)"
+        ),
     )
     p.add_argument("--precision", help="fp8 (block GEMMs in FP8, the default) or bf16")
     p.add_argument(
