@@ -323,6 +323,8 @@ REFUSALS = {
               "implementation must be one of"),
     "hadamard-str": ((1, 128, 2, 64), (1, 128, 2, 64), {"hadamard": "yes"}, TypeError,
                      "hadamard must be a bool, got 'yes'"),
+    "causal-str": ((1, 128, 2, 64), (1, 128, 2, 64), {"causal": "False"}, TypeError,
+                   "causal must be a bool, got 'False'"),
     "scale-nan": ((1, 128, 2, 64), (1, 128, 2, 64), {"scale": float("nan")}, ValueError,
                   "scale must be None or a finite number, got nan"),
 }  # fmt: skip

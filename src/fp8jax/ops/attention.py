@@ -99,6 +99,8 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
     _validate(q, k, v, causal, recipe, implementation)
     if not isinstance(hadamard, bool):
         raise TypeError(f"dot_product_attention: hadamard must be a bool, got {hadamard!r}.")
+    if not isinstance(causal, bool | np.bool_):  # "False", a str, would mask
+        raise TypeError(f"dot_product_attention: causal must be a bool, got {causal!r}.")
     if forward_config is None:
         forward_config = kernel.DEFAULT_CONFIG
     if not isinstance(forward_config, kernel.ForwardConfig):
