@@ -396,6 +396,9 @@ def ragged_dot(
         :class:`~fp8jax.BlockScaling` (per 1x128 tile and 128x128 block,
         :mod:`fp8jax.ops.block_ragged`); under CurrentScaling each expert's
         weights get their own scale, ``lhs`` and the output gradient one each.
+        CurrentScaling's ``*_precision`` fields are not read: the grouped
+        kernels accumulate every product in f32, and ``lax.ragged_dot`` (kernels
+        off, tensor parallelism) runs at XLA's default precision.
       state: must be None (DelayedScaling is not supported by this op).
       preferred_element_type: output dtype; defaults to ``lhs.dtype``.
 
