@@ -73,9 +73,13 @@ def _received_rows(capacity_factor, x, params) -> set[int]:
 def test_the_receive_buffer_is_the_capacity_factor_times_the_balanced_share(skewed):
     x, params = skewed
     balanced = TOKENS * K // 8  # the rows each device receives when routing is even
+    own = TOKENS // 8 * K  # each device's own slots, which come back to it
     bounded = _received_rows(CAPACITY_FACTOR, x, params)
     dropless = _received_rows(None, x, params)
-    # There and back: the receive buffer, then each device's own slots.
-    assert max(bounded) <= CAPACITY_FACTOR * balanced, bounded
+    # There and back: the receive buffer, then each device's own slots. The
+    # buffer is exactly E / ep experts' capacity, ceil(1.25 * 96 * 2 / 16) = 15
+    # rows each: 30 = 1.25 x 24, neither smaller (rows dropped that one device
+    # keeps) nor the dropless worst case.
+    assert bounded == {CAPACITY_FACTOR * balanced, own}, bounded
     assert max(dropless) == _expert_parallel.receive_rows(TOKENS // 8, 8, E // 8, K, None)
-    assert max(dropless) == 8 * balanced  # the worst case: every slot to one device
+    assert dropless == {8 * balanced, own}, dropless  # the worst case: every slot to one device
