@@ -146,6 +146,7 @@ def test_unfused_dot_on_upcast_operands():
 
 def test_source_is_the_innermost_frame_outside_libraries():
     report = gemm_report((DATA / "h100_dense_default.hlo.txt").read_text())
+    assert len(report.gemms) == 3  # forward, dgrad, wgrad: the loop checks each
     for gemm in report.gemms:
         assert "verify_programs.py" in gemm.source
         # The stack still shows where inside fp8jax the dot was built.
