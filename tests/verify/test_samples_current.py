@@ -8,6 +8,7 @@ longer produces.
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,10 @@ def test_samples_of_fp8jax_programs_match_a_fresh_compile():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    # Every sample generate.py marks as an fp8jax program was compared.
-    for name in ("h100_dense_default", "h200_dense_cublas", "h100_scan_cublas", "cpu_dense"):
-        assert f"{name} is current" in result.stdout, result.stdout
+    # Every sample generate.py marks as an fp8jax program was compared: the
+    # FSDP ones too, which test_report.py reads for its gathers and JSON.
+    compared = set(re.findall(r"^(\S+) is current$", result.stdout, re.M))
+    assert compared == {
+        "h100_dense_default", "h200_dense_cublas", "h100_dense_fsdp8_default",
+        "h200_dense_fsdp8_2hosts_cublas", "h100_scan_cublas", "cpu_dense",
+    }, result.stdout  # fmt: skip
