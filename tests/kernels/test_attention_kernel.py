@@ -225,6 +225,12 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, h200_with_dumps):
     # both E4M3 x E4M3 into f32, 32 of K an instruction.
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", hlo))
     assert shapes == {"128", str(d)}, shapes
+    # At head_dim 128 both products are n128: count them in the kernel's PTX.
+    # Each of the default build's two sites (the loop, the diagonal step)
+    # issues QKᵀ's d / 32 instructions (n = 128 keys) and PV's 128 / 32 (n = d).
+    (ptx,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptx")]
+    issued = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
+    assert sorted(issued) == sorted(["128"] * (2 * d // 32) + [str(d)] * (2 * 4)), issued
     (ptxas,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
     assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
     # Within the 232 registers a compute warpgroup asks for (setmaxnreg).
