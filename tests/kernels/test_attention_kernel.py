@@ -322,6 +322,9 @@ def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal
     for name in (attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
         (ptx,) = [p.read_text() for p in dumps.glob(f"{name}*.ptx")]
         assert re.search(register_a, ptx), name
+        # Each recomputes the scores from the forward's FP8 operands on FP8 tensor
+        # cores (the HLO-wide search above is met by the forward kernel alone).
+        assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx), name
 
 
 def test_under_data_parallelism_each_device_attends_its_batch_rows():
