@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fine_references
 import fp8jax
 from fp8jax.ops import fine_grained
 from fp8jax.ops.quantizing import quantize_operand
@@ -23,6 +24,7 @@ from numerics import assert_within, gemm_error_bound
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 MX = 32  # the OCP MX block
+FUSED_RTOL = 2.0**-8  # test_fine_scaling.py's, derived there
 
 
 def mx_scales(v, fmt, axis):
@@ -145,14 +147,28 @@ def test_fused_ops_and_modules_take_the_recipe():
     module = fnnx.DenseGeneral(64, 48, recipe=recipe, rngs=nnx.Rngs(0))
     expected = fp8jax.dense(x, module.kernel[...], module.bias[...], recipe=recipe)
     np.testing.assert_allclose(module(x), expected, rtol=1e-6, atol=1e-6)
-    # The fused ops: a norm, then these GEMMs; against the f32 norm and product.
-    gamma, beta = jnp.ones((64,)), jnp.zeros((64,))
+    # The fused op: a norm, then MX GEMMs; values and gradients against the MX
+    # fake-quant reference (tests/fine_references.py: E4M3 blocks of 32 along
+    # each GEMM's K, power-of-two scales), normwise within
+    # test_fine_scaling.FUSED_RTOL: the op's normalized input differs from the
+    # reference's by f32 roundoff, which moves an FP8 rounding by one step now
+    # and then. One scale per tensor, or blocks along the wrong axis, err by
+    # about E4M3's own rounding, 2**-4 / sqrt(3) ~ 2**-5 normwise, far beyond.
+    gamma = 1.0 + 0.1 * jax.random.normal(jax.random.key(2), (64,))
+    beta = 0.1 * jax.random.normal(jax.random.key(3), (64,))
     kernel = jax.random.normal(jax.random.key(1), (64, 96)) * 0.1
-    y = fp8jax.layernorm_dense(x, gamma, beta, kernel, recipe=recipe)
-    normed = (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-6)
-    ref = normed @ kernel
-    # Two E4M3 operands, each within 2**-4 of itself: the product within about 2**-3.
-    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 2**-3
+    g = jax.random.normal(jax.random.key(4), (2, 16, 96))
+    y, vjp = jax.vjp(lambda *a: fp8jax.layernorm_dense(*a, recipe=recipe), x, gamma, beta, kernel)
+    rows = lambda v: np.asarray(v, np.float32).reshape(32, -1)  # noqa: E731
+    want_y, want = fine_references.layernorm_dense(
+        rows(x), np.asarray(gamma), np.asarray(beta), np.asarray(kernel), rows(g), kind="mx",
+        forward="e4m3", backward="e4m3", power_of_two=True, block=MX,
+    )  # fmt: skip
+    got = dict(zip(("x", "gamma", "beta", "kernel"), vjp(g), strict=True))
+    for name, value in {"y": (y, want_y), **{n: (got[n], want[n]) for n in want}}.items():
+        actual, expected = np.asarray(value[0], np.float64).reshape(value[1].shape), value[1]
+        err = np.linalg.norm(actual - expected) / np.linalg.norm(expected)
+        assert err <= FUSED_RTOL, (name, err)
 
 
 def _dense_step(x, w, g):
