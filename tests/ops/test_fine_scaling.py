@@ -21,6 +21,7 @@ import fp8jax
 from fp8jax.kernels import block_gemm
 from fp8jax.ops.fine_quantize import quantize_blocks, quantize_tiles
 from numerics import assert_within, gemm_error_bound
+from references import assert_close
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 B = 128  # BlockScaling's tile
@@ -273,27 +274,40 @@ RECIPES = [fp8jax.RowwiseScaling(), fp8jax.BlockScaling()]
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
 def test_unaligned_batched_dot_general_and_einsum(recipe):
-    """Batch axes, several contracted axes, extents off the 128 grid (padded under blocks)."""
-    kx, kw = jax.random.split(jax.random.key(5))
+    """Batch axes, several contracted axes, extents off the 128 grid (padded under blocks).
+
+    Each batch element is the 2-D GEMM of its merged axes, x (40, 6 * 30) by
+    w (6 * 30, 20): values and both gradients against the fake-quant reference
+    of tests/fine_references.py (zero-padded to whole blocks under
+    BlockScaling), within its f32 slack (references.gemm_slack). A group
+    taken over the wrong axes, or across the batch, moves its rounding grid.
+    """
+    from test_fine_references import _reference
+
+    kx, kw, kg = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(kx, (2, 40, 6, 30))
     w = jax.random.normal(kw, (2, 6, 30, 20)) * 0.1
+    w = w.at[1].multiply(5.0)  # the batch elements' scales differ
+    g = jax.random.normal(kg, (2, 40, 20))
     dims = (((2, 3), (1, 2)), ((0,), (0,)))
 
     @jax.jit
-    def run(x, w):
-        y = fp8jax.dot_general(x, w, dims, recipe=recipe)
+    def run(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: fp8jax.dot_general(x, w, dims, recipe=recipe), x, w)
         e = fp8jax.einsum("bmhk,bhkn->bnm", x, w, recipe=recipe)
-        grads = jax.grad(lambda x, w: jnp.sum(fp8jax.dot_general(x, w, dims, recipe=recipe)),
-                         (0, 1))(x, w)  # fmt: skip
-        return y, e, grads
+        return y, e, vjp(g)
 
-    y, e, (dx, dw) = run(x, w)
-    ref = jnp.einsum("bmhk,bhkn->bmn", x, w, precision="highest")
-    assert y.shape == ref.shape
-    # Each element within E4M3's rounding of both operands, norm-wise (2 u + u^2).
-    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 2 * 2**-4 + 2**-8
+    y, e, (dx, dw) = run(x, w, g)
+    assert y.shape == (2, 40, 20) and dx.shape == x.shape and dw.shape == w.shape
     np.testing.assert_array_equal(e, jnp.swapaxes(y, 1, 2))
-    assert dx.shape == x.shape and dw.shape == w.shape
+    pad_to = 1 if isinstance(recipe, fp8jax.RowwiseScaling) else B
+    f32 = lambda v: np.asarray(v, np.float32)  # noqa: E731
+    for b in range(2):
+        want = _reference(recipe, f32(x[b]).reshape(40, 180), f32(w[b]).reshape(180, 20),
+                          f32(g[b]), pad_to)  # fmt: skip
+        for name, got in (("y", y[b]), ("dx", dx[b]), ("dw", dw[b])):
+            value, slack = want[name]
+            assert_close(np.asarray(got).reshape(value.shape), value, slack, f"{name}[{b}]")
 
 
 # The fused ops against the fine-grained fake-quant reference (tests/fine_references.py),
