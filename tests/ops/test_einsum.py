@@ -18,6 +18,12 @@ FORMS = [
     ("bd,hdk->bhk", "bd,hdk->bhk", (8, 32), (4, 32, 8)),
 ]
 
+# test_dense.py's derivation: rounding to a format with unit roundoff u errs
+# by 0.425 u RMS relative, so a dot product of an E5M2 (u = 2**-3) and an E4M3
+# (u = 2**-4) operand by sqrt(0.053**2 + 0.0265**2) = 0.059 normwise; 20% more
+# for the few hundred outputs here.
+TYPICAL_E5M2_DOT_ERROR = 1.2 * 0.059
+
 
 @pytest.mark.parametrize(("spec", "np_spec", "x_shape", "w_shape"), FORMS)
 def test_einsum_forward_within_fp8_bound_and_three_fp8_dots(spec, np_spec, x_shape, w_shape):
@@ -47,8 +53,11 @@ def test_einsum_forward_within_fp8_bound_and_three_fp8_dots(spec, np_spec, x_sha
     _, vjp = jax.vjp(lambda a, b: jnp.einsum(np_spec, a, b), x, w)
     want_dx, want_dw = vjp(2 * y)
     for got, want in ((dx, want_dx), (dw, want_dw)):
-        # Same cotangent, FP8 operands: E5M2 x E4M3 relative error ~u_e5m2.
-        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.15
+        # Same cotangent, FP8 operands: E5M2 x E4M3, normwise
+        # TYPICAL_E5M2_DOT_ERROR (derived below); a gradient 1.1 times too
+        # large errs by about 0.11.
+        err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        assert err < TYPICAL_E5M2_DOT_ERROR, err
     dots = jaxpr_dots(jax.grad(loss, argnums=(0, 1)), x, w)
     assert len(dots) == 3 and all(d.is_fp8 for d in dots)
 
