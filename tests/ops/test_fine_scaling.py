@@ -423,13 +423,13 @@ def _deviceless_reports():
     shutil.rmtree(dump, ignore_errors=True)
     untiled = [[r for r in verify.fp8_relayouts(t) if r.untiled_transpose] for t in texts]
     # Mosaic GPU kernels carry their instructions in the custom call, not in XLA's PTX.
-    return [verify.gemm_report(t) for t in texts], ptx + "".join(texts), untiled
+    return [verify.gemm_report(t) for t in texts], ptx + "".join(texts), untiled, texts
 
 
 @pytest.mark.deviceless
 def test_deviceless_h100_every_gemm_is_fp8():
     """Rowwise: three cuBLASLt FP8 GEMMs; block: three block-scaled Mosaic GPU kernels on f8."""
-    (row, block), _, untiled = _deviceless_reports()
+    (row, block), _, untiled, _ = _deviceless_reports()
     assert [g.backend for g in row.gemms] == ["cublaslt-fp8"] * 3, str(row)
     assert [g.backend for g in block.gemms] == ["pallas-fp8"] * 3, str(block)
     for report in (row, block):
@@ -442,9 +442,18 @@ def test_deviceless_h100_every_gemm_is_fp8():
 @pytest.mark.deviceless
 def test_deviceless_block_kernel_multiplies_on_fp8_tensor_cores():
     """Hopper's FP8 wgmma, not f16 mma.sync on operands converted in registers."""
-    _, ptx, _ = _deviceless_reports()
+    from fp8jax.verify import _hlo
+
+    (_, block), ptx, _, texts = _deviceless_reports()
     assert re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx), "no FP8 wgmma in the kernels"
     assert "mma.sync" not in ptx and "f16x2.e4m3x2" not in ptx
+    # The forward, dgrad and wgrad GEMMs are three kernels, each carrying its own
+    # instructions in its custom call: each must hold the FP8 wgmma (the search
+    # above is met by any one of them alone).
+    entry = _hlo.parse_module(texts[1]).entry
+    wgmma = r"wgmma\.mma_async\S*\.e4m3\.e4m3"
+    fp8_wgmma = [bool(re.search(wgmma, entry.instructions[g.name].attrs)) for g in block.gemms]
+    assert fp8_wgmma == [True] * 3, (fp8_wgmma, str(block))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["row", "block"])
