@@ -144,8 +144,12 @@ def test_fp8_and_bf16_logits_agree_to_fp8_precision():
         y16 = jax.jit(model16.apply)(variables, x).astype(jnp.float32)
     assert y8.shape == (2, 16, 256)
     err = float(jnp.linalg.norm(y8 - y16) / jnp.linalg.norm(y16))
-    # Eight E4M3 roundings along the two layers, each with relative RMS error ~2**-4 / sqrt(3).
-    assert 0 < err < 2 * np.sqrt(8) * 2.0**-4 / np.sqrt(3)
+    # Sixteen E4M3 roundings along the two layers: both operands of QKV, out, fc1 and fc2 in
+    # each. A rounding errs by 0.425 u relative RMS (u = 2**-4, mantissas log-uniform;
+    # tests/flax/flax_reference.py), k independent ones by sqrt(k) of that: 0.106 for 16,
+    # and 1.5 times that is the budget (0.159). A block output 1.25 times the right one
+    # errs by about 0.2 here.
+    assert 0 < err < 1.5 * np.sqrt(16) * np.sqrt(0.541 / 3) * 2.0**-4, err
 
 
 def test_bad_settings_name_the_field():
