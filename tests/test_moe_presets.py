@@ -7,6 +7,8 @@ statistics on the progress line and in summary.json), not convergence.
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from fp8jax.models import GptConfig
@@ -134,22 +136,48 @@ def test_the_aux_weight_is_an_option_recorded_in_the_run():
     assert "experts" not in resolve(TrainOptions(out="x", config="tiny")).to_dict()["model"]
 
 
+def _expert_updates(run) -> dict:
+    """The experts' parameter change over step 2, from the checkpoints of steps 1 and 2."""
+    import orbax.checkpoint as ocp
+
+    def experts(step):
+        path = (run / "checkpoints" / str(step) / "default").absolute()
+        leaves = jax.tree_util.tree_leaves_with_path(ocp.StandardCheckpointer().restore(path))
+        names = {jax.tree_util.keystr(k): v for k, v in leaves}
+        return {k: np.asarray(v, np.float64) for k, v in names.items()
+                if k.startswith("['params']") and ("['wi']" in k or "['wo']" in k)}  # fmt: skip
+
+    before, after = experts(1), experts(2)
+    return {k: after[k] - before[k] for k in before}
+
+
 def test_expert_parallel_training_matches_one_device(tmp_path):
     # --mesh ep=8 on 8 CPU devices: each device holds one of mixtral-tiny's 8
     # experts and exchanges its tokens' rows; dropless, the same sums as one
     # device. Each device quantizes the rows it holds with their own scale, so
     # the FP8 roundings (E4M3: 2^-4 relative) differ row by row; averaged over
     # the batch's 512 tokens the losses moved by 4e-4 at most (step 2's val).
-    fast = FAST | {"log_every": 1}
-    runs = {}
+    fast = FAST | {"log_every": 1, "checkpoint_every": 1}
+    runs, updates = {}, {}
     for mesh in (None, "ep=8"):
         out = tmp_path / str(mesh)
         options = TrainOptions(out=str(out), config="mixtral-tiny", mesh=mesh, **fast)
         assert train(options, progress=False, say=print).status == "completed"
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         runs[mesh] = [m["loss"] for m in lines] + [lines[-1]["val_loss"]]
+        updates[mesh] = _expert_updates(out)
     assert len(runs[None]) == 3
     assert runs["ep=8"] == pytest.approx(runs[None], rel=2e-3)
+    # The experts' own update, which the losses average away: AdamW's first
+    # update is about the learning rate times the gradient's sign, which the
+    # per-device FP8 roundings flip where a gradient is near 0: the two runs'
+    # updates differed by 0.25-0.27 of their norm. Experts that got no rows (or
+    # no gradient) through the exchange move by weight decay only, 1.0 off;
+    # rows sent to the wrong experts give uncorrelated updates, sqrt(2) off.
+    assert updates["ep=8"].keys() == updates[None].keys() and len(updates[None]) == 2
+    for name, want in updates[None].items():
+        got = updates["ep=8"][name]
+        assert np.linalg.norm(got - want) < 0.5 * np.linalg.norm(want), name
     summary = json.loads((tmp_path / "ep=8" / "summary.json").read_text())
     assert summary["mesh"] == {"dp": 1, "fsdp": 1, "ep": 8}
     # The experts (and their AdamW moments) are split over ep: one per device.
