@@ -27,6 +27,7 @@ import traceback
 
 import floor
 import jax
+import jax.numpy as jnp
 from harness import (
     add_compile_cache_argument,
     add_heat_argument,
@@ -36,6 +37,7 @@ from harness import (
     start,
 )
 
+import fp8jax
 from fp8jax import data
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training import mfu
@@ -83,6 +85,28 @@ def step_and_args(preset: str, variant: str, *, mesh_text: str | None = None,
     tokens = config.batch_size * config.seq_len
     devices = 1 if mesh is None else mesh.size
     return program, program.step, (program.initial_state, batch), tokens, devices
+
+
+def step_gradients(program: TrainProgram):
+    """``measure``'s ``gradients`` for the train step: each parameter's max |gradient|.
+
+    The step donates its state and returns only the loss, so the gradients
+    are taken by a program of their own: the step's loss on the state
+    (calibrated FP8 state included) and batch it is timed on, under the same
+    compiler options. Reduced to one scalar a parameter on the device, so
+    that no second copy of the gradients is held beside the train state.
+    """
+
+    def max_abs(state, batch):
+        grads = jax.grad(program.loss)(program._variables(state), batch)["params"]
+        return jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
+
+    jitted = jax.jit(max_abs, compiler_options=fp8jax.compiler_options())
+
+    def gradients(step, args):
+        return jitted(*args)
+
+    return gradients
 
 
 def row_rates(row: dict, program: TrainProgram, tokens: int, devices: int) -> None:
@@ -175,7 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             trace = os.path.join(args.trace, name) if args.trace else None
             with jax.numpy_dtype_promotion("standard"), program.sharding_context():
                 row = measure(name, step, *step_args, iters=args.iters, trace_dir=trace,
-                              devices=devices, carry=True)  # fmt: skip
+                              devices=devices, carry=True,
+                              gradients=step_gradients(program))  # fmt: skip
         except Exception as e:  # an OOM in one row keeps the rows measured before it
             traceback.print_exc()
             failed.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:2000]}"})

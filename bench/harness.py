@@ -268,6 +268,7 @@ def measure(
     carry: bool = False,
     state_arg: int | None = None,
     flax_fp8_state: bool = False,
+    gradients=None,
 ) -> dict:
     """One benchmark row: compiled once, then timed, counted and (optionally) traced.
 
@@ -279,7 +280,9 @@ def measure(
     class (bench/breakdown.py), per step and per GPU over ``devices`` GPUs,
     and the optimized HLO is written next to the trace (``compiled.hlo.txt``):
     a live compile can differ from a deviceless one (autotuned GEMMs, layouts).
-    ``carry`` is :func:`time_ms`'s, for steps that donate their state.
+    ``carry`` is :func:`time_ms`'s, for steps that donate their state; such a
+    step is run :data:`CALIBRATION_STEPS` times on its state before its
+    gradients are checked, which calibrates the FP8 state it carries.
 
     ``flax_fp8_state``: the first argument is a Flax variables dict whose FP8
     collection the step's gradient updates (``value_and_grad(loss,
@@ -292,6 +295,11 @@ def measure(
     a fresh state's scale of 1 would quantize the benchmark loss's tiny output
     gradients to zeros, and GEMMs on zeros run cooler and faster
     (docs/design.md#the-benchmarks-loss-and-fp8-state).
+
+    ``gradients(step, args)``: the gradients of one training step on ``args``
+    (:func:`grad_part` for a step that returns them), taken after
+    calibration and before timing; the row is refused if any of them is all
+    zeros (:func:`check_gradients`). Rows without a backward leave it None.
     """
     start = time.perf_counter()
     compiled = jitted.lower(*args).compile() if hasattr(jitted, "lower") else jitted
@@ -303,7 +311,12 @@ def measure(
         args[state_arg] = calibrate_state(compiled, args, state_arg)
     if flax_fp8_state:
         args[0] = calibrate_flax_state(compiled, args)
+    if carry:  # a train step whose state (FP8 state included) it feeds forward
+        for _ in range(CALIBRATION_STEPS):
+            _call(compiled, args, carry)
+    checked = None if gradients is None else check_gradients(name, gradients(compiled, args))
     row = {"name": name, "compile_s": compile_s, **_timed(compiled, args, 5, iters, carry), **facts}
+    row["gradient_leaves_checked"] = checked
     if trace_dir:
         where = os.path.join(trace_dir, name)
         steps = 3
@@ -318,7 +331,8 @@ def measure(
         f"first compile {compile_s:.1f} s, "
         f"{facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs "
         f"{facts['backends']}, peak {facts['peak_memory_gib'] or 0:.2f} GiB, "
-        f"{len(facts['untiled_fp8_transposes'])} untiled FP8 transposes{_clock_note(row)}",
+        f"{len(facts['untiled_fp8_transposes'])} untiled FP8 transposes"
+        f"{'' if checked is None else f', {checked} gradients not zeros'}{_clock_note(row)}",
         flush=True,
     )
     if "breakdown" in row:
@@ -327,6 +341,45 @@ def measure(
         idle = ", ".join(f"{k} {v:.3f}" for k, v in b["idle_ms"].items())
         print(f"    GPU idle between kernels, ms/step by gap length: {idle}", flush=True)
     return row
+
+
+def grad_part(index: int):
+    """``measure``'s ``gradients`` for a step whose output ``index`` holds its gradients.
+
+    The step is called once more on ``args`` (a train step that donates its
+    state is not called this way: it checks its gradients another way).
+    """
+
+    def gradients(step, args):
+        return step(*args)[index]
+
+    return gradients
+
+
+def check_gradients(name: str, tree) -> int:
+    """Refuses gradients of which any floating leaf is all zeros; the number of leaves checked.
+
+    A gradient that quantized to zeros (an FP8 scale never calibrated, an
+    output gradient that vanished) makes GEMMs on zeros, which run cooler and
+    faster than a training step's (docs/design.md#the-benchmarks-loss-and-fp8-state);
+    such a row is not timed. Every leaf counts, not the tree's total, as one
+    layer's weight gradient can be lost while the others are not.
+    """
+    leaves = [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+    ]
+    if not leaves:
+        raise ValueError(f"{name}: no floating gradients to check.")
+    nonzero = jax.jit(lambda xs: [jnp.any(x != 0) for x in xs])([leaf for _, leaf in leaves])
+    zero = [path for (path, _), any_ in zip(leaves, nonzero, strict=True) if not bool(any_)]
+    if zero:
+        raise ValueError(
+            f"{name}: {len(zero)} of {len(leaves)} gradients are all zeros, e.g. {zero[:5]}; "
+            "the row would time GEMMs on zeros."
+        )
+    return len(leaves)
 
 
 # Steps a delayed-scaling state is run for before it is timed: each swaps in the

@@ -34,6 +34,7 @@ from harness import (
     add_loss_argument,
     bf16_matrices,
     dump,
+    grad_part,
     measure,
     output_cotangent,
     output_loss,
@@ -178,6 +179,7 @@ def main():
                 trace_dir=trace,
                 state_arg=state_arg,
                 flax_fp8_state=name.startswith("flax_fp8"),
+                gradients=grad_part(1),  # (loss, grads)
             )
         )
     print_table(f"TransformerLayer fwd+bwd, preset {args.preset}", rows, "bf16")

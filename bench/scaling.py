@@ -23,6 +23,7 @@ from harness import (
     add_compile_cache_argument,
     add_heat_argument,
     dump,
+    grad_part,
     measure,
     output_cotangent,
     start,
@@ -135,7 +136,7 @@ def dense_rows(m, k, n, iters) -> list[dict]:
 
         fn = jax.jit(step, compiler_options=fp8jax.compiler_options())
         try:
-            row = measure(name, fn, x, w, g, iters=iters)
+            row = measure(name, fn, x, w, g, iters=iters, gradients=grad_part(1))  # (y, grads)
         except Exception as e:
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             rows.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})

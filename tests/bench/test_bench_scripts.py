@@ -174,3 +174,25 @@ def test_attention_backward_precision_runs_at_a_toy_size():
     # Relative errors of FP8 or BF16 gradient products: finite, below E4M3's 2**-3 step.
     errors = [float(r[i + 1]) for r in rows for i in range(1, len(r), 2)]
     assert all(0 <= e < 2**-3 for e in errors), done.stdout
+
+
+def test_mlp_rows_check_their_gradients_and_the_bias_free_block_has_no_unused_biases(
+    monkeypatch,
+):
+    """bench/mlp.py's rows at a toy size: each passes the harness's non-zero gradient check.
+
+    The bias-free variant once carried b1 and b2 as parameters it never used,
+    whose gradients are zeros: the check refuses such a row.
+    """
+    import harness
+    import mlp
+
+    monkeypatch.setitem(harness._heat, "seconds", 0.0)
+    names = ["bf16", "fp8jax_delayed", "fp8jax_delayed_nobias", "gemms_only"]
+    with jax.numpy_dtype_promotion("standard"):  # Flax's LayerNorm mixes f32 and bf16
+        rows = mlp.run_case(64, 32, 64, ("silu", "linear"), iters=1, names=names)
+    checked = {r["name"]: r["gradient_leaves_checked"] for r in rows}
+    # bf16: LayerNorm scale and bias, two kernels and biases, and x; fp8jax: six
+    # parameters, x and the delayed state's leaves; without biases two fewer.
+    assert checked["bf16"] == 7 and checked["gemms_only"] is None
+    assert checked["fp8jax_delayed"] - checked["fp8jax_delayed_nobias"] == 2

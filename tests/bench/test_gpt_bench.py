@@ -9,6 +9,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
 import gpt as gpt_bench
+import jax
 
 
 def test_each_variant_times_the_train_step_fp8jax_train_jits(tmp_path):
@@ -18,15 +19,19 @@ def test_each_variant_times_the_train_step_fp8jax_train_jits(tmp_path):
     )
     # The step is TrainProgram's own jit (compiler options, donation), not a re-jit.
     assert step is program.step and (tokens, devices) == (64, 1)
-    argv = ["--config", "tiny", "--variants", "bf16", "fp8jax_current", "--iters", "2",
+    names = ["bf16", "fp8jax_current", "fp8jax_delayed"]
+    argv = ["--config", "tiny", "--variants", *names, "--iters", "2",
             "--heat", "0", "--batch-size", "2", "--seq-len", "32", "--out", str(out)]  # fmt: skip
     rows = gpt_bench.main(argv)
-    assert [r["name"] for r in rows] == ["bf16", "fp8jax_current"]
+    assert [r["name"] for r in rows] == names
     saved = json.loads(out.read_text())
-    assert [r["name"] for r in saved["rows"]] == ["bf16", "fp8jax_current"] and not saved["failed"]
+    assert [r["name"] for r in saved["rows"]] == names and not saved["failed"]
     for row in saved["rows"]:
         assert row["tokens_per_s"] > 0 and row["compile_s"] > 0 and row["batch"] == [2, 32]
         assert row["model_flops_per_token"] > 0
         # A CPU has no known BF16 peak: no MFU, and the row says why.
         assert row["mfu"] is None and row["mfu_text"].startswith("MFU n/a")
         assert "peak_memory_gib" in row
+        # Every parameter's gradient, on the state the step is timed from, is not all zeros.
+        params = len(jax.tree.leaves(program.initial_state.params))
+        assert row["gradient_leaves_checked"] == params, row["name"]

@@ -166,3 +166,63 @@ def test_flax_fp8_state_is_calibrated_before_timing_as_a_flax_training_loop_woul
     # Flax stores the inverse of the scale it multiplies by: amax / 57344.
     assert float(scales["output_grad_scale"][0]) == pytest.approx(gradient_amax / 57344, rel=1e-2)
     assert float(jnp.abs(step(calibrated, x, r)[1][0]["params"]["kernel"]).max()) > 0.0
+
+
+def test_gradients_with_an_all_zero_leaf_are_refused_whatever_the_others_hold():
+    import jax
+
+    good = {"w": jnp.ones((2, 3)), "b": jnp.array([0.0, 1e-30]), "step": jnp.zeros((), jnp.int32)}
+    assert harness.check_gradients("row", good) == 2  # the integer leaf is not a gradient
+    lost = {**good, "k": jnp.zeros((4, 4), jnp.bfloat16)}
+    with pytest.raises(ValueError, match=r"row: 1 of 3 gradients are all zeros.*\['k'\]"):
+        harness.check_gradients("row", lost)
+    with pytest.raises(ValueError, match="no floating gradients"):
+        harness.check_gradients("row", {"step": jnp.zeros((), jnp.int32), "none": None})
+    assert jax.tree.leaves(good)  # unchanged
+
+
+def test_measure_refuses_a_row_whose_uncalibrated_gradient_quantized_to_zeros(monkeypatch):
+    # The delayed-scaling dense of the calibration test, its state left fresh
+    # (state_arg=None): every weight gradient is zero, and measure must refuse
+    # the row rather than time it; with the state calibrated it times it.
+    import jax
+
+    import fp8jax
+
+    monkeypatch.setitem(harness._heat, "seconds", 0.0)
+    recipe = fp8jax.DelayedScaling(amax_history_len=4)
+    x = jax.random.normal(jax.random.key(0), (16384, 32), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (32, 64), jnp.float32)
+    r = harness.output_cotangent((16384, 64))
+
+    def loss(w, x, state, r):
+        return harness.output_loss(fp8jax.dense(x, w, recipe=recipe, state=state), r)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    args = (w, x, fp8jax.init_state(recipe), r)
+    with pytest.raises(ValueError, match="gradients are all zeros"):
+        harness.measure("fresh", step, *args, iters=1, gradients=harness.grad_part(1))
+    row = harness.measure(
+        "calibrated", step, *args, iters=1, state_arg=2, gradients=harness.grad_part(1)
+    )
+    assert row["gradient_leaves_checked"] >= 2
+
+
+def test_a_carried_step_is_calibrated_by_its_own_steps_before_its_gradients_are_checked(
+    monkeypatch,
+):
+    # A train step feeds its state forward (carry): its FP8 state is calibrated
+    # by running it, so the check sees the state after CALIBRATION_STEPS steps.
+    import jax
+
+    monkeypatch.setitem(harness._heat, "seconds", 0.0)
+    seen = []
+
+    def gradients(step, args):
+        seen.append(int(args[0]))
+        return {"g": jnp.float32(1.0)}
+
+    step = jax.jit(lambda state, one: (state + one, state))
+    harness.measure("carried", step, jnp.int32(0), jnp.int32(1), iters=1, carry=True,
+                    gradients=gradients)  # fmt: skip
+    assert seen == [harness.CALIBRATION_STEPS]
