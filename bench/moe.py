@@ -55,7 +55,15 @@ import jax
 import jax.numpy as jnp
 from breakdown import breakdown
 from flax import linen as nn
-from harness import compiled_facts, dump, environment, time_ms
+from harness import (
+    add_compile_cache_argument,
+    add_heat_argument,
+    check_gradients,
+    compiled_facts,
+    dump,
+    start,
+    time_ms,
+)
 from jax import lax
 
 import fp8jax
@@ -104,7 +112,9 @@ def _trace(name: str, compiled, args, hlo: str) -> dict:
     return b
 
 
-def _row(name, fn, args, flops, iters=None, trace=False):
+def _row(name, fn, args, flops, iters=None, trace=False, backward=False):
+    """One row: ``fn`` compiled, timed and counted; ``backward``: ``fn`` returns only gradients,
+    which are checked not to be zeros (harness.check_gradients) before timing."""
     iters = iters or ITERS["n"]
     start = time.perf_counter()
     # fp8jax's variants compile with its XLA options, the baselines with XLA's defaults.
@@ -112,6 +122,7 @@ def _row(name, fn, args, flops, iters=None, trace=False):
     try:
         compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
         compile_s = time.perf_counter() - start
+        checked = check_gradients(name, compiled(*args)) if backward else None
         t = time_ms(compiled, *args, warmup=3, iters=iters)
     except Exception as e:  # a baseline that does not run here is reported, not fatal
         traceback.print_exc()
@@ -122,8 +133,10 @@ def _row(name, fn, args, flops, iters=None, trace=False):
     facts = compiled_facts(compiled, hlo)
     facts.pop("report")
     row = {"name": name, "compile_s": compile_s, **t, **facts,
-           "tflops": flops / (t["median_ms"] * 1e-3) / 1e12}  # fmt: skip
-    print(f"  {name}: {t['median_ms']:.3f} ms, {row['tflops']:.0f} TFLOP/s (useful), "
+           "tflops": flops / (t["median_ms"] * 1e-3) / 1e12,
+           "gradient_leaves_checked": checked}  # fmt: skip
+    print(f"  {name}: {t['median_ms']:.3f} ms ({t['pipelined_ms']:.3f} pipelined), "
+          f"{row['tflops']:.0f} TFLOP/s (useful), "
           f"{facts['fp8_gemms']}/{facts['gemms']} FP8 GEMMs {facts['backends']}, "
           f"peak {facts['peak_memory_gib']:.2f} GiB, first compile {compile_s:.1f} s",
           flush=True)  # fmt: skip
@@ -214,9 +227,9 @@ def gemm_rows(shape: Shape) -> list[dict]:
         return step
 
     out.append(_row("fp8jax_op_fwd_bwd", fwd_bwd(fp8jax.ragged_dot), (x, w, sizes, gy),
-                    3 * flops))  # fmt: skip
+                    3 * flops, backward=True))  # fmt: skip
     out.append(_row("bf16_ragged_dot_fwd_bwd", fwd_bwd(lax.ragged_dot), (x, w, sizes, gy),
-                    3 * flops))  # fmt: skip
+                    3 * flops, backward=True))  # fmt: skip
     return out
 
 
@@ -273,7 +286,8 @@ def backward_rows(shape: Shape) -> tuple[list[dict], gg.Tiles]:
             out.append(_row(f"fp8jax_wgrad_gemm {label}",
                             lambda a, b, s: rd._grouped_wgrad(a, b, s, one, g, BF16),
                             (x8, g8, sizes), flops))  # fmt: skip
-            row = _row(f"fp8jax_op_fwd_bwd {label}", fwd_bwd, (x, w, sizes, gy), 3 * flops)
+            row = _row(f"fp8jax_op_fwd_bwd {label}", fwd_bwd, (x, w, sizes, gy), 3 * flops,
+                       backward=True)  # fmt: skip
         out.append(row)
         if "median_ms" in row and row["median_ms"] < best[0]:
             best = (row["median_ms"], tiles)
@@ -362,7 +376,8 @@ RECIPES = {"current": ("fp8jax", None), "block": ("fp8jax_block", fp8jax.BlockSc
 
 
 def _ratios(rows: list[dict], what: str) -> None:
-    """Each FP8 row's speed against the fastest BF16 row: ``bf16 ms / fp8 ms``."""
+    """Each FP8 row's speed against the fastest BF16 row: ``bf16 ms / fp8 ms``, synchronized
+    medians, with the pipelined means' ratio beside it."""
     bf16 = [r for r in rows if r["name"].startswith("bf16") and "median_ms" in r]
     if not bf16:
         print(f"  no BF16 {what} ran: no ratios", flush=True)
@@ -371,7 +386,9 @@ def _ratios(rows: list[dict], what: str) -> None:
     for r in rows:
         if r["name"].startswith("fp8") and "median_ms" in r:
             r["vs_fastest_bf16"] = fastest["median_ms"] / r["median_ms"]
-            print(f"  {r['name']}: {r['vs_fastest_bf16']:.3f}x the fastest BF16 {what} "
+            r["vs_fastest_bf16_pipelined"] = fastest["pipelined_ms"] / r["pipelined_ms"]
+            print(f"  {r['name']}: {r['vs_fastest_bf16']:.3f}x "
+                  f"({r['vs_fastest_bf16_pipelined']:.3f}x pipelined) the fastest BF16 {what} "
                   f"({fastest['name']}, {fastest['median_ms']:.3f} ms)", flush=True)  # fmt: skip
 
 
@@ -400,7 +417,8 @@ def block_rows(shape: Shape, recipes=("current",)) -> list[dict]:
         return block, apply
 
     block, _ = make(True)
-    variables = block.init(jax.random.key(2), x)
+    # The parameters alone: the routing statistics init sows are not differentiated.
+    variables = {"params": block.init(jax.random.key(2), x)["params"]}
     params = jax.tree.map(lambda p: p.astype(BF16) if p.ndim > 1 else p, variables)
     variants = (
         *((RECIPES[r][0], make(True, RECIPES[r][1])[1]) for r in recipes),
@@ -418,7 +436,7 @@ def block_rows(shape: Shape, recipes=("current",)) -> list[dict]:
 
         try:
             out.append(_row(name, step, (params, x, gy), useful,
-                            iters=max(1, ITERS["n"] // 2), trace=True))  # fmt: skip
+                            iters=max(1, ITERS["n"] // 2), trace=True, backward=True))  # fmt: skip
         except Exception as e:  # a baseline that does not run here is reported, not fatal
             traceback.print_exc()
             out.append({"name": name, "error": f"{type(e).__name__}: {e}"[:500]})
@@ -446,7 +464,7 @@ def block_gemm_rows(shape: Shape) -> list[dict]:
             _, vjp = jax.vjp(lambda a, b: f(a, b, *args[2:-1]), *args[:2])
             return vjp(args[-1])
 
-        out.append(_row(f"{name}_fwd_bwd", step, (*args, gy), 3 * flops))
+        out.append(_row(f"{name}_fwd_bwd", step, (*args, gy), 3 * flops, backward=True))
     by_name = {r["name"]: r for r in out if "median_ms" in r}
     for part in ("fwd", "fwd_bwd"):
         grouped, dense = (by_name.get(f"fp8jax_block_{v}_{part}") for v in ("grouped", "dense"))
@@ -476,13 +494,15 @@ def main():
     parser.add_argument(
         "--trace", default=None, help="profile block rows here; print the slowest kernels"
     )
+    add_compile_cache_argument(parser)
+    add_heat_argument(parser)
     args = parser.parse_args()
     recipes = tuple(args.recipe.split(","))
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
         parser.error(f"--recipe must be a comma-separated list of {tuple(RECIPES)}, got {unknown}")
     ITERS["n"], TRACE["dir"] = args.iters, args.trace
-    payload = {"environment": environment(), "fp8_compiler_options": fp8jax.compiler_options(),
+    payload = {"environment": start(args), "fp8_compiler_options": fp8jax.compiler_options(),
                "results": {}}  # fmt: skip
     parts = set(PARTS) if args.part == "all" else set(args.part.split(","))
     for name in args.shape.split(","):

@@ -66,3 +66,32 @@ def test_the_h200_presets_train_the_layers_benchmarked_here():
                model.shared_experts)  # fmt: skip
         assert got == (shape.hidden, shape.ffn, shape.experts, shape.top_k, shape.shared), name
         assert preset.batch_size * preset.seq_len >= shape.tokens, name
+
+
+def test_block_rows_check_their_gradients_and_give_both_ratios(monkeypatch):
+    # The block part at a toy shape on the CPU: every block that runs here
+    # passes the non-zero gradient check before it is timed (parameters and
+    # input, router and shared experts included), and each FP8 row is set
+    # against the fastest BF16 block, synchronized and pipelined.
+    import harness
+
+    monkeypatch.setitem(harness._heat, "seconds", 0.0)
+    monkeypatch.setitem(moe.ITERS, "n", 2)
+    shape = moe.Shape(tokens=64, hidden=32, ffn=64, experts=4, top_k=2, shared=1)
+    with jax.numpy_dtype_promotion("standard"):
+        rows = {r["name"]: r for r in moe.block_rows(shape)}
+    ran = {name for name, r in rows.items() if "median_ms" in r}
+    assert {"fp8jax", "bf16_capacity", "bf16_ragged_dot"} <= ran, rows
+    for name in ran:
+        # router, wi, wo, shared_wi, shared_wo and the input
+        assert rows[name]["gradient_leaves_checked"] == 6, name
+    assert rows["fp8jax"]["vs_fastest_bf16"] > 0 and rows["fp8jax"]["vs_fastest_bf16_pipelined"] > 0
+
+
+def test_a_row_whose_gradients_are_zeros_is_reported_not_timed(monkeypatch):
+    import harness
+
+    monkeypatch.setitem(harness._heat, "seconds", 0.0)
+    x = jnp.ones((8, 8), jnp.float32)
+    lost = moe._row("lost", lambda x: (jnp.zeros_like(x), x), (x,), 1.0, iters=1, backward=True)
+    assert "gradients are all zeros" in lost["error"] and "median_ms" not in lost
