@@ -7,11 +7,14 @@ is measured.
   under a random output gradient) of ``fp8jax.dot_product_attention``
   (without and with ``hadamard=True``), cuDNN BF16
   (``jax.nn.dot_product_attention(implementation="cudnn")``) and cuDNN FP8,
-  each timed by bench/harness.py (synchronized median after a
-  heating spell). ``vs_bf16`` is cuDNN BF16's median over the row's (> 1:
-  faster than cuDNN BF16). Shapes: ``llama-3b``'s attention (8 x 4096, 24
-  query and 8 kv heads of 128, causal), the TE layer's (bench/layer.py's
-  ``te``: 8 x 2048, 32 heads of 128, causal) and issue 60's targets.
+  each timed by bench/harness.py's ``measure`` (first compile, synchronized
+  median after a heating spell, pipelined mean, peak memory; a backward's
+  dq, dk and dv checked not to be zeros before it is timed). ``vs_bf16``
+  is cuDNN BF16's median over the row's (> 1: faster than cuDNN BF16),
+  ``vs_bf16_pipelined`` the same of the pipelined means. Shapes:
+  ``llama-3b``'s attention (8 x 4096, 24 query and 8 kv heads of 128,
+  causal), the TE layer's (bench/layer.py's ``te``: 8 x 2048, 32 heads of
+  128, causal) and issue 60's targets.
 * **Errors.** On the same BF16 inputs (one ``llama-3b`` sequence, head_dim
   128, causal and not, Gaussian and with outlier channels in Q and K): the
   relative Frobenius error of the output and of dq, dk, dv against f32
@@ -278,26 +281,53 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
             ("fwd_bwd", jax.jit(with_backward(fn)), (q, k, v, g)),
         ):
             if part in args.parts:
-                times[(impl, part)] = harness.time_ms(jitted, *call, iters=args.iters)
+                grads = _grads_after(1) if part == "fwd_bwd" else None  # (out, dq, dk, dv)
+                times[(impl, part)] = _measure(f"{impl} {part}", jitted, call, args.iters, grads)
                 log({"shape": name, "impl": impl, "part": part, **times[(impl, part)]})
     if builds:
         log_build_checks(name, fns, builds, (q, k, v), log)
     if not args.builds_only:
         cudnn_fp8_rows(name, (q, k, v, g), causal, scale, args, cudnn_ok, times, log)
-    summary = {"shape": name, "baseline": baseline, "vs_bf16": {}}
+    summary = {"shape": name, "baseline": baseline, "vs_bf16": {}, "vs_bf16_pipelined": {}}
     for (impl, part), t in times.items():
         if impl != baseline:
-            base = times[(baseline, part)]["median_ms"]
-            summary["vs_bf16"][f"{impl}_{part}"] = base / t["median_ms"]
+            base = times[(baseline, part)]
+            summary["vs_bf16"][f"{impl}_{part}"] = base["median_ms"] / t["median_ms"]
+            summary["vs_bf16_pipelined"][f"{impl}_{part}"] = (
+                base["pipelined_ms"] / t["pipelined_ms"]
+            )
     if builds:  # > 1: the build is faster than the default
         summary["vs_default"] = {
             f"{impl}_{part}": times[("fp8jax", part)]["median_ms"] / t["median_ms"]
             for (impl, part), t in times.items() if impl in builds
         }  # fmt: skip
     log(summary)
-    print(f"{name}: " + ", ".join(f"{k} {r:.3f}x" for k, r in summary["vs_bf16"].items())
+    pipelined = summary["vs_bf16_pipelined"]
+    print(f"{name}: " + ", ".join(f"{k} {r:.3f}x ({pipelined[k]:.3f}x pipelined)"
+                                  for k, r in summary["vs_bf16"].items())
           + f" {baseline}", flush=True)  # fmt: skip
     return summary
+
+
+def _grads_after(index: int, results: int | None = None):
+    """harness.measure's ``gradients``: a call's results from ``index`` on (dq, dk, dv), taken
+    from its output's element ``results`` where the results are one element of it."""
+
+    def gradients(step, args):
+        out = step(*args)
+        return (out if results is None else out[results])[index:]
+
+    return gradients
+
+
+def _measure(label: str, jitted, call, iters: int, gradients) -> dict:
+    """One timed row by harness.measure: its first compile, the synchronized median and the
+    pipelined mean, peak memory, the live compile's GEMM and attention counts, and, for a
+    backward, its gradients checked not to be zeros before it is timed."""
+    row = harness.measure(label, jitted, *call, iters=iters, gradients=gradients)
+    row.pop("report")
+    del row["name"]  # the log names the shape, the implementation and the part
+    return row
 
 
 def cudnn_fp8_rows(name, call, causal, scale, args, cudnn_ok, times, log) -> None:
@@ -309,12 +339,14 @@ def cudnn_fp8_rows(name, call, causal, scale, args, cudnn_ok, times, log) -> Non
     try:
         forward, fwd_bwd = cudnn_fp8(causal, scale)
         descales = calibrated_descales(fwd_bwd, q, k, v, g)
-        for part, jitted, args_ in (
-            ("fwd", jax.jit(forward), (q, k, v, descales)),
-            ("fwd_bwd", jax.jit(fwd_bwd), (q, k, v, g, descales)),
+        for part, jitted, args_, grads in (
+            ("fwd", jax.jit(forward), (q, k, v, descales), None),
+            # ((out, dq, dk, dv), amaxes)
+            ("fwd_bwd", jax.jit(fwd_bwd), (q, k, v, g, descales), _grads_after(1, results=0)),
         ):
             if part in args.parts:
-                times[("cudnn_fp8", part)] = harness.time_ms(jitted, *args_, iters=args.iters)
+                times[("cudnn_fp8", part)] = _measure(f"cudnn_fp8 {part}", jitted, args_,
+                                                      args.iters, grads)  # fmt: skip
                 log({"shape": name, "impl": "cudnn_fp8", "part": part,
                      **times[("cudnn_fp8", part)]})  # fmt: skip
     except Exception as error:  # cuDNN's refusal is the row's result

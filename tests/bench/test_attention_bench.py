@@ -27,6 +27,14 @@ def test_dry_run_times_fp8jax_against_bf16_and_measures_every_error(tmp_path):
         "fp8jax_fwd", "fp8jax_fwd_bwd", "fp8jax_hadamard_fwd", "fp8jax_hadamard_fwd_bwd"
     ]  # fmt: skip
     assert all(r > 0 for r in summary["vs_bf16"].values())
+    assert sorted(summary["vs_bf16_pipelined"]) == sorted(summary["vs_bf16"])
+    # Each timed row has its first compile, pipelined mean and peak memory; a
+    # backward's dq, dk and dv were checked not to be zeros before it was timed.
+    timed = [r for r in rows if "median_ms" in r]
+    assert len(timed) == 6
+    for row in timed:
+        assert row["compile_s"] > 0 and row["pipelined_ms"] > 0 and "peak_memory_gib" in row
+        assert row["gradient_leaves_checked"] == (3 if row["part"] == "fwd_bwd" else None), row
     skipped = [r for r in rows if "cudnn_fp8" in (r.get("impl"), r.get("errors_vs_f32"))]
     assert len(skipped) == 5 and all("NVIDIA GPU" in r["skipped"] for r in skipped)
     errors = [r for r in rows if r.get("errors_vs_f32", "cudnn_fp8") != "cudnn_fp8"]
