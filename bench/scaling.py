@@ -134,7 +134,9 @@ def dense_rows(m, k, n, iters) -> list[dict]:
             y, vjp = jax.vjp(dense, x, w)
             return y, vjp(g)
 
-        fn = jax.jit(step, compiler_options=fp8jax.compiler_options())
+        # The BF16 baseline as a user jits it, fp8jax's rows with fp8jax's options (layer.py's).
+        options = None if recipe is None else fp8jax.compiler_options()
+        fn = jax.jit(step, compiler_options=options)
         try:
             row = measure(name, fn, x, w, g, iters=iters, gradients=grad_part(1))  # (y, grads)
         except Exception as e:

@@ -196,3 +196,26 @@ def test_mlp_rows_check_their_gradients_and_the_bias_free_block_has_no_unused_bi
     # parameters, x and the delayed state's leaves; without biases two fewer.
     assert checked["bf16"] == 7 and checked["gemms_only"] is None
     assert checked["fp8jax_delayed"] - checked["fp8jax_delayed_nobias"] == 2
+
+
+def test_scaling_dense_rows_check_their_gradients_and_jit_bf16_as_a_user_does(monkeypatch):
+    """bench/scaling.py's dense fwd+bwd rows at a toy size: dx and dw checked not zeros; the
+    BF16 row jitted with XLA's defaults, the FP8 ones with fp8jax's options."""
+    import harness
+    import scaling
+
+    monkeypatch.setitem(harness._heat, "seconds", 0.0)
+    options = []  # of the script's own jits; the library's inside them are not recorded
+    jit = jax.jit
+
+    def recording_jit(fn, **kwargs):
+        if getattr(fn, "__module__", None) == "scaling":
+            options.append(kwargs.get("compiler_options"))
+        return jit(fn, **kwargs)
+
+    monkeypatch.setattr(scaling.jax, "jit", recording_jit)
+    rows = scaling.dense_rows(128, 128, 256, iters=1)
+    monkeypatch.setattr(scaling.jax, "jit", jit)
+    assert [r["name"] for r in rows] == ["bf16", "fp8_current", "fp8_rowwise", "fp8_block"]
+    assert all(r["gradient_leaves_checked"] == 2 for r in rows), rows
+    assert options == [None, *[fp8jax.compiler_options()] * 3]
