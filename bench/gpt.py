@@ -95,10 +95,13 @@ def step_gradients(program: TrainProgram):
     (calibrated FP8 state included) and batch it is timed on, under the same
     compiler options. Reduced to one scalar a parameter on the device, so
     that no second copy of the gradients is held beside the train state.
+    With ``--accumulation-steps`` they are the first micro-batch's, the
+    step's first backward (its shape, and its activations' memory).
     """
+    micro = program.config.batch_size // program.config.accumulation_steps
 
     def max_abs(state, batch):
-        grads = jax.grad(program.loss)(program._variables(state), batch)["params"]
+        grads = jax.grad(program.loss)(program._variables(state), batch[:micro])["params"]
         return jax.tree.map(lambda g: jnp.max(jnp.abs(g)), grads)
 
     jitted = jax.jit(max_abs, compiler_options=fp8jax.compiler_options())

@@ -35,3 +35,18 @@ def test_each_variant_times_the_train_step_fp8jax_train_jits(tmp_path):
         # Every parameter's gradient, on the state the step is timed from, is not all zeros.
         params = len(jax.tree.leaves(program.initial_state.params))
         assert row["gradient_leaves_checked"] == params, row["name"]
+
+
+def test_with_accumulation_the_gradients_checked_are_the_first_micro_batchs(monkeypatch):
+    # The check's own backward runs on the step's micro-batch, not the whole
+    # batch the step never holds at once.
+    program, _, (state, batch), _, _ = gpt_bench.step_and_args(
+        "tiny", "fp8jax_current", batch_size=4, seq_len=32, accumulation_steps=2
+    )
+    seen = []
+    loss = program.loss
+    monkeypatch.setattr(program, "loss", lambda v, b: seen.append(b.shape) or loss(v, b))
+    with jax.numpy_dtype_promotion("standard"):  # as gpt.py runs it: optax mixes dtypes
+        maxima = gpt_bench.step_gradients(program)(None, [state, batch])
+    assert seen == [(2, batch.shape[1])]
+    assert len(jax.tree.leaves(maxima)) == len(jax.tree.leaves(state.params))
