@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from fp8jax.verify import fp8_relayouts, gemm_report
+from fp8jax.verify import assert_fp8_gemms, fp8_relayouts, gemm_report
 
 DATA = pathlib.Path(__file__).parent / "data"
 SNIPPETS = DATA / "snippets"  # hand-written HLO, for cases a compile cannot pin down
@@ -239,3 +239,20 @@ def test_a_custom_call_with_one_operand_is_no_gemm_and_no_error():
     )
     report = gemm_report(hlo)
     assert not report.gemms and not report.attention
+
+
+def test_a_scaled_dot_is_a_gemm_and_not_fp8():
+    # jax.lax.scaled_dot (block-scaled, MXFP8 style) compiles, deviceless for an
+    # H100 (jax 0.10.2), to a Triton GEMM fusion around a `scaled-dot`, not a
+    # `dot`. Its PTX converts the E4M3 operands to 16 bits and runs BF16 wgmma:
+    # Hopper has no block-scaled FP8 MMA. The HLO is the same for a B200, whose
+    # PTX runs tcgen05 mxf8f6f4, so the report cannot call it FP8 either way.
+    report = gemm_report((SNIPPETS / "scaled_dot_hopper.hlo").read_text())
+    summary = [(g.name, g.backend, g.lhs_dtype, g.rhs_dtype, g.is_fp8) for g in report.gemms]
+    assert summary == [
+        ("fusion", "triton-scaled", "f8e4m3fn", "f8e4m3fn", False),
+        ("gemm", "triton-fp8", "f8e4m3fn", "f8e4m3fn", True),
+    ]
+    assert report.gemms[0].upcast_from_fp8
+    with pytest.raises(AssertionError, match="1 of 2 GEMMs are not FP8"):
+        assert_fp8_gemms(hlo=report)

@@ -8,7 +8,10 @@ reading two f8 operands (backend ``pallas-fp8``), or cuDNN's block-scaled GEMM
 ``__cudnn$blockScaledDot`` on f8 operands (``cudnn-fp8``: MXFP8 on Blackwell). A GEMM whose
 operands were converted from f8 to a wider type on the way in (the
 quantize-dequantize pattern) is flagged ``upcast_from_fp8``: the data was FP8
-once, but the multiply runs in BF16 or F32.
+once, but the multiply runs in BF16 or F32. So is a Triton fusion around a
+block-scaled ``scaled-dot`` (``jax.lax.scaled_dot``; backend ``triton-scaled``),
+which is never FP8 here: on Hopper its kernel converts the f8 operands and runs
+a BF16 MMA, and its HLO is the same for Blackwell, whose MXFP8 MMA it would use.
 """
 
 from __future__ import annotations
@@ -24,8 +27,13 @@ from fp8jax.verify import _hlo, _upcast, pallas_gemms
 
 GEMM_BACKENDS = (
     "cublaslt-fp8", "triton-fp8", "pallas-fp8", "cudnn-fp8", "cublaslt", "cublas", "triton",
-    "pallas", "cudnn", "dot",
+    "triton-scaled", "pallas", "cudnn", "dot",
 )  # fmt: skip
+# The ops that are a GEMM where they stand, unfused or inside a GEMM fusion. A
+# ``scaled-dot`` (jax.lax.scaled_dot: operands, then their block scales) is one:
+# deviceless for an H100 (jax 0.10.2), Triton's PTX for it converted the E4M3
+# operands to 16 bits and ran BF16 wgmma, since Hopper has no block-scaled MMA.
+_GEMM_OPS = ("dot", "scaled-dot")
 COLLECTIVES = (
     "all-gather",
     "reduce-scatter",
@@ -90,8 +98,9 @@ class GemmRow:
 
     @property
     def is_fp8(self) -> bool:
-        """Whether the GEMM kernel reads two FP8 operands."""
-        return self.lhs_dtype.startswith("f8") and self.rhs_dtype.startswith("f8")
+        """Whether the GEMM kernel reads two FP8 operands (a block-scaled one never counts)."""
+        fp8 = self.lhs_dtype.startswith("f8") and self.rhs_dtype.startswith("f8")
+        return fp8 and self.backend != "triton-scaled" and self.target != "scaled-dot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +191,8 @@ def gemm_report(hlo_text: str) -> Report:
                 (attention if row.kind == "attention" else gemms).append(row)
         elif inst.opcode == "fusion" and _gemm_fusion_backend(module, inst):
             gemms.append(_fusion_row(module, comp, inst, callers))
-        elif inst.opcode == "dot":
-            gemms.append(_dot_row(module, comp, inst, inst, "dot", "dot", callers))
+        elif inst.opcode in _GEMM_OPS:
+            gemms.append(_dot_row(module, comp, inst, inst, "dot", inst.opcode, callers))
         row = _collective_row(module, comp, inst)
         if row is not None:
             collectives.append(row)
@@ -214,21 +223,22 @@ def _walk(module: _hlo.Module, comp: _hlo.Computation, callers: tuple, seen: set
 
 
 def _gemm_fusion_backend(module: _hlo.Module, fusion: _hlo.Instruction) -> str | None:
-    """'triton' or 'cudnn' for a custom fusion that computes a dot, else None."""
+    """'triton', 'triton-scaled' or 'cudnn' for a custom fusion that computes a dot, else None."""
     kind = fusion.backend_kind or ""
-    if fusion.fusion_kind != "kCustom" or _find_dot(module, fusion) is None:
+    found = _find_dot(module, fusion) if fusion.fusion_kind == "kCustom" else None
+    if found is None:
         return None
     if kind.startswith("__triton"):
-        return "triton"
+        return "triton-scaled" if found[1].opcode == "scaled-dot" else "triton"
     return "cudnn" if "cudnn" in kind else None
 
 
 def _find_dot(module: _hlo.Module, inst: _hlo.Instruction):
-    """The first dot in the computations ``inst`` calls, with its computation."""
+    """The first dot (or scaled-dot) in the computations ``inst`` calls, with its computation."""
     for name in inst.called:
         comp = module.computations.get(name)
         for inner in comp.instructions.values() if comp else ():
-            if inner.opcode == "dot":
+            if inner.opcode in _GEMM_OPS:
                 return comp, inner
             found = _find_dot(module, inner)
             if found:
@@ -276,7 +286,10 @@ def _dot_row(module, comp, dot, gemm, backend, target, callers) -> GemmRow:
     row = _row(module, located, backend, "gemm", target, lhs, rhs, dot.types[0])
     row = dataclasses.replace(row, name=gemm.name)
     if not row.is_fp8:
-        upcast = any(_upcast.dequantized(module, comp, op, callers) for op in dot.operands[:2])
+        # A scaled-dot widens its f8 operands itself, inside the kernel.
+        upcast = (dot.opcode == "scaled-dot" and (lhs.is_fp8 or rhs.is_fp8)) or any(
+            _upcast.dequantized(module, comp, op, callers) for op in dot.operands[:2]
+        )
         row = dataclasses.replace(row, upcast_from_fp8=upcast)
     return row
 
