@@ -435,27 +435,10 @@ def combine_states(a, b, *, recipe: DelayedScaling):
 
 def _check_combinable(a, b) -> None:
     """Raises unless ``b`` has ``a``'s tree structure and state shapes."""
-    is_state = lambda n: isinstance(n, ScaleState)  # noqa: E731
-    a_def = jax.tree.structure(a, is_leaf=is_state)
-    b_def = jax.tree.structure(b, is_leaf=is_state)
-    if a_def != b_def:
-        raise TypeError(
-            "combine_states: b must have the structure of a (two new states from one old "
-            f"state, one per micro-batch); expected {a_def}, got {b_def} ({type(b).__name__})."
-        )
-    b_leaves = jax.tree.leaves(b, is_leaf=is_state)
-    a_leaves = jax.tree_util.tree_leaves_with_path(a, is_leaf=is_state)
-    for (path, sa), sb in zip(a_leaves, b_leaves, strict=True):
-        if not is_state(sa):
-            continue
-        a_shapes = (jnp.shape(sa.amax_history), jnp.shape(sa.scale))
-        b_shapes = (jnp.shape(sb.amax_history), jnp.shape(sb.scale))
-        if a_shapes != b_shapes:
-            raise ValueError(
-                f"combine_states: b{jax.tree_util.keystr(path)} has (amax_history, scale) "
-                f"shapes {b_shapes}, expected a's {a_shapes}: the two states come from "
-                "different recipes (amax_history_len) or models."
-            )
+    _check_like(
+        "combine_states", ("a", a), ("b", b),
+        "two new states from one old state, one per micro-batch", hint="",
+    )  # fmt: skip
 
 
 def take_new_state(old_state, state_grads):
@@ -499,29 +482,39 @@ def take_new_state(old_state, state_grads):
 
 def _check_state_grads(old_state, state_grads) -> None:
     """Raises unless ``state_grads`` has ``old_state``'s tree structure and state shapes."""
+    _check_like(
+        "take_new_state", ("old_state", old_state), ("state_grads", state_grads),
+        "the gradient of the state from jax.grad",
+        hint=" Pass the gradient taken with respect to the state, e.g. "
+        "`_, (grads, state_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, state)`.",
+    )  # fmt: skip
+
+
+def _check_like(fn: str, want: tuple, got: tuple, what: str, hint: str) -> None:
+    """Raises unless state pytree ``got`` has ``want``'s structure and state shapes.
+
+    ``want``, ``got``: (argument name, pytree); ``what``: what ``got`` should
+    be; ``hint``: appended to each message.
+    """
+    (want_name, want_tree), (got_name, got_tree) = want, got
     is_state = lambda n: isinstance(n, ScaleState)  # noqa: E731
-    old_def = jax.tree.structure(old_state, is_leaf=is_state)
-    new_def = jax.tree.structure(state_grads, is_leaf=is_state)
-    how = (
-        "Pass the gradient taken with respect to the state, e.g. "
-        "`_, (grads, state_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, state)`."
-    )
-    if old_def != new_def:
+    want_def = jax.tree.structure(want_tree, is_leaf=is_state)
+    got_def = jax.tree.structure(got_tree, is_leaf=is_state)
+    if want_def != got_def:
         raise TypeError(
-            "take_new_state: state_grads must have the structure of old_state (the gradient "
-            f"of the state from jax.grad); expected {old_def}, got {new_def} "
-            f"({type(state_grads).__name__}). {how}"
+            f"{fn}: {got_name} must have the structure of {want_name} ({what}); expected "
+            f"{want_def}, got {got_def} ({type(got_tree).__name__}).{hint}"
         )
-    new_leaves = jax.tree.leaves(state_grads, is_leaf=is_state)
-    old_leaves = jax.tree_util.tree_leaves_with_path(old_state, is_leaf=is_state)
-    for (path, old), new in zip(old_leaves, new_leaves, strict=True):
-        if not is_state(old):
+    got_leaves = jax.tree.leaves(got_tree, is_leaf=is_state)
+    want_leaves = jax.tree_util.tree_leaves_with_path(want_tree, is_leaf=is_state)
+    for (path, w), g in zip(want_leaves, got_leaves, strict=True):
+        if not is_state(w):
             continue
-        old_shapes = (jnp.shape(old.amax_history), jnp.shape(old.scale))
-        new_shapes = (jnp.shape(new.amax_history), jnp.shape(new.scale))
-        if old_shapes != new_shapes:
+        want_shapes = (jnp.shape(w.amax_history), jnp.shape(w.scale))
+        got_shapes = (jnp.shape(g.amax_history), jnp.shape(g.scale))
+        if want_shapes != got_shapes:
             raise ValueError(
-                f"take_new_state: state_grads{jax.tree_util.keystr(path)} has (amax_history, "
-                f"scale) shapes {new_shapes}, expected old_state's {old_shapes}: the two states "
-                f"come from different recipes (amax_history_len) or models. {how}"
+                f"{fn}: {got_name}{jax.tree_util.keystr(path)} has (amax_history, scale) "
+                f"shapes {got_shapes}, expected {want_name}'s {want_shapes}: the two states "
+                f"come from different recipes (amax_history_len) or models.{hint}"
             )
