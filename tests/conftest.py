@@ -9,6 +9,7 @@ fake CPU devices). Without it, ``gpu`` tests are skipped with that hint.
 """
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -107,14 +108,33 @@ def pytest_runtest_setup(item):
         pytest.fail(reason, pytrace=False)
 
 
+@contextlib.contextmanager
+def _every_program_cached():
+    """JAX's persistent compilation cache writes every program, and is off afterwards.
+
+    JAX writes only programs that took ``jax_persistent_cache_min_compile_time_secs``
+    (1 s) to compile; on a CPU a small run's programs take about that long, so
+    whether anything was written depended on the machine's speed: a faster CI
+    machine wrote nothing. Inside, the threshold is 0.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+        compilation_cache.reset_cache()
+
+
 @pytest.fixture
 def compile_cache_reset():
-    """Leaves JAX's persistent compilation cache off again after the test."""
-    from jax._src import compilation_cache
-
-    yield
-    jax.config.update("jax_compilation_cache_dir", None)
-    compilation_cache.reset_cache()
+    """A test that turns JAX's persistent compilation cache on; every program is
+    written (``_every_program_cached``), and the cache is off again after it."""
+    with _every_program_cached():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +148,10 @@ def shared_compile_cache(tmp_path_factory):
     The cache is the module's own (a fresh directory; under pytest-xdist, per
     worker) and is off again after the module.
     """
-    from jax._src import compilation_cache
-
     from fp8jax import compile_cache
 
-    directory = compile_cache.enable(str(tmp_path_factory.mktemp("jax-cache")))
-    compilation_cache.reset_cache()  # a cache initialized before reads its old directory
-    yield directory
-    jax.config.update("jax_compilation_cache_dir", None)
-    compilation_cache.reset_cache()
+    with _every_program_cached():
+        yield compile_cache.enable(str(tmp_path_factory.mktemp("jax-cache")))
 
 
 @pytest.fixture

@@ -38,33 +38,28 @@ def _train(out: pathlib.Path, *argv: str, terminal: bool = False) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from jax._src import compilation_cache
-
+def runs(tmp_path_factory, shared_compile_cache):
+    # shared_compile_cache: every program is written, and the cache is off after the module.
     root = tmp_path_factory.mktemp("options")
     cache = str(root / "cache")
     # Seed 0 at --lr 1e-3 and 2e-3. warmup_steps is 1 on runs this short, so
     # step 1 runs at learning rate 0: its checkpoint holds the initial
     # parameters, and step 2 runs at the peak rate on the same gradients.
-    try:
-        a_err = _train(
-            root / "a", "--steps", "2", "--lr", "1e-3", "--checkpoint-every", "1",
-            "--keep-checkpoints", "5", "--compile-cache", cache, "--no-progress",
-        )  # fmt: skip
-        a_cached = os.listdir(cache)  # what run a wrote
-        # b and c read a's initial-state and eval programs from the cache instead of
-        # compiling them again (their steps differ: the learning rate schedule).
-        _train(
-            root / "b", "--steps", "2", "--lr", "2e-3", "--checkpoint-every", "1",
-            "--keep-checkpoints", "1", "--compile-cache", cache, "--no-progress",
-        )  # fmt: skip
-        c_err = _train(
-            root / "c", "--steps", "3", "--seed", "1", "--checkpoint-every", "2",
-            "--compile-cache", cache, terminal=True,
-        )  # fmt: skip
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()
+    a_err = _train(
+        root / "a", "--steps", "2", "--lr", "1e-3", "--checkpoint-every", "1",
+        "--keep-checkpoints", "5", "--compile-cache", cache, "--no-progress",
+    )  # fmt: skip
+    a_cached = os.listdir(cache)  # what run a wrote
+    # b and c read a's initial-state and eval programs from the cache instead of
+    # compiling them again (their steps differ: the learning rate schedule).
+    _train(
+        root / "b", "--steps", "2", "--lr", "2e-3", "--checkpoint-every", "1",
+        "--keep-checkpoints", "1", "--compile-cache", cache, "--no-progress",
+    )  # fmt: skip
+    c_err = _train(
+        root / "c", "--steps", "3", "--seed", "1", "--checkpoint-every", "2",
+        "--compile-cache", cache, terminal=True,
+    )  # fmt: skip
     return root, a_err, c_err, a_cached
 
 

@@ -34,6 +34,19 @@ def test_enable_creates_the_directory_and_points_jax_at_it(tmp_path, compile_cac
     assert jax.config.jax_compilation_cache_dir == str(where)
 
 
+def test_a_second_directory_receives_the_programs_compiled_after_it(tmp_path, compile_cache_reset):
+    # JAX opens its cache once, at the first compile that finds a directory; a
+    # directory set later was ignored and the programs went on to the first one.
+    first, second = tmp_path / "first", tmp_path / "second"
+    compile_cache.enable(str(first))
+    jax.jit(lambda x: x + 1)(jax.numpy.ones(3)).block_until_ready()
+    written = set(os.listdir(first))
+    compile_cache.enable(str(second))
+    jax.jit(lambda x: x * 3 - 1)(jax.numpy.ones(5)).block_until_ready()
+    assert written and os.listdir(second), "the second directory received nothing"
+    assert set(os.listdir(first)) == written
+
+
 def test_a_directory_that_cannot_be_made_is_a_config_error(tmp_path, compile_cache_reset):
     blocker = tmp_path / "file"
     blocker.write_text("")

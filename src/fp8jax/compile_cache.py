@@ -9,7 +9,9 @@ XLA's autotune results on disk compiled the same block in under a second
 JAX's persistent compilation cache stores compiled executables and, through
 ``jax_persistent_cache_enable_xla_caches``, XLA's per-fusion autotune
 results, which also serve a program that changed elsewhere but kept its
-GEMMs.
+GEMMs. JAX writes an executable only when it took at least
+``jax_persistent_cache_min_compile_time_secs`` (1 s by default) to compile:
+the slow GPU compiles this cache is for, not a CPU run's small programs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
 # The one JAX option enable() sets; the cache's other options keep JAX's defaults.
 _CONFIG_KEY = "jax_compilation_cache_dir"
@@ -76,8 +79,10 @@ def check(directory: str) -> str:
 def enable(directory: str) -> str:
     """Turns JAX's persistent compilation cache on in ``directory`` (created if missing).
 
-    Call it before the first compile; later compiles in this process read and
-    write the cache. Returns the absolute path.
+    Later compiles in this process read and write the cache in ``directory``,
+    also when an earlier call gave another one: JAX opens its cache once, at
+    the first compile that finds a directory, so this closes the open one.
+    Returns the absolute path.
     """
     path = os.path.abspath(os.path.expanduser(directory))
     try:
@@ -85,4 +90,7 @@ def enable(directory: str) -> str:
     except OSError as e:
         raise ValueError(f"compile_cache: cannot create the directory {path!r}: {e}") from e
     jax.config.update(_CONFIG_KEY, path)
+    # Without the reset, a process that compiled with another directory goes
+    # on writing there, silently.
+    _jax_cache.reset_cache()
     return path
