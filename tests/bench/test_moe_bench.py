@@ -1,5 +1,6 @@
 """bench/moe.py's BF16 baselines compute the MoE block they stand in for."""
 
+import functools
 import pathlib
 import sys
 
@@ -15,25 +16,34 @@ import moe  # noqa: E402
 from fp8jax.flax.linen import MoEBlock  # noqa: E402
 
 
+# Each block's parameters and output (the reference the baselines must give) are made once
+# for the module, each by one jitted program: eagerly, every op of the block compiled on its
+# own; the baselines are jitted alike (the three tests that compare them: 2.7 s -> 1.8 s).
+@functools.cache
 def _block_and_params(shared):
+    """``(params, x, want)``: the library's BF16 block's parameters and its output on ``x``."""
     block = MoEBlock(num_experts=4, top_k=2, ffn=32, shared_experts=shared, fp8=False)
     x = jax.random.normal(jax.random.key(0), (64, 16))
-    return block, block.init(jax.random.key(1), x), x
+    params = jax.jit(block.init)(jax.random.key(1), x)
+    want, _ = jax.jit(functools.partial(block.apply, mutable=["intermediates"]))(params, x)
+    return params, x, want
+
+
+def _jitted(baseline, **options):
+    return jax.jit(functools.partial(baseline, **options))
 
 
 def test_with_room_for_every_slot_it_equals_the_library_block():
     # Capacity for all slots (factor = experts): nothing dropped, the same sums.
     for shared in (0, 1):
-        block, params, x = _block_and_params(shared)
-        want, _ = block.apply(params, x, mutable=["intermediates"])
-        got = moe.capacity_moe(params, x, top_k=2, capacity_factor=4.0)
+        params, x, want = _block_and_params(shared)
+        got = _jitted(moe.capacity_moe, top_k=2, capacity_factor=4.0)(params, x)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_slots_past_the_capacity_are_dropped():
-    block, params, x = _block_and_params(0)
-    want, _ = block.apply(params, x, mutable=["intermediates"])
-    got = moe.capacity_moe(params, x, top_k=2, capacity_factor=0.25)
+    params, x, want = _block_and_params(0)
+    got = _jitted(moe.capacity_moe, top_k=2, capacity_factor=0.25)(params, x)
     # A quarter of a balanced share: most slots dropped, so most rows differ,
     # and a token whose two slots are both dropped gives zero.
     differs = np.abs(np.asarray(got - want)).max(axis=1) > 1e-4
@@ -48,9 +58,8 @@ def test_the_grouped_block_on_lax_ragged_dot_equals_the_library_block():
     # permutations, SwiGLU and shared experts are checked here, with
     # lax.ragged_dot as the GEMM: the library's BF16 block's values.
     for shared in (0, 1):
-        block, params, x = _block_and_params(shared)
-        want, _ = block.apply(params, x, mutable=["intermediates"])
-        got = moe.grouped_moe(params, x, top_k=2, gemm=lax.ragged_dot)
+        params, x, want = _block_and_params(shared)
+        got = _jitted(moe.grouped_moe, top_k=2, gemm=lax.ragged_dot)(params, x)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
