@@ -158,6 +158,7 @@ def test_forward_config_refuses_builds_it_has_not():
     assert hash(kernel.ForwardConfig(overlap=True)) == hash(kernel.ForwardConfig(overlap=True))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))  # one program, as _operands
 def _backward_operands(tq, tk, heads, kv_heads, d, causal):
     """The backward kernels' operands, as the op's backward makes them."""
     keys = jax.random.split(jax.random.key(1), 4)
@@ -192,7 +193,8 @@ def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, 
     scale = d**-0.5
     got = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale,
                                              interpret=InterpretGPUParams())  # fmt: skip
-    want = attention_backward.xla_backward(*operands, causal=causal, scale=scale)
+    twin = functools.partial(attention_backward.xla_backward, causal=causal, scale=scale)
+    want = jax.jit(twin)(*operands)
     for name, x, y in zip(("dq", "dk", "dv"), got, want, strict=True):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         assert x.shape == y.shape, name
