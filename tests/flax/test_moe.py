@@ -353,21 +353,26 @@ def test_recipes_the_expert_gemms_cannot_take_are_refused_at_construction(recipe
 def test_zero_tokens_give_the_empty_result_and_zero_gradients(shape, fp8):
     # Used to raise ZeroDivisionError (a reshape of zero rows by -1).
     block = _block(shared_experts=1, fp8=fp8)
-    variables = nn.meta.unbox(block.init(jax.random.key(1), jnp.ones((2, 8, H))))
+    variables = nn.meta.unbox(jax.jit(block.init)(jax.random.key(1), jnp.ones((2, 8, H))))
     x = jnp.zeros(shape)
 
     def loss(variables, x):
         y, state = block.apply(variables, x, mutable=["intermediates"])
         return jnp.sum(y) + state["intermediates"]["aux_loss"][0], y
 
-    (value, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(variables, x)
+    # Init and steps jitted: run eagerly, the block's few hundred primitives were
+    # each compiled for their shapes (6 s); the shapes, so the reshapes, are the same.
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (value, y), grads = step(variables, x)
     assert y.shape == shape and value == 0
     for g in jax.tree.leaves(grads):
         assert not np.any(np.asarray(g)), g
     assert grads[1].shape == shape
     model = fnnx.MoEBlock(H, num_experts=E, top_k=K, ffn=F, shared_experts=1, fp8=fp8,
                           rngs=nnx.Rngs(0))  # fmt: skip
-    grads = nnx.grad(lambda m, x: jnp.sum(m(x)) + m.aux_loss[...], argnums=(0, 1))(model, x)
-    assert model(x).shape == shape and float(model.aux_loss[...]) == 0
+    grad = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)) + m.aux_loss[...], argnums=(0, 1)))
+    grads = grad(model, x)
+    assert nnx.jit(lambda m, x: m(x))(model, x).shape == shape
+    assert float(model.aux_loss[...]) == 0
     for g in jax.tree.leaves(grads):
         assert not np.any(np.asarray(g)), g

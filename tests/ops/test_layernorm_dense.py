@@ -1,5 +1,6 @@
 """fp8jax.layernorm_dense: f32 references with derived budgets, its kernels, split outputs."""
 
+import functools
 import math
 
 import jax
@@ -141,13 +142,15 @@ def test_residual_passed_through_the_op_changes_no_gradient(op, recipe):
     # exactly; x's may differ by rounding only. Each bf16 rounding is within
     # 2**-8 of what it rounds; the reference rounds the norm's dx, then the
     # sum, the op only the sum: within 2**-8 * (|dx_norm| + 2 |sum|).
+    # Jitted: run eagerly, the two steps and the block compiled their primitives one
+    # by one (1 to 2 s a case); the programs compute the same ops on the same values.
     step_passed, args, block = _residual_step(op, True, recipe)
     step_added, _, _ = _residual_step(op, False, recipe)
-    passed, added = step_passed(*args), step_added(*args)
+    passed, added = jax.jit(step_passed)(*args), jax.jit(step_added)(*args)
     for a, b in zip(passed[1:], added[1:], strict=True):
         np.testing.assert_array_equal(a, b)
     x = args[0]
-    y, residual = block(*args, return_residual=True)
+    y, residual = jax.jit(functools.partial(block, return_residual=True))(*args)
     np.testing.assert_array_equal(residual, x)
     # The residual's own gradient, as the loss gives it: 2 (x + y) in bf16.
     g_residual = np.asarray((2 * (x + y).astype(jnp.float32)).astype(jnp.bfloat16), np.float64)

@@ -136,7 +136,10 @@ def test_the_residual_add_saves_a_read_of_the_stream_in_the_compiled_block():
     """
     from fp8jax import verify
 
-    tokens, hidden, ffn = 4096, 1024, 2048
+    # Sizes: the kernels' placement and the passes over the stream are the same at
+    # (4096, 1024, 2048) as here (reads [5, 4, 9, 8] at both), the compiles of the two
+    # steps 3 times faster here.
+    tokens, hidden, ffn = 1024, 512, 1024
     stream = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
     args = (stream, stream, jax.ShapeDtypeStruct((hidden,), jnp.float32),
             jax.ShapeDtypeStruct((hidden, 2, ffn), jnp.float32),
