@@ -22,7 +22,7 @@ import pathlib
 import secrets
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -84,7 +84,7 @@ def _leaves_by_path(tree) -> dict[str, tuple[tuple[int, ...], str]]:
 _CAUSE_CHARS = 300
 
 
-def _drop_orbax_leftovers() -> None:
+def _drop_orbax_leftovers() -> Callable[[Any], None] | None:
     """Keeps the reads orbax left in flight on a corrupt checkpoint from printing tracebacks.
 
     Orbax reads a checkpoint's arrays through TensorStore futures on an asyncio
@@ -94,17 +94,36 @@ def _drop_orbax_leftovers() -> None:
     the read's own error), a traceback printed after the one-line message that
     already said the checkpoint is unreadable. Only those are dropped; every
     other unraisable exception goes to the hook that was there before.
+
+    Returns the hook it installed, or None where one was installed before.
     """
     previous = sys.unraisablehook
     if getattr(previous, "drops_orbax_leftovers", False):
-        return
+        return None
 
     def hook(unraisable) -> None:
         if not _is_orbax_leftover(unraisable.exc_value, unraisable.exc_traceback):
             previous(unraisable)
 
     hook.drops_orbax_leftovers = True
+    hook.previous = previous
     sys.unraisablehook = hook
+    return hook
+
+
+@contextlib.contextmanager
+def _orbax_leftovers_dropped() -> Iterator[None]:
+    """:func:`_drop_orbax_leftovers` from a read's start; kept if the read fails.
+
+    A failed read's other reads report while it unwinds, before any ``except``
+    of ours runs, and later; a filter installed only on the failure let the
+    first ones through when the CPUs were busy. A read that succeeds leaves
+    the hook as it found it.
+    """
+    installed = _drop_orbax_leftovers()
+    yield  # a failed read raises here, and the filter stays for its leftovers
+    if installed is not None and sys.unraisablehook is installed:
+        sys.unraisablehook = installed.previous
 
 
 def _is_orbax_leftover(error: BaseException | None, tb) -> bool:
@@ -287,13 +306,13 @@ class RunDir:
         try:
             with (
                 _quiet_orbax(),
+                _orbax_leftovers_dropped(),
                 ocp.CheckpointManager(
                     self.checkpoints.absolute(), item_handlers=ocp.StandardCheckpointHandler()
                 ) as manager,
             ):
                 stored = _leaves_by_path(manager.item_metadata(step).tree)
         except Exception as e:
-            _drop_orbax_leftovers()
             raise CheckpointError(
                 f"--resume: checkpoint {where} is unreadable: {_cause(e)}\n{hint}"
             ) from None
@@ -309,10 +328,9 @@ class RunDir:
                 f"({len(diffs)} arrays differ, e.g. {diffs[0]}); it was left as is."
             )
         try:
-            with _quiet_orbax():
+            with _quiet_orbax(), _orbax_leftovers_dropped():
                 return checkpoint.restore(self.checkpoints, like, step)
         except Exception as e:
-            _drop_orbax_leftovers()
             raise CheckpointError(
                 f"--resume: checkpoint {where} is unreadable: {_cause(e)}\n{hint}"
             ) from None
