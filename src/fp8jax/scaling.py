@@ -429,16 +429,11 @@ def combine_states(a, b, *, recipe: DelayedScaling):
         raise TypeError(
             f"combine_states needs the DelayedScaling recipe of the states, got {recipe!r}."
         )
-    _check_combinable(a, b)
-    return jax.tree.map(lambda x, y: _combine_group(x, y, recipe), a, b, is_leaf=_is_group)
-
-
-def _check_combinable(a, b) -> None:
-    """Raises unless ``b`` has ``a``'s tree structure and state shapes."""
     _check_like(
         "combine_states", ("a", a), ("b", b),
         "two new states from one old state, one per micro-batch", hint="",
     )  # fmt: skip
+    return jax.tree.map(lambda x, y: _combine_group(x, y, recipe), a, b, is_leaf=_is_group)
 
 
 def take_new_state(old_state, state_grads):
@@ -467,8 +462,12 @@ def take_new_state(old_state, state_grads):
       >>> new_state.x.amax_history.tolist()
       [1.0, 0.0, 0.0, 0.0]
     """
-
-    _check_state_grads(old_state, state_grads)
+    _check_like(
+        "take_new_state", ("old_state", old_state), ("state_grads", state_grads),
+        "the gradient of the state from jax.grad",
+        hint=" Pass the gradient taken with respect to the state, e.g. "
+        "`_, (grads, state_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, state)`.",
+    )  # fmt: skip
 
     def pick(old: ScaleState, new: ScaleState) -> ScaleState:
         consumed = new.scale > 0
@@ -478,16 +477,6 @@ def take_new_state(old_state, state_grads):
         )
 
     return jax.tree.map(pick, old_state, state_grads, is_leaf=lambda n: isinstance(n, ScaleState))
-
-
-def _check_state_grads(old_state, state_grads) -> None:
-    """Raises unless ``state_grads`` has ``old_state``'s tree structure and state shapes."""
-    _check_like(
-        "take_new_state", ("old_state", old_state), ("state_grads", state_grads),
-        "the gradient of the state from jax.grad",
-        hint=" Pass the gradient taken with respect to the state, e.g. "
-        "`_, (grads, state_grads) = jax.value_and_grad(loss, argnums=(0, 1))(params, state)`.",
-    )  # fmt: skip
 
 
 def _check_like(fn: str, want: tuple, got: tuple, what: str, hint: str) -> None:

@@ -22,7 +22,7 @@ import pathlib
 import secrets
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -84,7 +84,8 @@ def _leaves_by_path(tree) -> dict[str, tuple[tuple[int, ...], str]]:
 _CAUSE_CHARS = 300
 
 
-def _drop_orbax_leftovers() -> Callable[[Any], None] | None:
+@contextlib.contextmanager
+def _orbax_leftovers_dropped() -> Iterator[None]:
     """Keeps the reads orbax left in flight on a corrupt checkpoint from printing tracebacks.
 
     Orbax reads a checkpoint's arrays through TensorStore futures on an asyncio
@@ -95,35 +96,26 @@ def _drop_orbax_leftovers() -> Callable[[Any], None] | None:
     already said the checkpoint is unreadable. Only those are dropped; every
     other unraisable exception goes to the hook that was there before.
 
-    Returns the hook it installed, or None where one was installed before.
+    The filter is on from the read's start: the other reads report while the
+    failed one unwinds, before any ``except`` of ours runs, and later; one
+    installed only on the failure let the first ones through when the CPUs were
+    busy. It stays after a failed read, and a read that succeeds leaves the
+    hook as it found it.
     """
     previous = sys.unraisablehook
     if getattr(previous, "drops_orbax_leftovers", False):
-        return None
+        yield
+        return
 
     def hook(unraisable) -> None:
         if not _is_orbax_leftover(unraisable.exc_value, unraisable.exc_traceback):
             previous(unraisable)
 
     hook.drops_orbax_leftovers = True
-    hook.previous = previous
     sys.unraisablehook = hook
-    return hook
-
-
-@contextlib.contextmanager
-def _orbax_leftovers_dropped() -> Iterator[None]:
-    """:func:`_drop_orbax_leftovers` from a read's start; kept if the read fails.
-
-    A failed read's other reads report while it unwinds, before any ``except``
-    of ours runs, and later; a filter installed only on the failure let the
-    first ones through when the CPUs were busy. A read that succeeds leaves
-    the hook as it found it.
-    """
-    installed = _drop_orbax_leftovers()
     yield  # a failed read raises here, and the filter stays for its leftovers
-    if installed is not None and sys.unraisablehook is installed:
-        sys.unraisablehook = installed.previous
+    if sys.unraisablehook is hook:
+        sys.unraisablehook = previous
 
 
 def _is_orbax_leftover(error: BaseException | None, tb) -> bool:
