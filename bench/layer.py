@@ -1,6 +1,6 @@
 """One transformer layer forward+backward: fp8jax vs BF16 vs Flax's FP8 ops.
 
-Two presets (``--preset``), bf16 activations and kernels, gradients with
+Three presets (``--preset``), bf16 activations and kernels, gradients with
 respect to the input and every parameter, causal cuDNN attention:
 
 - ``te``: TransformerEngine's published configuration: hidden 4096, ffn 16384
@@ -8,6 +8,10 @@ respect to the input and every parameter, causal cuDNN attention:
 - ``llama3-8b``: one Llama-3-8B layer: hidden 4096, ffn 14336 (SwiGLU),
   RMSNorm, no biases, 32 query and 8 key/value heads of 128, seq 4096,
   batch 2 (no RoPE: it is the same elementwise work in every variant).
+- ``qwen2.5-14b``: one Qwen2.5-14B layer, a model family the library was not
+  tuned on (issue 59's check that other shapes gain as much): hidden 5120, ffn
+  13824 (SwiGLU), RMSNorm, 40 query and 8 key/value heads of 128, seq 4096,
+  batch 2; like ``llama3-8b`` without RoPE, and without Qwen's QKV bias.
 
 The BF16 and Flax FP8 variants run :class:`FlaxLayer`, the layer as a Flax
 user writes it, with the variant's ``dot_general_cls`` and default jit
@@ -15,7 +19,7 @@ options; fp8jax runs its own TransformerLayer with the same shapes, jitted
 with :func:`fp8jax.compiler_options`. The loss is harness's ``--loss``
 (by default a random output gradient).
 
-    PYTHONPATH=src python bench/layer.py [--preset te|llama3-8b] [--variants ...] [--out F]
+    PYTHONPATH=src python bench/layer.py [--preset NAME] [--variants ...] [--out F]
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class Shape:
 PRESETS = {
     "te": Shape(batch=8, seq=2048, hidden=4096, heads=32, kv_heads=32, ffn=16384, gated=False),
     "llama3-8b": Shape(batch=2, seq=4096, hidden=4096, heads=32, kv_heads=8, ffn=14336, gated=True),
+    "qwen2.5-14b": Shape(
+        batch=2, seq=4096, hidden=5120, heads=40, kv_heads=8, ffn=13824, gated=True
+    ),
 }
 
 
