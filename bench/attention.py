@@ -98,6 +98,10 @@ FORWARD_BUILDS = {
     ),
     "overlap": ForwardConfig(overlap=True, row_scales=True, registers=240),
     "no_pingpong": ForwardConfig(pingpong=False),
+    "longest_first": ForwardConfig(longest_first=True),
+    "fa3_longest_first": ForwardConfig(
+        overlap=True, pv_in_place=True, p_registers=True, longest_first=True
+    ),
 }
 PARTS = ("fwd", "fwd_bwd")
 DRY_ERROR_SHAPE = (1, 128, 2, 1, 128)

@@ -86,6 +86,7 @@ BUILDS = {
     "overlap-in-place": (
         kernel.ForwardConfig(overlap=True, pv_in_place=True, row_scales=True), GQA),
     "in-place": (kernel.ForwardConfig(pv_in_place=True), CAUSAL),
+    "longest-first": (kernel.ForwardConfig(longest_first=True), CAUSAL),
     "stages3-p-registers": (kernel.ForwardConfig(stages=3, pingpong=False, registers=240,
                                                  p_registers=True), FOUR),
 }  # fmt: skip
@@ -153,6 +154,8 @@ def test_forward_config_refuses_builds_it_has_not():
         kernel.ForwardConfig(stages=5)
     with pytest.raises(TypeError, match=r"overlap=\.\.\.\) must be a bool, got 1"):
         kernel.ForwardConfig(overlap=1)
+    with pytest.raises(TypeError, match=r"longest_first=\.\.\.\) must be a bool, got .yes."):
+        kernel.ForwardConfig(longest_first="yes")
     with pytest.raises(ValueError, match=r"registers=\.\.\.\) must be 232 or 240, got 256"):
         kernel.ForwardConfig(registers=256)
     q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)

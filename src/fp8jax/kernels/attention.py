@@ -103,6 +103,12 @@ class ForwardConfig:
         f32 tile (64 registers at d 128) and no scaling add a block. The
         f32 steps are the default's; on the GPU the sum across blocks then
         has the tensor cores' accumulation precision, not f32 adds'.
+      longest_first: under causality a CTA's work grows with its query tile;
+        the grid launches every head's and batch element's last (longest)
+        tile first and the first tiles last, so the short ones fill the
+        final wave instead of a few long ones running alone
+        (FlashAttention-3's longest-first order). Unmasked, every CTA's
+        work is the same and the order does not matter.
     """
 
     stages: int = STAGES
@@ -112,6 +118,7 @@ class ForwardConfig:
     row_scales: bool = False
     registers: int = 232
     pv_in_place: bool = False
+    longest_first: bool = False
 
     def __post_init__(self):
         if self.registers not in (232, 240):
@@ -120,7 +127,7 @@ class ForwardConfig:
             )
         if not 2 <= self.stages <= 4:  # 4 slots of K and Vᵀ at d 128 use 128 KiB of 227
             raise ValueError(f"ForwardConfig(stages=...) must be in [2, 4], got {self.stages}.")
-        for name in ("overlap", "p_registers", "pingpong", "row_scales", "pv_in_place"):
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
                     f"ForwardConfig({name}=...) must be a bool, got {getattr(self, name)!r}."
@@ -320,6 +327,8 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     d = q_ref.shape[-1]
     kv_blocks = k_ref.shape[1] // BLOCK
     batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
+    if config.longest_first:  # the grid's slowest axis, walked from the last tile
+        q_tile = q_ref.shape[1] // CTA_ROWS - 1 - q_tile
     kv_head = lax.div(head, jnp.array(group, head.dtype))
     wg = lax.axis_index("wg")
     # Under causality the CTA's 128 rows are one key block: both warpgroups stop
@@ -645,6 +654,8 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
 
     if not isinstance(config, ForwardConfig):
         raise TypeError(f"mosaic_forward: config must be a ForwardConfig, got {config!r}.")
+    # Unmasked, every CTA has the same work: the default order.
+    config = dataclasses.replace(config, longest_first=config.longest_first and causal)
     stages = config.stages
     if config.p_registers:  # Vᵀ's keys in P's register-operand order
         vt8 = permuted_keys(vt8)
@@ -683,11 +694,15 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
 
     out_type = (jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
                 jax.ShapeDtypeStruct((batch, heads, tq), jnp.float32))  # fmt: skip
+    if config.longest_first:
+        grid, grid_names = (heads, batch, tq // CTA_ROWS), ("heads", "batch", "q")
+    else:
+        grid, grid_names = (heads, tq // CTA_ROWS, batch), ("heads", "q", "batch")
     kernel = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(heads, tq // CTA_ROWS, batch),
-        grid_names=("heads", "q", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,  # two compute warpgroups and the memory one
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
