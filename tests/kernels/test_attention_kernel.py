@@ -252,6 +252,16 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, h200_with_dumps):
     (ptx,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptx")]
     issued = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx)
     assert sorted(issued) == sorted(["128"] * (2 * d // 32) + [str(d)] * (2 * 4)), issued
+    # The softmax's f32 work per score (docs/design.md#fp8-attention): one FMA
+    # (the scales, the max and P's 2**8 folded into exp2's argument) and one
+    # ex2; the accumulator's rescale and add cost two per output element. A
+    # thread holds 64 scores and d / 2 output elements of its 64 x 128 and
+    # 64 x d tiles, at each of the two sites; a few more go to per-row values.
+    # Unfolded, the scores took three multiplies more each (711 at d 128).
+    ex2 = len(re.findall(r"\bex2\.approx", ptx))
+    assert ex2 == 2 * (64 + 2), ex2  # the scores' and, per row, alpha's
+    multiplies = len(re.findall(r"\b(?:mul|fma\.rn)\.f32\b", ptx))
+    assert multiplies <= 2 * (64 + 2 * d // 2) + 32, multiplies
     (ptxas,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
     assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
     # Within the 232 registers a compute warpgroup asks for (setmaxnreg).

@@ -12,12 +12,17 @@ per key and ``v_scale`` (B, Hkv, Tk // BLOCK, D) per block of keys along
 the head dimension (divided by :data:`P_SCALE`).
 
 Per block of :data:`BLOCK` keys, a query row's scores
-``s = (q8 . k8ᵀ) * q_scale * k_scale`` (masked under causality) update the
-running max ``m`` and sum ``l``; ``p = exp2(s - m)`` lies in [0, 1] and is
-quantized as ``p * P_SCALE`` to E4M3 before the PV product, whose fresh
-f32 result is added, scaled by the block's ``v_scale``, to the accumulator
-rescaled by ``exp2(m_old - m)``. The output is ``acc / l`` and the saved
-residual the base-2 logsumexp ``m + log2(l)``. No Tq x Tk array exists:
+``s = (q8 . k8ᵀ) * c``, ``c = q_scale * k_scale`` (masked under causality),
+update the running max ``m`` and sum ``l``; ``p = exp2(s - m)`` lies in
+[0, 1] and is quantized as ``p * P_SCALE`` to E4M3 before the PV product,
+whose fresh f32 result is added, scaled by the block's ``v_scale``, to the
+accumulator rescaled by ``exp2(m_old - m)``. The output is ``acc / l`` and
+the saved residual the base-2 logsumexp ``m + log2(l)``. As FlashAttention-3
+does, the max is taken over the raw products (times ``c``, positive, after)
+and ``p * P_SCALE = exp2(raw * c - (m - log2(P_SCALE)))`` is one FMA and one
+``ex2`` a score, ``l`` summing ``p * P_SCALE`` (divided out, exactly, at the
+end): the softmax's f32 work shares the SM with the FP8 MMAs, whose time it
+otherwise exceeds (docs/design.md#fp8-attention). No Tq x Tk array exists:
 the XLA twin (:func:`xla_forward`, the CPU's path and the kernel's test
 reference) walks the same key blocks in a loop with the same operations.
 
@@ -91,9 +96,10 @@ class ForwardConfig:
       pingpong: the two compute warpgroups take turns on the tensor cores
         (FlashAttention-3's ping-pong): one's softmax runs under the other's
         MMAs. False: the warpgroups run unsynchronized.
-      row_scales: K's and V's scales, one value a key block (the op expands
-        them), are read as row vectors of their first 64 entries, 2 registers
-        a thread, not 32 (d 128) as a column vector; the same multiplies.
+      row_scales: V's scale, one value a key block (the op expands it), is
+        read as a row vector of its first 64 entries, 2 registers a thread,
+        not 32 (d 128) as a column vector; the same multiplies. K's scale is
+        always read so: it joins Q's row scale in one factor a row.
       registers: per compute thread (``setmaxnreg``); 240 leaves the memory
         warpgroup 32 (FlashAttention-3's split is 240 and 24).
       pv_in_place: PV accumulates into the output's accumulator on the
@@ -176,7 +182,8 @@ def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
     q = jnp.transpose(q8.reshape(batch, tq, kv_heads, group, d), (0, 2, 3, 1, 4))
     qs = q_scale.reshape(batch, kv_heads, group, tq, 1)
     k_blocks = jnp.transpose(k8.reshape(batch, blocks, BLOCK, kv_heads, d), (1, 0, 3, 2, 4))
-    ks_blocks = jnp.transpose(k_scale.reshape(batch, kv_heads, blocks, BLOCK), (2, 0, 1, 3))
+    # K's scale is one a block (expanded per key): its first entry.
+    ks_blocks = jnp.moveaxis(k_scale.reshape(batch, kv_heads, blocks, BLOCK)[..., :1], 2, 0)
     vt_blocks = jnp.moveaxis(vt8.reshape(batch, kv_heads, d, blocks, BLOCK), 3, 0)
     vs_blocks = jnp.moveaxis(v_scale, 2, 0)  # (blocks, B, Hkv, D)
     rows = lax.broadcasted_iota(jnp.int32, (tq, BLOCK), 0)
@@ -186,14 +193,14 @@ def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
         acc, m, l = carry
         j, kb, ksb, vtb, vsb = xs
         s = jnp.einsum("bhgqd,bhkd->bhgqk", q, kb, preferred_element_type=jnp.float32)
-        s = s * qs * ksb[:, :, None, None, :]
+        c = qs * ksb[:, :, None, None, :]  # (B, Hkv, G, Tq, 1)
         if causal:
             s = jnp.where(rows >= cols + j * BLOCK, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1) * c[..., 0])
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[..., None])
+        p = jnp.exp2(s * c - (m_new - math.log2(P_SCALE))[..., None])  # p x P_SCALE
         l = l * alpha + jnp.sum(p, axis=-1)
-        p8 = (p * P_SCALE).astype(FP8)
+        p8 = p.astype(FP8)
         pv = jnp.einsum("bhgqk,bhdk->bhgqd", p8, vtb, preferred_element_type=jnp.float32)
         acc = acc * alpha[..., None] + pv * vsb[:, :, None, None, :]
         return (acc, m_new, l), None
@@ -205,6 +212,7 @@ def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
     )
     xs = (jnp.arange(blocks, dtype=jnp.int32), k_blocks, ks_blocks, vt_blocks, vs_blocks)
     (acc, m, l), _ = lax.scan(step, init, xs)
+    l = l * (1 / P_SCALE)
     out = acc / l[..., None]
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, tq, heads, d)
     lse2 = (m + jnp.log2(l)).reshape(batch, heads, tq)
@@ -369,20 +377,26 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             return lax.broadcast_in_dim(load(ref, col_layout), (WG_ROWS, columns), [1])
 
         def scaled(s, j):
-            """Block j's raw scores in base-2 units; K's slot is released."""
+            """Block j's raw scores and, per row, their factor to base-2 units (Q's
+            row scale times the block's one K scale); K's slot is released."""
             slot = slot_of(j)
-            ks = block_scale(ks_smem.at[slot], BLOCK)
-            s = s * lax.broadcast_in_dim(qs, shape, [0]) * ks
+            ks = load(ks_smem.at[slot, pl.ds(0, WG_ROWS)], row_layout)  # all entries equal
             plgpu.barrier_arrive(k_done.at[slot])
-            return s
+            return s, qs * ks
 
-        def softmax(s, j, m, l, masked: bool):
-            """``(p, m_new, alpha, l_new)`` from block j's scaled scores."""
+        def softmax(s_c, j, m, l, masked: bool):
+            """``(p, m_new, alpha, l_new)`` from block j's :func:`scaled` scores, with
+            p and l in units of 1 / P_SCALE (docs/design.md#fp8-attention)."""
+            s, c = s_c
             if masked:
                 s = jnp.where(iota(shape, 0) + base >= iota(shape, 1) + j * BLOCK, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            # The factor is positive: the row max of the raw scores, scaled, is
+            # the scaled scores' max exactly (rounding is monotonic).
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
             alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, shape, [0]))
+            # One FMA a score: the scaling, the max and P_SCALE folded into exp2's argument.
+            row = lambda x: lax.broadcast_in_dim(x, shape, [0])  # noqa: E731
+            p = jnp.exp2(s * row(c) - row(m_new - math.log2(P_SCALE)))
             return p, m_new, alpha, l * alpha + p.sum(axis=1)
 
         def p_operand(p8):
@@ -436,7 +450,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             wait_k(j)
             s = scaled(mma(q_smem, k_smem.at[slot], shape, issued=take_turn), j)
             p, m_new, alpha, l = softmax(s, j, m, l, masked)
-            a = p_operand((p * P_SCALE).astype(FP8))
+            a = p_operand(p.astype(FP8))
             turn_arrive()  # this softmax is done
             wait_v(j)
             if config.pv_in_place:
@@ -470,7 +484,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
                 turn_arrive()
                 turn_wait()
                 p, m_new, alpha_next, l_new = softmax(scaled(s_next(), j + 1), j + 1, m, l, masked)
-                p8 = (p * P_SCALE).astype(FP8)  # 16 registers, not 64, wait for PV(j)
+                p8 = p.astype(FP8)  # 16 registers, not 64, wait for PV(j)
                 acc_new = accumulated(acc, pv(), alpha, j)  # PV(j) has read P(j): P(j+1) may go
                 a_next = carried(p_operand(p8))
                 turn_arrive()
@@ -507,7 +521,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
                 turn_arrive()
                 turn_wait()
                 p, m_new, alpha_next, l_new = softmax(scaled(s_next, j + 1), j + 1, m, l, masked)
-                return m_new, l_new, alpha_next, (p * P_SCALE).astype(FP8)
+                return m_new, l_new, alpha_next, p.astype(FP8)
 
             if interpreted:
                 s_next = dot_t(q_smem[...], k_next)
@@ -542,7 +556,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             # rows are the first, else a mask that keeps every score.
             s = scaled(mma(q_smem, k_smem.at[slot_of(zero)], shape, issued=take_turn), zero)
             p, m, alpha, l = softmax(s, zero, m, l, masked=causal)
-            a = carried(p_operand((p * P_SCALE).astype(FP8)))
+            a = carried(p_operand(p.astype(FP8)))
             carry = (acc, m, l, alpha, *vs_prev, a)
             turn_arrive()
             plain = functools.partial(overlapped_step, masked=False)
@@ -583,6 +597,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
         pl.when(wg == 0)(take_turn)  # as many turns as warpgroup 1
         if config.pv_in_place:  # back to the values' units, exactly
             acc = acc * lax.broadcast_in_dim(*vs_last, (WG_ROWS, d), [0])
+        l = l * (1 / P_SCALE)  # exactly: a power of two
         o_smem[...] = (acc / lax.broadcast_in_dim(l, (WG_ROWS, d), [0])).astype(o_smem.dtype)
         lse_smem[...] = m + jnp.log2(l)
         plgpu.commit_smem()
