@@ -83,7 +83,8 @@ def xla_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, 
 
     qg, q8g, dog = _grouped(q, kv_heads), _grouped(q8, kv_heads), _grouped(do, kv_heads)
     qs, lse, dl = per_query(q_scale), per_query(lse2), per_query(delta)
-    ks_blocks = blocked(k_scale.swapaxes(1, 2)[..., None])[..., 0]  # (blocks, B, Hkv, BLOCK)
+    # K's scale is one a block (expanded per key): its first entry, (blocks, B, Hkv, 1).
+    ks_blocks = blocked(k_scale.swapaxes(1, 2)[..., None])[..., :1, 0]
     rows = lax.broadcasted_iota(jnp.int32, (tq, block), 0)
     cols = lax.broadcasted_iota(jnp.int32, (tq, block), 1)
 
@@ -92,13 +93,13 @@ def xla_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, 
 
     def step(dq, xs):
         j, kb8, ksb, kb, vb = xs
-        s = dot("bhgqd,bhkd->bhgqk", q8g, kb8) * qs * ksb[:, :, None, None, :]
-        p = jnp.exp2(s - lse)
+        c = qs * ksb[:, :, None, None, :]  # (B, Hkv, G, Tq, 1)
+        p = jnp.exp2(dot("bhgqd,bhkd->bhgqk", q8g, kb8) * c - lse)
         if causal:
             p = jnp.where(rows >= cols + j * block, p, 0.0)
         dv = dot("bhgqk,bhgqd->bhkd", p.astype(BF16), dog)
         dp = dot("bhgqd,bhkd->bhgqk", dog, vb)
-        ds = (p * (dp - dl) * scale).astype(BF16)
+        ds = (p * (dp - dl)).astype(BF16)  # softmax's scale applied to dQ and dK's sums
         dq = dq + dot("bhgqk,bhkd->bhgqd", ds, kb)
         dk = dot("bhgqk,bhgqd->bhkd", ds, qg)
         return dq, (dk, dv)
@@ -106,12 +107,12 @@ def xla_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, 
     dq0 = jnp.zeros((batch, kv_heads, heads // kv_heads, tq, d), jnp.float32)
     xs = (jnp.arange(blocks, dtype=jnp.int32), blocked(k8), ks_blocks, blocked(k), blocked(v))
     dq, (dk, dv) = lax.scan(step, dq0, xs)
-    dq = jnp.moveaxis(dq, 3, 1).reshape(batch, tq, heads, d)
+    dq = jnp.moveaxis(dq, 3, 1).reshape(batch, tq, heads, d) * scale
 
     def unblocked(x):  # (blocks, B, Hkv, BLOCK, D) -> (B, Tk, Hkv, D)
         return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 0, 1).reshape(batch, tk, kv_heads, d)
 
-    return dq.astype(BF16), unblocked(dk).astype(BF16), unblocked(dv).astype(BF16)
+    return dq.astype(BF16), (unblocked(dk) * scale).astype(BF16), unblocked(dv).astype(BF16)
 
 
 def _helpers(interpreted: bool):
@@ -217,7 +218,7 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
         for i in (0, 2, 4):
             plgpu.barrier_wait(own.at[i + wg])
         shape = (fwd.WG_ROWS, STEP_ROWS)
-        ks = load(ks_w.at[wg], plgpu.Layout.WGMMA.reduce(1))
+        column = plgpu.Layout.WGMMA.reduce(0)
         zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
 
         def step(t, carry):
@@ -225,12 +226,16 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
             slot = lax.rem(t, jnp.array(stages, t.dtype))
             for ring in loaded:
                 plgpu.barrier_wait(ring.at[slot])
-            column = plgpu.Layout.WGMMA.reduce(0)
-            # Sᵀ: this warpgroup's keys by the step's queries, in the forward's order.
+            # Sᵀ: this warpgroup's keys by the step's queries, raw; scaled and
+            # exponentiated in one FMA and one ex2 a score (docs/design.md#fp8-attention).
             st = mma_t(k8_w.at[wg], q8_r.at[slot], shape)
-            st = st * lax.broadcast_in_dim(load(qs_r.at[slot], column), shape, [1])
-            st = st * lax.broadcast_in_dim(ks, shape, [0])
-            pt = jnp.exp2(st - lax.broadcast_in_dim(load(lse_r.at[slot], column), shape, [1]))
+            # The keys' one block scale, read as a vector along the queries
+            # (columns; read each step, as 16 registers held it spills), joins
+            # each query's scale in one factor a column.
+            c = load(qs_r.at[slot], column) * load(ks_w.at[wg], column)
+            lse = load(lse_r.at[slot], column)
+            pt = jnp.exp2(st * lax.broadcast_in_dim(c, shape, [1])
+                          - lax.broadcast_in_dim(lse, shape, [1]))  # fmt: skip
             if causal:
                 _, rows = rows_of(t)
                 query = iota(shape, 1) + rows.start
@@ -242,12 +247,12 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
             # fence stands between the softmax and the products.
             wgmma_layout = plgpu.Layout.WGMMA
             dv = mma_add(dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
-            dk = mma_add(dk, laid_out((dst * scale).astype(BF16), wgmma_layout), q_r.at[slot])
+            dk = mma_add(dk, laid_out(dst.astype(BF16), wgmma_layout), q_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
         dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
-        dk_w[wg] = dk.astype(BF16)
+        dk_w[wg] = (dk * scale).astype(BF16)  # softmax's scale once, not a score at a time
         v_w[wg] = dv.astype(BF16)  # V's buffer is free now: shared memory is short at D 128
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dk_w.at[wg], dk_ref.at[batch, keys, kv_head])
@@ -305,7 +310,7 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
             plgpu.barrier_wait(own.at[2 * i + wg])
         row = plgpu.Layout.WGMMA.reduce(1)
         shape = (fwd.WG_ROWS, STEP_ROWS)
-        qs = lax.broadcast_in_dim(load(qs_w.at[wg], row), shape, [0])
+        qs = load(qs_w.at[wg], row)
         lse = lax.broadcast_in_dim(load(lse_w.at[wg], row), shape, [0])
         delta = lax.broadcast_in_dim(load(dl_w.at[wg], row), shape, [0])
 
@@ -313,22 +318,23 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
             slot = lax.rem(t, jnp.array(stages, t.dtype))
             for ring in loaded:
                 plgpu.barrier_wait(ring.at[slot])
-            s = mma_t(q8_w.at[wg], k8_r.at[slot], shape) * qs
-            s = s * lax.broadcast_in_dim(load(ks_r.at[slot], plgpu.Layout.WGMMA.reduce(0)),
-                                         shape, [1])  # fmt: skip
-            p = jnp.exp2(s - lse)
+            # The step's keys share one scale: read along the rows, it joins
+            # each query's in one factor a row, and one FMA a score scales it.
+            c = qs * load(ks_r.at[slot], row)
+            s = mma_t(q8_w.at[wg], k8_r.at[slot], shape)
+            p = jnp.exp2(s * lax.broadcast_in_dim(c, shape, [0]) - lse)
             if causal:
                 key = iota(shape, 1) + t * STEP_ROWS
                 p = jnp.where(iota(shape, 0) + base >= key, p, 0.0)
             dp = mma_t(do_w.at[wg], v_r.at[slot], shape)
-            ds = laid_out((p * (dp - delta) * scale).astype(BF16), plgpu.Layout.WGMMA)
+            ds = laid_out((p * (dp - delta)).astype(BF16), plgpu.Layout.WGMMA)
             dq = mma_add(dq, ds, k_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dq
 
         zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
         dq = lax.fori_loop(0, steps, step, zeros)
-        dq_w[wg] = dq.astype(BF16)
+        dq_w[wg] = (dq * scale).astype(BF16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_w.at[wg], dq_ref.at[batch, rows, head])
         plgpu.wait_smem_to_gmem(0)
