@@ -183,8 +183,14 @@ def _backward_operands(tq, tk, heads, kv_heads, d, causal):
 # over a GQA group of two under causality.
 @pytest.mark.parametrize(
     "tq, tk, heads, kv_heads, d, causal",
-    [(128, 128, 1, 1, 64, True), (128, 128, 4, 2, 64, False), (128, 128, 2, 1, 128, True)],
-    ids=["causal-one-block", "gqa-two-groups", "d128-causal-gqa"],
+    [
+        (128, 128, 1, 1, 64, True),
+        (128, 128, 4, 2, 64, False),
+        (128, 128, 2, 1, 128, True),
+        (256, 256, 2, 1, 64, True),
+    ],
+    # the last: steps before the diagonal (unmasked) and on it, per head of a group
+    ids=["causal-one-block", "gqa-two-groups", "d128-causal-gqa", "causal-two-tiles-gqa"],
 )
 def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, kv_heads, d,
                                                                  causal):  # fmt: skip
