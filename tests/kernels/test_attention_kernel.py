@@ -248,6 +248,7 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, h200_with_dumps):
     assert [(g.backend, g.lhs_shape, g.rhs_shape) for g in kernels] == [
         ("pallas-fp8", (1, 512, 4, d), (1, 512, 2, d))
     ], str(report)
+    assert kernels[0].fp8_mma, "the verifier found no FP8 wgmma in the kernel's code"
     # QKᵀ: 64 query rows by a 128-key block; PV: 64 rows by head_dim columns;
     # both E4M3 x E4M3 into f32, 32 of K an instruction.
     shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", hlo))

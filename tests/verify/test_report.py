@@ -256,3 +256,35 @@ def test_a_scaled_dot_is_a_gemm_and_not_fp8():
     assert report.gemms[0].upcast_from_fp8
     with pytest.raises(AssertionError, match="1 of 2 GEMMs are not FP8"):
         assert_fp8_gemms(hlo=report)
+
+
+def _mosaic_gemm(module_text: str) -> str:
+    # A Mosaic GPU kernel's custom call as the HLO prints it (shapes shrunk): its
+    # serialized module carries the kernel's inline PTX, wgmma included.
+    return _module(
+        "",
+        "{\n"
+        "  %a = f8e4m3fn[128,256]{1,0} parameter(0)\n"
+        "  %b = f8e4m3fn[128,256]{1,0} parameter(1)\n"
+        "  ROOT %mpmd_map.0 = bf16[128,128]{1,0} custom-call(%a, %b), "
+        'custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, '
+        'metadata={op_name="jit(f)/fp8jax_block_scaled_gemm/mpmd_map"}, '
+        f'backend_config={{kernel_hash = "\\BCo", module = "ML\\EFR\\01{module_text}\\00"}}\n'
+        "}",
+    )
+
+
+def test_a_mosaic_gpu_kernel_is_fp8_only_if_its_code_issues_an_fp8_wgmma():
+    fp8 = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {$0,$1}"
+    (gemm,) = gemm_report(_mosaic_gemm(fp8)).gemms
+    assert (gemm.backend, gemm.target, gemm.fp8_mma) == (
+        "pallas-fp8", "fp8jax_block_scaled_gemm", True)  # fmt: skip
+    assert gemm.is_fp8 and not gemm.upcast_from_fp8
+    # The same f8 operands widened in the kernel: a BF16 wgmma, a silent fallback.
+    bf16 = "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {$0,$1}"
+    report = gemm_report(_mosaic_gemm(bf16))
+    (gemm,) = report.gemms
+    assert (gemm.backend, gemm.fp8_mma, gemm.is_fp8, gemm.upcast_from_fp8) == (
+        "pallas", False, False, True)  # fmt: skip
+    with pytest.raises(AssertionError, match="1 of 1 GEMMs are not FP8"):
+        assert_fp8_gemms(hlo=report)

@@ -8,6 +8,15 @@ is one of :data:`KERNELS`, each listed with the operands that hold its two
 GEMM inputs; it is FP8 when both are f8 (backend ``pallas-fp8``, else
 ``pallas``), as for cuBLASLt's and Triton's GEMMs. Other Pallas kernels
 (casts, norms) stay out of the report.
+
+A Mosaic GPU kernel is FP8 only if its code says so too: Mosaic GPU lowers
+``wgmma`` to inline PTX, which the custom call's serialized module carries,
+and an FP8 ``wgmma`` names its operand types there
+(``wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3``). A kernel that
+reads f8 operands but issues no FP8 ``wgmma`` (it widened them to 16 bits
+first) is reported as ``pallas``, upcast from FP8. A Pallas Triton call
+carries Triton IR, whose MMA instruction Triton picks later: its evidence is
+the operands' types alone (:func:`fp8_mma` returns None).
 """
 
 from __future__ import annotations
@@ -47,6 +56,24 @@ def kernel_name(target: str, attrs: str, op_name: str) -> str | None:
     return next((name for name in names if name in KERNELS), None)
 
 
-def backend(lhs_is_fp8: bool, rhs_is_fp8: bool) -> str:
-    """The report's backend of a Pallas GEMM: ``pallas-fp8`` on two f8 operands."""
-    return "pallas-fp8" if lhs_is_fp8 and rhs_is_fp8 else "pallas"
+# E4M3 or E5M2 on both sides, f32 accumulation: the FP8 forms of Hopper's wgmma.
+_FP8_WGMMA = re.compile(
+    r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e[45]m[23]\.e[45]m[23]\b"
+)
+
+
+def fp8_mma(target: str, attrs: str) -> bool | None:
+    """Whether a Mosaic GPU kernel's code issues an FP8 ``wgmma``; None for a Triton call.
+
+    ``attrs``: the custom call's attributes as the HLO text prints them,
+    serialized module included.
+    """
+    if target != MOSAIC_GPU_TARGET:
+        return None
+    return _FP8_WGMMA.search(attrs) is not None
+
+
+def backend(lhs_is_fp8: bool, rhs_is_fp8: bool, code_is_fp8: bool | None = None) -> str:
+    """The report's backend of a Pallas GEMM: ``pallas-fp8`` on two f8 operands,
+    unless its code (:func:`fp8_mma`) shows no FP8 MMA."""
+    return "pallas-fp8" if lhs_is_fp8 and rhs_is_fp8 and code_is_fp8 is not False else "pallas"

@@ -75,7 +75,12 @@ class GemmRow:
       lhs_dtype, lhs_shape, rhs_dtype, rhs_shape: the operands the kernel reads.
       out_dtype, out_shape: its result.
       upcast_from_fp8: an operand was converted from f8 to a wider type on its
-        way into this GEMM, so FP8 data is multiplied in high precision.
+        way into this GEMM, so FP8 data is multiplied in high precision (or,
+        for a Mosaic GPU kernel, widened inside it: no FP8 MMA in its code).
+      fp8_mma: for fp8jax's Mosaic GPU kernels, whether the kernel's code
+        issues an FP8 ``wgmma`` (:func:`fp8jax.verify.pallas_gemms.fp8_mma`);
+        None where the HLO holds no instruction-level code (cuBLASLt's and
+        XLA's GEMMs, Pallas Triton calls).
       source: ``file:line`` of the innermost frame outside jax, flax and fp8jax.
       op_name: the JAX op name from the HLO metadata.
       stack: every frame, innermost first, as ``file:line in function``.
@@ -95,12 +100,15 @@ class GemmRow:
     source: str = ""
     op_name: str = ""
     stack: tuple[str, ...] = ()
+    fp8_mma: bool | None = None
 
     @property
     def is_fp8(self) -> bool:
-        """Whether the GEMM kernel reads two FP8 operands (a block-scaled one never counts)."""
+        """Whether the GEMM kernel reads two FP8 operands and, where its code is in the
+        HLO, multiplies them on FP8 tensor cores (a block-scaled one never counts)."""
         fp8 = self.lhs_dtype.startswith("f8") and self.rhs_dtype.startswith("f8")
-        return fp8 and self.backend != "triton-scaled" and self.target != "scaled-dot"
+        scaled = self.backend == "triton-scaled" or self.target == "scaled-dot"
+        return fp8 and not scaled and self.fp8_mma is not False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,13 +318,17 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
         return None  # not a GEMM: its operands may be anything (a CPU callback has one)
     operands = [inst.operands[i] for i in pallas or (0, 1)]
     lhs, rhs = (_upcast.type_of(comp, op) for op in operands)
+    code_is_fp8 = None
     if pallas is not None:
-        backend, target = pallas_gemms.backend(lhs.is_fp8, rhs.is_fp8), kernel
+        code_is_fp8 = pallas_gemms.fp8_mma(target, inst.attrs)
+        backend, target = pallas_gemms.backend(lhs.is_fp8, rhs.is_fp8, code_is_fp8), kernel
     elif target == _CUDNN_BLOCK_SCALED and lhs.is_fp8 and rhs.is_fp8:
         backend = "cudnn-fp8"
     row = _row(module, inst, backend, kind, target, lhs, rhs, inst.types[0])
+    row = dataclasses.replace(row, fp8_mma=code_is_fp8)
     if kind == "gemm" and not row.is_fp8:
-        upcast = any(_upcast.dequantized(module, comp, op, ()) for op in operands)
+        widened = code_is_fp8 is False and lhs.is_fp8 and rhs.is_fp8  # inside the kernel
+        upcast = widened or any(_upcast.dequantized(module, comp, op, ()) for op in operands)
         row = dataclasses.replace(row, upcast_from_fp8=upcast)
     return row
 
