@@ -110,11 +110,11 @@ class ForwardConfig:
         f32 steps are the default's; on the GPU the sum across blocks then
         has the tensor cores' accumulation precision, not f32 adds'.
       longest_first: under causality a CTA's work grows with its query tile;
-        the grid launches every head's and batch element's last (longest)
-        tile first and the first tiles last, so the short ones fill the
-        final wave instead of a few long ones running alone
-        (FlashAttention-3's longest-first order). Unmasked, every CTA's
-        work is the same and the order does not matter.
+        each batch element's tiles launch last (longest) first, so the short
+        ones fill the grid's final wave instead of a few long ones running
+        alone (FlashAttention-3's longest-first order). The batch stays the
+        grid's slowest axis, so the CTAs in flight share one element's K and
+        V in L2. Unmasked, every CTA's work is the same: the order is kept.
     """
 
     stages: int = STAGES
@@ -335,7 +335,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     d = q_ref.shape[-1]
     kv_blocks = k_ref.shape[1] // BLOCK
     batch, head, q_tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
-    if config.longest_first:  # the grid's slowest axis, walked from the last tile
+    if config.longest_first:  # walked from the last tile
         q_tile = q_ref.shape[1] // CTA_ROWS - 1 - q_tile
     kv_head = lax.div(head, jnp.array(group, head.dtype))
     wg = lax.axis_index("wg")
@@ -709,15 +709,11 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
 
     out_type = (jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
                 jax.ShapeDtypeStruct((batch, heads, tq), jnp.float32))  # fmt: skip
-    if config.longest_first:
-        grid, grid_names = (heads, batch, tq // CTA_ROWS), ("heads", "batch", "q")
-    else:
-        grid, grid_names = (heads, tq // CTA_ROWS, batch), ("heads", "q", "batch")
     kernel = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=grid,
-        grid_names=grid_names,
+        grid=(heads, tq // CTA_ROWS, batch),
+        grid_names=("heads", "q", "batch"),
         num_threads=3,  # two compute warpgroups and the memory one
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
