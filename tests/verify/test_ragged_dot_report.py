@@ -1,6 +1,5 @@
 """The verifier counts fp8jax.ragged_dot's grouped GEMMs (Pallas kernels), deviceless."""
 
-import pathlib
 import re
 import shutil
 import tempfile
@@ -34,7 +33,7 @@ def compiled():
     flags = f"{fp8jax.xla_options.as_xla_flags()} --xla_dump_to={dump}"
     try:
         hlo = verify.compile_for(_fwd_bwd, *args, target="h100", xla_flags=flags)
-        ptx = {p.name: p.read_text() for p in pathlib.Path(dump).glob("*.ptx")}
+        ptx = verify.read_ptx(dump)
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     return hlo, ptx
@@ -106,3 +105,16 @@ def test_grouped_kernels_accumulate_on_fp8_tensor_cores(compiled, kernel, mmas):
         assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text)
         assert not re.search(r"\badd\.(rn\.)?f32\b", text)
         assert "cp.async.cg.shared.global" in text
+
+
+def test_with_the_ptx_the_report_reads_the_grouped_kernels_fp8_from_their_code(compiled):
+    # Given the compile's PTX, a Triton kernel is FP8 by its wgmma, not only by
+    # its operands: the same kernels with BF16 MMAs in their code would be upcasts.
+    hlo, ptx = compiled
+    rows = [g for g in verify.gemm_report(hlo, ptx=ptx).gemms if g.target.startswith("fp8jax_")]
+    assert len(rows) == 3 and all(g.fp8_mma and g.is_fp8 for g in rows), rows
+    assert all(g.fp8_mma is None for g in verify.gemm_report(hlo).gemms)  # no PTX: unknown
+    widened = {k: re.sub(r"\.e[45]m[23]\.e[45]m[23]\b", ".bf16.bf16", t) for k, t in ptx.items()}
+    rows = [g for g in verify.gemm_report(hlo, ptx=widened).gemms if g.target.startswith("fp8jax_")]
+    assert len(rows) == 3 and not any(g.is_fp8 for g in rows), rows
+    assert all(g.backend == "pallas" and g.upcast_from_fp8 for g in rows), rows

@@ -52,6 +52,7 @@ from fp8jax.verify.compilation import CompileError, Memory, compile_for, compile
 # module, and this line rebinds it, so ``fp8jax.verify.jaxpr_dots(fn, *args)`` works as the
 # README says (``from fp8jax.verify.jaxpr_dots import jaxpr_dots`` still does too).
 from fp8jax.verify.jaxpr_dots import JaxprDot, jaxpr_dots
+from fp8jax.verify.pallas_gemms import read_ptx
 from fp8jax.verify.relayouts import RelayoutRow, fp8_relayouts
 from fp8jax.verify.report import CollectiveRow, GemmRow, Report, gemm_report
 
@@ -71,4 +72,5 @@ __all__ = [
     "gemm_report",
     "jaxpr_dots",
     "memory_many",
+    "read_ptx",
 ]

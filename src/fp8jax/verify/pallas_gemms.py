@@ -15,8 +15,10 @@ and an FP8 ``wgmma`` names its operand types there
 (``wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3``). A kernel that
 reads f8 operands but issues no FP8 ``wgmma`` (it widened them to 16 bits
 first) is reported as ``pallas``, upcast from FP8. A Pallas Triton call
-carries Triton IR, whose MMA instruction Triton picks later: its evidence is
-the operands' types alone (:func:`fp8_mma` returns None).
+carries Triton IR, whose MMA instruction Triton picks later: its code is in
+the PTX XLA writes with ``--xla_dump_to`` (:func:`read_ptx`), one ``.entry``
+per kernel; given it, the report requires FP8 ``wgmma``s there too, and
+without it the operands' types are the evidence (:func:`fp8_mma` returns None).
 """
 
 from __future__ import annotations
@@ -62,15 +64,57 @@ _FP8_WGMMA = re.compile(
 )
 
 
-def fp8_mma(target: str, attrs: str) -> bool | None:
-    """Whether a Mosaic GPU kernel's code issues an FP8 ``wgmma``; None for a Triton call.
+# Any wgmma form (d, a, b types) and Ampere's mma.sync, in PTX or inline PTX.
+_WGMMA_FORM = re.compile(r"\bwgmma\.mma_async\.sync\.aligned\.m64n\d+k\d+\.(\w+)\.(\w+)\.(\w+)")
+_MMA_SYNC = re.compile(r"\bmma\.sync\.aligned\b")
+_ENTRY = re.compile(r"\.entry\s+(\w+?)(?:__\d+)?\s*\(")  # XLA numbers repeats: name__1
+_FP8_TYPES = {"e4m3", "e5m2"}
 
-    ``attrs``: the custom call's attributes as the HLO text prints them,
-    serialized module included.
+
+def read_ptx(folder) -> dict[str, str]:
+    """The PTX files XLA wrote to ``--xla_dump_to=folder``, by file name.
+
+    Example::
+
+        dump = tempfile.mkdtemp()
+        hlo = compile_for(fn, *args, target="h200", xla_flags=f"--xla_dump_to={dump}")
+        report = gemm_report(hlo, ptx=read_ptx(dump))
     """
-    if target != MOSAIC_GPU_TARGET:
+    import pathlib
+
+    return {p.name: p.read_text() for p in sorted(pathlib.Path(folder).glob("*.ptx"))}
+
+
+def ptx_mma_forms(ptx) -> dict[str, frozenset[tuple[str, ...]]]:
+    """Each PTX kernel's MMA forms: ``{name: {(d, a, b), ...}}`` for its ``wgmma``s, with
+    ``("mma.sync",)`` for an Ampere-style MMA. ``ptx``: PTX texts, or a dict of them."""
+    texts = ptx.values() if isinstance(ptx, dict) else ptx
+    forms: dict[str, set] = {}
+    for text in texts:
+        starts = [(m.start(), m.group(1)) for m in _ENTRY.finditer(text)]
+        for i, (start, name) in enumerate(starts):
+            body = text[start : starts[i + 1][0] if i + 1 < len(starts) else len(text)]
+            found = forms.setdefault(name, set())
+            found.update(m.groups() for m in _WGMMA_FORM.finditer(body))
+            if _MMA_SYNC.search(body):
+                found.add(("mma.sync",))
+    return {name: frozenset(f) for name, f in forms.items()}
+
+
+def fp8_mma(target: str, attrs: str, kernel: str = "", ptx_forms=None) -> bool | None:
+    """Whether a Pallas GEMM kernel's code multiplies on FP8 tensor cores, or None if unknown.
+
+    A Mosaic GPU kernel: its inline PTX (``attrs``, the custom call's attributes
+    as the HLO text prints them, serialized module included) has an FP8
+    ``wgmma``. A Triton kernel: its PTX entries named ``kernel`` (``ptx_forms``,
+    from :func:`ptx_mma_forms`) have MMAs, all FP8 ``wgmma``s; None without them.
+    """
+    if target == MOSAIC_GPU_TARGET:
+        return _FP8_WGMMA.search(attrs) is not None
+    if ptx_forms is None or kernel not in ptx_forms:
         return None
-    return _FP8_WGMMA.search(attrs) is not None
+    forms = ptx_forms[kernel]
+    return bool(forms) and all(len(f) == 3 and set(f[1:]) <= _FP8_TYPES for f in forms)
 
 
 def backend(lhs_is_fp8: bool, rhs_is_fp8: bool, code_is_fp8: bool | None = None) -> str:

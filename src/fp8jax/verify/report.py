@@ -77,10 +77,11 @@ class GemmRow:
       upcast_from_fp8: an operand was converted from f8 to a wider type on its
         way into this GEMM, so FP8 data is multiplied in high precision (or,
         for a Mosaic GPU kernel, widened inside it: no FP8 MMA in its code).
-      fp8_mma: for fp8jax's Mosaic GPU kernels, whether the kernel's code
-        issues an FP8 ``wgmma`` (:func:`fp8jax.verify.pallas_gemms.fp8_mma`);
-        None where the HLO holds no instruction-level code (cuBLASLt's and
-        XLA's GEMMs, Pallas Triton calls).
+      fp8_mma: for fp8jax's Pallas GEMM kernels, whether the kernel's code
+        multiplies on FP8 ``wgmma`` (:func:`fp8jax.verify.pallas_gemms.fp8_mma`:
+        Mosaic GPU's from the HLO, Triton's from the PTX given to
+        ``gemm_report``); None where no code was read (cuBLASLt's and XLA's
+        GEMMs, Triton kernels without PTX).
       source: ``file:line`` of the innermost frame outside jax, flax and fp8jax.
       op_name: the JAX op name from the HLO metadata.
       stack: every frame, innermost first, as ``file:line in function``.
@@ -168,12 +169,16 @@ class Report:
         return "\n".join(_format(self))
 
 
-def gemm_report(hlo_text: str) -> Report:
+def gemm_report(hlo_text: str, ptx=None) -> Report:
     """Lists every GEMM and collective of an optimized HLO module.
 
     Args:
       hlo_text: optimized HLO text, from ``compile_for`` or
         ``jax.jit(f).lower(...).compile().as_text()``.
+      ptx: optional, the PTX XLA wrote for the same compile (texts, or the
+        dict :func:`fp8jax.verify.read_ptx` returns): fp8jax's Triton GEMM
+        kernels then count as FP8 only if their code's MMAs are FP8 ``wgmma``s
+        (Mosaic GPU kernels are checked from the HLO alone).
 
     Returns:
       A ``Report``; ``str(report)`` prints aligned tables.
@@ -191,10 +196,11 @@ def gemm_report(hlo_text: str) -> Report:
       [('dot', 'f32', False)]
     """
     module = _hlo.parse_module(hlo_text)
+    ptx_forms = None if ptx is None else pallas_gemms.ptx_mma_forms(ptx)
     gemms, attention, collectives = [], [], []
     for comp, inst, callers in _walk(module, module.entry, (), set()):
         if inst.opcode == "custom-call":
-            row = _custom_call_row(module, comp, inst)
+            row = _custom_call_row(module, comp, inst, ptx_forms)
             if row is not None:
                 (attention if row.kind == "attention" else gemms).append(row)
         elif inst.opcode == "fusion" and _gemm_fusion_backend(module, inst):
@@ -302,7 +308,7 @@ def _dot_row(module, comp, dot, gemm, backend, target, callers) -> GemmRow:
     return row
 
 
-def _custom_call_row(module, comp, inst) -> GemmRow | None:
+def _custom_call_row(module, comp, inst, ptx_forms=None) -> GemmRow | None:
     target = inst.custom_call_target or ""
     kernel = pallas_gemms.kernel_name(target, inst.attrs, inst.metadata.get("op_name", ""))
     pallas = None if kernel is None else pallas_gemms.KERNELS[kernel]
@@ -320,7 +326,7 @@ def _custom_call_row(module, comp, inst) -> GemmRow | None:
     lhs, rhs = (_upcast.type_of(comp, op) for op in operands)
     code_is_fp8 = None
     if pallas is not None:
-        code_is_fp8 = pallas_gemms.fp8_mma(target, inst.attrs)
+        code_is_fp8 = pallas_gemms.fp8_mma(target, inst.attrs, kernel, ptx_forms)
         backend, target = pallas_gemms.backend(lhs.is_fp8, rhs.is_fp8, code_is_fp8), kernel
     elif target == _CUDNN_BLOCK_SCALED and lhs.is_fp8 and rhs.is_fp8:
         backend = "cudnn-fp8"
