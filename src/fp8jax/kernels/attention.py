@@ -21,8 +21,8 @@ the saved residual the base-2 logsumexp ``m + log2(l)``. As FlashAttention-3
 does, the max is taken over the raw products (times ``c``, positive, after)
 and ``p * P_SCALE = exp2(raw * c - (m - log2(P_SCALE)))`` is one FMA and one
 ``ex2`` a score, ``l`` summing ``p * P_SCALE`` (divided out, exactly, at the
-end): the softmax's f32 work shares the SM with the FP8 MMAs, whose time it
-otherwise exceeds (docs/design.md#fp8-attention). No Tq x Tk array exists:
+end): the softmax's f32 work shares the SM with the FP8 MMAs
+(docs/design.md#fp8-attention). No Tq x Tk array exists:
 the XLA twin (:func:`xla_forward`, the CPU's path and the kernel's test
 reference) walks the same key blocks in a loop with the same operations.
 

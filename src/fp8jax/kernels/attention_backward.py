@@ -337,12 +337,10 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
             return dq
 
         zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
-        if causal:  # only the last steps (the CTA's own keys) meet the diagonal
-            diagonal = lax.max(steps - DIAGONAL_STEPS, 0)
-            dq = lax.fori_loop(0, diagonal, functools.partial(step, masked=False), zeros)
-            dq = lax.fori_loop(diagonal, steps, functools.partial(step, masked=True), dq)
-        else:
-            dq = lax.fori_loop(0, steps, functools.partial(step, masked=False), zeros)
+        # Under causality only the last steps (the CTA's own keys) meet the diagonal.
+        diagonal = lax.max(steps - DIAGONAL_STEPS, 0) if causal else steps
+        dq = lax.fori_loop(0, diagonal, functools.partial(step, masked=False), zeros)
+        dq = lax.fori_loop(diagonal, steps, functools.partial(step, masked=True), dq)
         dq_w[wg] = (dq * scale).astype(BF16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_w.at[wg], dq_ref.at[batch, rows, head])

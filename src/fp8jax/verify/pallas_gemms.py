@@ -23,6 +23,7 @@ without it the operands' types are the evidence (:func:`fp8_mma` returns None).
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
@@ -80,8 +81,6 @@ def read_ptx(folder) -> dict[str, str]:
         hlo = compile_for(fn, *args, target="h200", xla_flags=f"--xla_dump_to={dump}")
         report = gemm_report(hlo, ptx=read_ptx(dump))
     """
-    import pathlib
-
     return {p.name: p.read_text() for p in sorted(pathlib.Path(folder).glob("*.ptx"))}
 
 
