@@ -22,6 +22,7 @@ counts active parameters (fp8jax.training.mfu):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import traceback
 
@@ -39,6 +40,7 @@ from harness import (
 
 import fp8jax
 from fp8jax import data
+from fp8jax.kernels import attention as attention_kernel
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training import mfu
 from fp8jax.training.config import TrainOptions, resolve
@@ -112,6 +114,32 @@ def step_gradients(program: TrainProgram):
     return gradients
 
 
+def forward_build(name: str | None):
+    """bench/attention.py's FP8 attention forward build ``name`` (None: the library's default)."""
+    if name is None:
+        return None
+    from attention import FORWARD_BUILDS
+
+    if name not in FORWARD_BUILDS:
+        raise SystemExit(f"--attention-build must be one of {sorted(FORWARD_BUILDS)}, got {name!r}")
+    return FORWARD_BUILDS[name]
+
+
+@contextlib.contextmanager
+def attention_built_as(config):
+    """FP8 attention's forward kernel built as ``config`` while a step is traced (None: as the
+    library builds it): the A/B of a build that beat the default in bench/attention.py."""
+    if config is None:
+        yield
+        return
+    default = attention_kernel.DEFAULT_CONFIG
+    attention_kernel.DEFAULT_CONFIG = config  # fp8jax.dot_product_attention reads it when traced
+    try:
+        yield
+    finally:
+        attention_kernel.DEFAULT_CONFIG = default
+
+
 def row_rates(row: dict, program: TrainProgram, tokens: int, devices: int) -> None:
     """Adds tokens/s, model FLOPs per token and MFU (or why there is none) to ``row``."""
     c = program.config
@@ -153,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention", default="auto", help="auto (cuDNN on a GPU), xla, cudnn, fp8, fp8-hadamard"
     )
+    parser.add_argument(
+        "--attention-build", default=None,
+        help="FP8 attention rows with the forward kernel built as this bench/attention.py "
+        "build (FORWARD_BUILDS), not the library's default; recorded in the output",
+    )  # fmt: skip
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
@@ -176,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
+    build = forward_build(args.attention_build)
     env = start(args)
     print(env)
     overrides = {
@@ -191,6 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     title = f"GPT {args.config} train step (fp8jax train's jitted step)"
     title += f", mesh {args.mesh}" if args.mesh else ""
     title += ", layers rolled" if args.rolled_layers else ""
+    title += f", FP8 attention built as {args.attention_build}" if args.attention_build else ""
     print(f"\n{title}", flush=True)
     rows, failed = [], []
     for name in args.variants:
@@ -200,7 +235,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 unroll_layers=not args.rolled_layers, **overrides,
             )  # fmt: skip
             trace = os.path.join(args.trace, name) if args.trace else None
-            with jax.numpy_dtype_promotion("standard"), program.sharding_context():
+            with (jax.numpy_dtype_promotion("standard"), program.sharding_context(),
+                  attention_built_as(build)):  # fmt: skip
                 row = measure(name, step, *step_args, iters=args.iters, trace_dir=trace,
                               devices=devices, carry=True,
                               gradients=step_gradients(program))  # fmt: skip
@@ -219,6 +255,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             del program, step, step_args
         if args.out:
             payload = {"environment": env, "title": title, "mesh": args.mesh,
+                       "attention_build": args.attention_build,
                        "overrides": overrides, "rows": rows, "failed": failed}  # fmt: skip
             dump(args.out, payload)
     if any(r["name"] == "bf16" for r in rows):

@@ -50,3 +50,33 @@ def test_with_accumulation_the_gradients_checked_are_the_first_micro_batchs(monk
         maxima = gpt_bench.step_gradients(program)(None, [state, batch])
     assert seen == [(2, batch.shape[1])]
     assert len(jax.tree.leaves(maxima)) == len(jax.tree.leaves(state.params))
+
+
+def test_an_attention_build_reaches_the_fp8_attention_the_step_traces(monkeypatch):
+    import jax.numpy as jnp
+    import pytest
+
+    import fp8jax
+    from fp8jax.kernels import attention as kernel
+
+    seen = []
+    forward = kernel.forward
+
+    def spy(*args, config, **kwargs):
+        seen.append(config)
+        return forward(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(kernel, "forward", spy)
+    build = gpt_bench.forward_build("longest_first")
+    q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+
+    def trace():
+        jax.make_jaxpr(lambda x: fp8jax.dot_product_attention(x, x, x, causal=True))(q)
+
+    with gpt_bench.attention_built_as(build):
+        trace()
+    trace()  # the library's own build again afterwards
+    assert build != kernel.DEFAULT_CONFIG and seen == [build, kernel.DEFAULT_CONFIG]
+    assert gpt_bench.forward_build(None) is None
+    with pytest.raises(SystemExit, match="longest_first.*got 'fastest'"):
+        gpt_bench.forward_build("fastest")
