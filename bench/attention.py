@@ -6,10 +6,12 @@ is measured.
 * **Speed.** Per shape, the forward and the forward + backward (``jax.vjp``
   under a random output gradient) of ``fp8jax.dot_product_attention``
   (without and with ``hadamard=True``), cuDNN BF16
-  (``jax.nn.dot_product_attention(implementation="cudnn")``) and cuDNN FP8,
-  each timed by bench/harness.py's ``measure`` (first compile, synchronized
-  median after a heating spell, pipelined mean, peak memory; a backward's
-  dq, dk and dv checked not to be zeros before it is timed). ``vs_bf16``
+  (``jax.nn.dot_product_attention(implementation="cudnn")``), cuDNN FP8 and,
+  as a diagnostic, JAX's own Mosaic GPU attention in F16 (``attention_mgpu``:
+  fp8jax's framework without FP8), each timed by bench/harness.py's
+  ``measure`` (first compile, synchronized median after a heating spell,
+  pipelined mean, peak memory; a backward's dq, dk and dv checked not to be
+  zeros before it is timed). ``vs_bf16``
   is cuDNN BF16's median over the row's (> 1: faster than cuDNN BF16),
   ``vs_bf16_pipelined`` the same of the pipelined means. Shapes:
   ``llama-3b``'s attention (8 x 4096, 24 query and 8 kv heads of 128,
@@ -292,6 +294,7 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
         log_build_checks(name, fns, builds, (q, k, v), log)
     if not args.builds_only:
         cudnn_fp8_rows(name, (q, k, v, g), causal, scale, args, cudnn_ok, times, log)
+    mosaic_f16_rows(name, (q, k, v, g), causal, args, cudnn_ok, times, log)
     summary = {"shape": name, "baseline": baseline, "vs_bf16": {}, "vs_bf16_pipelined": {}}
     for (impl, part), t in times.items():
         if impl != baseline:
@@ -355,6 +358,48 @@ def cudnn_fp8_rows(name, call, causal, scale, args, cudnn_ok, times, log) -> Non
                      **times[("cudnn_fp8", part)]})  # fmt: skip
     except Exception as error:  # cuDNN's refusal is the row's result
         log({"shape": name, "impl": "cudnn_fp8", "refused": _refused(error)})
+
+
+def mosaic_f16(causal: bool):
+    """JAX's own Mosaic GPU attention (``attention_mgpu``), blocks of 64 queries by 128 keys as
+    fp8jax's. F16 in and out: its kernels stage operands in F16 shared memory whatever the
+    input (BF16 fails to trace, jax 0.10), and F16 runs the tensor cores at BF16's rate. Its
+    softmax takes no 1/sqrt(d) scale, which no time depends on; its backward is unmasked only
+    (jax 0.10), so a causal shape's fwd_bwd row says it refused."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+        block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64,  # its backward's
+    )  # fmt: skip
+
+    def attend(q, k, v):
+        return attention_mgpu.attention(q, k, v, config)
+
+    return attend
+
+
+def mosaic_f16_rows(name, call, causal, args, on_gpu, times, log) -> None:
+    """:func:`mosaic_f16`'s times into ``times`` (on the inputs cast to F16 before timing), or
+    the row that says why there are none: a diagnostic, not the baseline. It shares fp8jax's
+    framework without FP8, so it tells the kernel's structure from its FP8 work."""
+    if not on_gpu:
+        log({"shape": name, "impl": "mosaic_f16", "skipped": "Mosaic GPU needs an NVIDIA GPU"})
+        return
+    q, k, v, g = (x.astype(jnp.float16) for x in call)
+    try:
+        attend = mosaic_f16(causal)
+        for part, jitted, args_, grads in (
+            ("fwd", jax.jit(attend), (q, k, v), None),
+            ("fwd_bwd", jax.jit(with_backward(attend)), (q, k, v, g), _grads_after(1)),
+        ):
+            if part in args.parts:
+                times[("mosaic_f16", part)] = _measure(f"mosaic_f16 {part}", jitted, args_,
+                                                       args.iters, grads)  # fmt: skip
+                log({"shape": name, "impl": "mosaic_f16", "part": part,
+                     **times[("mosaic_f16", part)]})  # fmt: skip
+    except Exception as error:  # a refusal (a CUDA version, a shape) is the row's result
+        log({"shape": name, "impl": "mosaic_f16", "refused": _refused(error)})
 
 
 def log_build_checks(name, fns, builds, call, log) -> None:

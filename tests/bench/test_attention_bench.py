@@ -37,6 +37,8 @@ def test_dry_run_times_fp8jax_against_bf16_and_measures_every_error(tmp_path):
         assert row["gradient_leaves_checked"] == (3 if row["part"] == "fwd_bwd" else None), row
     skipped = [r for r in rows if "cudnn_fp8" in (r.get("impl"), r.get("errors_vs_f32"))]
     assert len(skipped) == 5 and all("NVIDIA GPU" in r["skipped"] for r in skipped)
+    (mosaic,) = [r for r in rows if r.get("impl") == "mosaic_f16"]
+    assert "NVIDIA GPU" in mosaic["skipped"]
     errors = [r for r in rows if r.get("errors_vs_f32", "cudnn_fp8") != "cudnn_fp8"]
     assert {(r["case"], r["causal"]) for r in errors} == {
         (case, causal) for case in bench.CASES for causal in (True, False)
@@ -69,6 +71,28 @@ def test_cudnn_fp8_call_traces_with_every_scale_and_bf16_results(monkeypatch):
     ]  # fmt: skip
     assert sorted(amaxes) == sorted(bench.SCALED)
     assert all(a.shape == () and a.dtype == jnp.float32 for a in amaxes.values())
+
+
+def test_mosaic_gpu_f16_attention_traces_with_f16_results_and_gradients(monkeypatch):
+    """The diagnostic row's JAX Mosaic GPU attention, traced on the CPU at llama-3b's heads."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    class Cuda13:  # no CUDA here; its causal path refuses 12.8.0 to 12.9.0 only
+        @staticmethod
+        def cuda_runtime_get_version():
+            return 13000
+
+    monkeypatch.setattr(attention_mgpu, "cuda_versions", Cuda13)
+    f16 = jnp.float16
+    q = jax.ShapeDtypeStruct((1, 512, 24, 128), f16)
+    kv = jax.ShapeDtypeStruct((1, 512, 8, 128), f16)
+    out = jax.eval_shape(bench.mosaic_f16(True), q, kv, kv)
+    assert (out.shape, out.dtype) == (q.shape, f16)
+    # Its backward is unmasked only (jax 0.10): a causal row's fwd_bwd is logged refused.
+    out, dq, dk, dv = jax.eval_shape(bench.with_backward(bench.mosaic_f16(False)), q, kv, kv, q)
+    assert [(x.shape, x.dtype) for x in (out, dq, dk, dv)] == [
+        (q.shape, f16), (q.shape, f16), (kv.shape, f16), (kv.shape, f16)
+    ]  # fmt: skip
 
 
 def test_forward_builds_are_timed_beside_the_default_and_checked_against_it(tmp_path):
