@@ -275,6 +275,38 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, h200_with_dumps):
     assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
 
 
+@pytest.mark.deviceless
+def test_deviceless_profiled_forward_reads_the_clock_at_its_regions_without_spilling(
+    h200_with_dumps, monkeypatch
+):
+    """``mosaic_forward(profile_dir=...)`` (bench/attention_profile.py) compiles for the H200.
+
+    Mosaic GPU's profiler stores a region's start and end with the SM's cycle
+    counter: every region of the kernel's (ten names, each a site or more, two
+    stores a site) reads it, and the kernel still fits its registers. The
+    profiler's host callback, which writes the trace on a GPU, cannot lower
+    without one and is stubbed here; it is outside the kernel.
+    """
+    from fp8jax.ops.attention import kernel_operands
+
+    monkeypatch.setattr(jax.debug, "callback", lambda *args, **kwargs: None)
+    d = 128
+    q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
+
+    def profiled(q, k, v):
+        operands, _ = kernel_operands(q, k, v, d**-0.5)
+        return kernel.mosaic_forward(*operands, causal=True, profile_dir="/unused")
+
+    _, dumps = h200_with_dumps(profiled, q, kv, kv, child="forward-profiled")
+    (ptx,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptx")]
+    (ptxas,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
+    stores = re.findall(r"st\.shared\.v2\.u32\s+\[[^\]]*\],\s*\{[^}]*%clock\}", ptx)
+    assert len(stores) >= 2 * 10, len(stores)
+    assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
+    assert kernel.profiling(None, 4096) == {}
+
+
 # Builds that fit the registers: the overlap with a fresh PV tile only at
 # head_dim 64 (at 128 ptxas spills it, 100-508 bytes a thread; bench/attention.py
 # still times it), with PV in place at 128 too.

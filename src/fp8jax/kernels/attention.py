@@ -277,6 +277,20 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
 
     stages = config.stages
 
+    def region(name):
+        """A named region: its start and end on the device's clock when the kernel is
+        profiled (``mosaic_forward(profile_dir=...)``); nothing otherwise."""
+
+        def decorate(fn):
+            @functools.wraps(fn)
+            def within(*args, **kwargs):
+                with jax.named_scope(name):
+                    return fn(*args, **kwargs)
+
+            return within
+
+        return decorate
+
     # The interpreter has no rules for layouts (plgpu.load, layout_cast, iota's
     # layout) and needs none: there these are plain loads, values and iotas.
     def load(ref, layout):
@@ -324,6 +338,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
         if config.pingpong:
             plgpu.barrier_arrive(turn)
 
+    @region("turn_wait")
     def turn_wait():
         if config.pingpong:
             plgpu.barrier_wait(turn)
@@ -384,6 +399,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             plgpu.barrier_arrive(k_done.at[slot])
             return s, qs * ks
 
+        @region("softmax")
         def softmax(s_c, j, m, l, masked: bool):
             """``(p, m_new, alpha, l_new)`` from block j's :func:`scaled` scores, with
             p and l in units of 1 / P_SCALE (docs/design.md#fp8-attention)."""
@@ -399,6 +415,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             p = jnp.exp2(s * row(c) - row(m_new - math.log2(P_SCALE)))
             return p, m_new, alpha, l * alpha + p.sum(axis=1)
 
+        @region("p_operand")
         def p_operand(p8):
             """E4M3 P x 2**8 as the PV MMA's A operand: in shared memory, or registers."""
             if not config.p_registers:
@@ -434,11 +451,13 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
 
             return pl.run_state(product)(plgpu.ACC.init(acc))
 
+        @region("wait_k")
         def wait_k(j):
             slot = slot_of(j)
             plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_wait(ks_bars.at[slot])
 
+        @region("wait_v")
         def wait_v(j):
             slot = slot_of(j)
             plgpu.barrier_wait(vt_bars.at[slot])
@@ -448,7 +467,8 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             acc, m, l, *vs_prev = carry
             slot = slot_of(j)
             wait_k(j)
-            s = scaled(mma(q_smem, k_smem.at[slot], shape, issued=take_turn), j)
+            with jax.named_scope("qk"):  # issued, the turn passed, waited for
+                s = scaled(mma(q_smem, k_smem.at[slot], shape, issued=take_turn), j)
             p, m_new, alpha, l = softmax(s, j, m, l, masked)
             a = p_operand(p.astype(FP8))
             turn_arrive()  # this softmax is done
@@ -461,8 +481,9 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
                 plgpu.barrier_arrive(v_done.at[slot])
                 return acc, m_new, l, vs
             turn_wait()  # the tensor cores are this warpgroup's
-            pv = mma(a, vt_smem.at[slot], (WG_ROWS, d), a_value=config.p_registers)
-            return accumulated(acc, pv, alpha, j), m_new, l
+            with jax.named_scope("pv"):  # issued, waited for, added to the rescaled accumulator
+                pv = mma(a, vt_smem.at[slot], (WG_ROWS, d), a_value=config.p_registers)
+                return accumulated(acc, pv, alpha, j), m_new, l
 
         def carried(a):  # a ref cannot be a loop's carry: P's shared memory is implied
             return a if config.p_registers else None
@@ -595,21 +616,24 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
                 0, steps, functools.partial(kv_step, masked=False), carry
             )
         pl.when(wg == 0)(take_turn)  # as many turns as warpgroup 1
-        if config.pv_in_place:  # back to the values' units, exactly
-            acc = acc * lax.broadcast_in_dim(*vs_last, (WG_ROWS, d), [0])
-        l = l * (1 / P_SCALE)  # exactly: a power of two
-        o_smem[...] = (acc / lax.broadcast_in_dim(l, (WG_ROWS, d), [0])).astype(o_smem.dtype)
-        lse_smem[...] = m + jnp.log2(l)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(base, WG_ROWS), head])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(base, WG_ROWS)])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("epilogue"):
+            if config.pv_in_place:  # back to the values' units, exactly
+                acc = acc * lax.broadcast_in_dim(*vs_last, (WG_ROWS, d), [0])
+            l = l * (1 / P_SCALE)  # exactly: a power of two
+            o = (acc / lax.broadcast_in_dim(l, (WG_ROWS, d), [0])).astype(o_smem.dtype)
+            o_smem[...] = o
+            lse_smem[...] = m + jnp.log2(l)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[batch, pl.ds(base, WG_ROWS), head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(base, WG_ROWS)])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
         # 2 x 128 compute threads' and 128 memory threads' registers share the SM's 64 Ki.
         plgpu.set_max_registers(min(40, 512 - 2 * config.registers), action="decrease")
 
+        @region("load")
         def load(j, slot):
             keys = pl.ds(j * BLOCK, BLOCK)
             plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem.at[slot],
@@ -642,6 +666,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
                 return
 
             @pl.when(j >= stages)  # the slot's previous block is consumed by both warpgroups
+            @region("wait_free")
             def _wait():
                 plgpu.barrier_wait(k_done.at[slot])
                 plgpu.barrier_wait(v_done.at[slot])
@@ -657,12 +682,25 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             plgpu.barrier_wait(v_done.at[slot])
 
 
+def profiling(profile_dir: str | None, keys: int) -> dict:
+    """``CompilerParams``' profiler fields: room for every region a warpgroup opens."""
+    if profile_dir is None:
+        return {}
+    # Fewer than 16 regions a warpgroup a key block (nested ones included), and a few more.
+    return {"profile_space": 16 * (keys // BLOCK) + 32, "profile_dir": profile_dir}
+
+
 def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
-                   config: ForwardConfig = DEFAULT_CONFIG, interpret=None):  # fmt: skip
+                   config: ForwardConfig = DEFAULT_CONFIG, interpret=None,
+                   profile_dir: str | None = None):  # fmt: skip
     """The kernel: one CTA per (head, 128 query rows, batch element); see the module docstring.
 
     ``config``: how the kernel is built (:class:`ForwardConfig`).
     ``interpret``: a Mosaic GPU interpreter's parameters (tests), or None to compile.
+    ``profile_dir``: where Mosaic GPU's on-device profiler writes a Chrome trace of
+    every call, each warpgroup's named regions (waits, QKᵀ, softmax, P's operand,
+    PV...) timed on the device's clock (bench/attention_profile.py reads them);
+    None: no profiling, and the regions compile to nothing.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -716,7 +754,9 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
         grid_names=("heads", "q", "batch"),
         num_threads=3,  # two compute warpgroups and the memory one
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **profiling(profile_dir, k8.shape[1])
+        ),
         kernel_name=KERNEL_NAME,
         interpret=interpret,
     )

@@ -1,0 +1,66 @@
+"""bench/attention_profile.py's reading of a Mosaic GPU profiler trace, on a made-up trace."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+import attention_profile
+
+
+def _events(tid, *marks):
+    """``(name, "B"|"E", ts)`` marks, ``ts`` in thousands of cycles, as the profiler writes."""
+    return [{"name": n, "ph": ph, "ts": ts, "pid": 1, "tid": tid} for n, ph, ts in marks]
+
+
+def test_each_region_counts_its_own_cycles_per_warpgroup_kind():
+    # CTA 1: compute warpgroups (tids 1, 2) and the memory one (3); CTA 2's first
+    # compute warpgroup is tid 4.
+    trace = {"traceEvents": [
+        *_events(1, ("wait_k", "B", 0.0), ("wait_k", "E", 1.0),
+                 ("qk", "B", 1.0), ("turn_wait", "B", 1.5), ("turn_wait", "E", 2.0),
+                 ("qk", "E", 3.0), ("softmax", "B", 4.0), ("softmax", "E", 6.0)),
+        *_events(2, ("wait_k", "B", 0.0), ("wait_k", "E", 3.0),
+                 ("softmax", "B", 3.0), ("softmax", "E", 4.0)),
+        *_events(3, ("load", "B", 0.0), ("load", "E", 0.5)),
+        *_events(4, ("wait_k", "B", 10.0), ("wait_k", "E", 12.0)),
+    ]}  # fmt: skip
+    times = attention_profile.region_times(trace)
+    compute, memory = times["compute"], times["memory"]
+    assert compute["ctas"] == 3 and memory["ctas"] == 1
+    assert compute["span_cycles"] == pytest.approx((6000 + 4000 + 2000) / 3)
+    regions = compute["regions"]
+    # qk's own 1500 cycles: its 2000 less the 500 of turn_wait nested in it.
+    assert regions["qk"] == pytest.approx((1500 / 3, 1 / 3))
+    assert regions["turn_wait"] == pytest.approx((500 / 3, 1 / 3))
+    assert regions["wait_k"] == pytest.approx(((1000 + 3000 + 2000) / 3, 1.0))
+    assert regions["softmax"] == pytest.approx(((2000 + 1000) / 3, 2 / 3))
+    # Only tid 1's 1000 cycles between qk's end and softmax's start are no region's.
+    assert regions["(untracked)"] == pytest.approx((1000 / 3, 0.0))
+    assert memory["regions"]["load"] == pytest.approx((500.0, 1.0))
+
+
+def test_a_trace_whose_regions_do_not_nest_is_refused():
+    crossed = {"traceEvents": _events(1, ("qk", "B", 0.0), ("pv", "B", 1.0), ("qk", "E", 2.0))}
+    with pytest.raises(ValueError, match="'qk' ends inside 'pv'"):
+        attention_profile.region_times(crossed)
+    unended = {"traceEvents": _events(1, ("qk", "B", 0.0))}
+    with pytest.raises(ValueError, match=r"\['qk'\] never end"):
+        attention_profile.region_times(unended)
+
+
+@pytest.mark.gpu
+def test_a_profiled_call_on_the_gpu_times_every_region_of_each_warpgroup(tmp_path):
+    from fp8jax.kernels import attention as kernel
+
+    shape = ("causal_512", 1, 512, 4, 2, 128, True)  # bench/attention.py's tuple
+    result = attention_profile.profile(shape, 1, kernel.DEFAULT_CONFIG, str(tmp_path))
+    compute = result["warpgroups"]["compute"]["regions"]
+    names = {"wait_k", "qk", "turn_wait", "softmax", "p_operand", "wait_v", "pv", "epilogue"}
+    assert names <= set(compute), sorted(compute)
+    assert all(compute[n][0] > 0 for n in ("qk", "softmax", "pv")), compute
+    # Causal, 4 query tiles of 128: tile i meets i + 1 key blocks, 2.5 a CTA.
+    assert compute["wait_k"][1] == pytest.approx(2.5)
+    memory = result["warpgroups"]["memory"]["regions"]
+    assert memory["load"][1] == pytest.approx(2.5), memory
