@@ -1,13 +1,18 @@
-"""Where FP8 attention's forward kernel spends its time, by Mosaic GPU's on-device profiler.
+"""Where FP8 attention's kernels spend their time, by Mosaic GPU's on-device profiler.
 
-The kernel (``fp8jax.kernels.attention.mosaic_forward(profile_dir=...)``)
+The forward kernel (``fp8jax.kernels.attention.mosaic_forward(profile_dir=...)``)
 opens named regions in each warpgroup: the compute warpgroups' ``wait_k`` and
 ``wait_v`` (K's and Vᵀ's blocks to land), ``qk`` (QKᵀ issued, the turn passed
 to the other warpgroup, waited for), ``turn_wait`` (the tensor cores'
 ping-pong), ``softmax``, ``p_operand`` (P to E4M3 and into shared memory),
 ``pv`` (PV issued, waited for, added to the accumulator) and ``epilogue``; the
 memory warpgroup's ``wait_free`` (a slot's blocks consumed) and ``load``
-(TMA issued). Mosaic GPU writes each call's regions as a Chrome trace, start
+(TMA issued). With ``--part bwd`` the backward's two kernels
+(``fp8jax.kernels.attention_backward.mosaic_backward(profile_dir=...)``): a
+step's ``wait``, ``scores`` (S or Sᵀ and P), ``dp`` (dP and dS) and ``dv_dk``
+or ``dq`` (the gradient products), then ``epilogue``; their profiler buffer
+shares shared memory with them, which holds a CTA's regions up to sequences
+of about 2048. Mosaic GPU writes each call's regions as a Chrome trace, start
 and end read off the SM's cycle counter (``%clock``: the trace's "us" are
 thousands of cycles, each warpgroup's counted from its first event); this
 script profiles one call at a shape and prints, per warpgroup kind, each
@@ -20,6 +25,8 @@ not the unprofiled kernel's time (bench/attention.py times that).
 
     PYTHONPATH=src:bench python bench/attention_profile.py \
         --shape llama-3b_b8_s4096_causal_24q8kv --batch 1 [--build fa3] --out DIR
+    PYTHONPATH=src:bench python bench/attention_profile.py --part bwd \
+        --shape te_b8_s2048_causal_32q32kv --batch 1 --out DIR
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.kernels import attention as kernel
-from fp8jax.ops.attention import kernel_operands
+from fp8jax.kernels import attention_backward as backward_kernels
+from fp8jax.ops.attention import backward_operands, kernel_operands
 
 WARPGROUPS = ("compute", "compute", "memory")  # the kernel's thread index order
 
@@ -90,37 +98,54 @@ def region_times(trace: dict) -> dict:
     return out
 
 
-def profile(shape, batch: int, build, trace_dir: str) -> dict:
-    """One profiled call of the forward kernel at ``shape`` (bench/attention.py's tuple)."""
+def profile(shape, batch: int, build, trace_dir: str, part: str = "fwd") -> list[dict]:
+    """One profiled call of the forward kernel (``part="fwd"``) or of the backward's two
+    (``"bwd"``) at ``shape`` (bench/attention.py's tuple): a result a kernel."""
     name, _, seq, heads, kv_heads, d, causal = shape
-    keys = jax.random.split(jax.random.key(0), 3)
+    keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (batch, seq, heads, d), jnp.bfloat16)
     k = jax.random.normal(keys[1], (batch, seq, kv_heads, d), jnp.bfloat16)
     v = jax.random.normal(keys[2], (batch, seq, kv_heads, d), jnp.bfloat16)
+    g = jax.random.normal(keys[3], (batch, seq, heads, d), jnp.bfloat16)
+    scale = d**-0.5
 
     @jax.jit
-    def forward(q, k, v):
-        operands, _ = kernel_operands(q, k, v, d**-0.5)
-        return kernel.mosaic_forward(*operands, causal=causal, config=build,
-                                     profile_dir=trace_dir)  # fmt: skip
+    def run(q, k, v, g):
+        operands, quantized = kernel_operands(q, k, v, scale)
+        profiled = {"profile_dir": trace_dir}
+        if part == "fwd":
+            return kernel.mosaic_forward(*operands, causal=causal, config=build, **profiled)
+        out, lse2 = kernel.mosaic_forward(*operands, causal=causal, config=build)
+        operands = backward_operands(quantized, out, lse2, g, scale)
+        return backward_kernels.mosaic_backward(*operands, causal=causal, scale=scale,
+                                                **profiled)  # fmt: skip
 
-    # One call: the trace's file is named when the kernel is lowered, and a later call of
+    before = set(glob.glob(os.path.join(trace_dir, "*-trace.json")))
+    # One call: a trace's file is named when its kernel is lowered, and a later call of
     # the same compile finds it written and writes none (Mosaic GPU warns).
-    jax.block_until_ready(forward(q, k, v))
-    jax.effects_barrier()  # the profiler's host callback has written its file
-    latest = max(glob.glob(os.path.join(trace_dir, "*-trace.json")), key=os.path.getmtime)
-    with open(latest) as f:
-        times = region_times(json.load(f))
-    return {"shape": name, "batch": batch, "trace": latest, "warpgroups": times}
+    jax.block_until_ready(run(q, k, v, g))
+    jax.effects_barrier()  # the profiler's host callbacks have written their files
+    results = []
+    for path in sorted(set(glob.glob(os.path.join(trace_dir, "*-trace.json"))) - before):
+        with open(path) as f:
+            times = region_times(json.load(f))
+        regions = times.get("compute", {}).get("regions", {})
+        kernel_name = "dkv" if "dv_dk" in regions else "dq" if "dq" in regions else "fwd"
+        results.append({"shape": name, "batch": batch, "kernel": kernel_name, "trace": path,
+                        "warpgroups": times})  # fmt: skip
+    return results
 
 
 def print_table(result: dict) -> None:
     """Each warpgroup kind's regions, most cycles first; a key block is a ``wait_k`` (compute)
     or a ``load`` (memory): one a block in every build."""
     for kind, t in result["warpgroups"].items():
-        block_region = "load" if kind == "memory" else "wait_k"
+        block_region = (
+            "load" if kind == "memory" else "wait" if result["kernel"] != "fwd" else "wait_k"
+        )
         blocks = t["regions"].get(block_region, (0.0, 0.0))[1] or 1.0
-        print(f"{result['shape']} (batch {result['batch']}, build {result['build']}), {kind} "
+        print(f"{result['kernel']} {result['shape']} (batch {result['batch']}, build "
+              f"{result['build']}), {kind} "
               f"warpgroups: {t['ctas']}, {t['span_cycles']:,.0f} cycles a CTA, "
               f"{blocks:.1f} key blocks a CTA")  # fmt: skip
         print(f"  {'region':<14}{'cycles/CTA':>12}{'cycles/block':>14}{'share':>8}{'count':>8}")
@@ -143,6 +168,10 @@ def main(argv=None) -> dict:
         "--build", default=None, choices=sorted(FORWARD_BUILDS),
         help="a bench/attention.py forward build (default: the library's)",
     )  # fmt: skip
+    parser.add_argument(
+        "--part", default="fwd", choices=("fwd", "bwd"),
+        help="the forward kernel, or the backward's two (dK and dV, then dQ)",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="the traces and a JSON summary go here")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -150,13 +179,13 @@ def main(argv=None) -> dict:
     build = kernel.DEFAULT_CONFIG if args.build is None else FORWARD_BUILDS[args.build]
     trace_dir = args.out or tempfile.mkdtemp(prefix="attention_profile_")
     os.makedirs(trace_dir, exist_ok=True)
-    result = profile(shapes[args.shape], args.batch, build, trace_dir)
-    result["build"] = args.build or "default"
-    result["library"] = os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
-    print_table(result)
-    with open(os.path.join(trace_dir, "summary.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    return result
+    results = profile(shapes[args.shape], args.batch, build, trace_dir, args.part)
+    for result in results:
+        result["build"] = args.build or "default"
+        print_table(result)
+    with open(os.path.join(trace_dir, f"summary_{args.part}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

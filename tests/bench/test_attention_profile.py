@@ -55,7 +55,8 @@ def test_a_profiled_call_on_the_gpu_times_every_region_of_each_warpgroup(tmp_pat
     from fp8jax.kernels import attention as kernel
 
     shape = ("causal_512", 1, 512, 4, 2, 128, True)  # bench/attention.py's tuple
-    result = attention_profile.profile(shape, 1, kernel.DEFAULT_CONFIG, str(tmp_path))
+    (result,) = attention_profile.profile(shape, 1, kernel.DEFAULT_CONFIG, str(tmp_path))
+    assert result["kernel"] == "fwd"
     compute = result["warpgroups"]["compute"]["regions"]
     names = {"wait_k", "qk", "turn_wait", "softmax", "p_operand", "wait_v", "pv", "epilogue"}
     assert names <= set(compute), sorted(compute)
@@ -64,3 +65,19 @@ def test_a_profiled_call_on_the_gpu_times_every_region_of_each_warpgroup(tmp_pat
     assert compute["wait_k"][1] == pytest.approx(2.5)
     memory = result["warpgroups"]["memory"]["regions"]
     assert memory["load"][1] == pytest.approx(2.5), memory
+
+
+@pytest.mark.gpu
+def test_a_profiled_backward_on_the_gpu_times_both_kernels_regions(tmp_path):
+    from fp8jax.kernels import attention as kernel
+
+    shape = ("causal_512", 1, 512, 4, 2, 128, True)
+    results = attention_profile.profile(shape, 1, kernel.DEFAULT_CONFIG, str(tmp_path), "bwd")
+    by_kernel = {r["kernel"]: r["warpgroups"]["compute"]["regions"] for r in results}
+    assert sorted(by_kernel) == ["dkv", "dq"], sorted(by_kernel)
+    for name, product in (("dkv", "dv_dk"), ("dq", "dq")):
+        regions = by_kernel[name]
+        assert {"wait", "scores", "dp", product, "epilogue"} <= set(regions), (name, regions)
+        assert all(regions[n][0] > 0 for n in ("scores", "dp", product)), (name, regions)
+    # dQ's CTA i (of 4, 128 queries) steps over its 2(i + 1) key blocks of 64: 5 a CTA.
+    assert by_kernel["dq"]["wait"][1] == pytest.approx(5.0)

@@ -682,12 +682,12 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             plgpu.barrier_wait(v_done.at[slot])
 
 
-def profiling(profile_dir: str | None, keys: int) -> dict:
-    """``CompilerParams``' profiler fields: room for every region a warpgroup opens."""
+def profiling(profile_dir: str | None, steps: int, per_step: int) -> dict:
+    """``CompilerParams``' profiler fields: room for the regions a warpgroup opens in
+    ``steps`` loop steps, at most ``per_step`` a step (nested ones included), and a few more."""
     if profile_dir is None:
         return {}
-    # Fewer than 16 regions a warpgroup a key block (nested ones included), and a few more.
-    return {"profile_space": 16 * (keys // BLOCK) + 32, "profile_dir": profile_dir}
+    return {"profile_space": per_step * steps + 32, "profile_dir": profile_dir}
 
 
 def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
@@ -755,7 +755,7 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
         num_threads=3,  # two compute warpgroups and the memory one
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **profiling(profile_dir, k8.shape[1])
+            approx_math=True, **profiling(profile_dir, k8.shape[1] // BLOCK, per_step=16)
         ),
         kernel_name=KERNEL_NAME,
         interpret=interpret,

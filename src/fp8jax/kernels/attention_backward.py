@@ -175,10 +175,12 @@ def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted)
 
         @pl.when(t >= stages)  # the slot's previous blocks are consumed by both warpgroups
         def _wait():
-            plgpu.barrier_wait(done.at[slot])
+            with jax.named_scope("wait_free"):
+                plgpu.barrier_wait(done.at[slot])
 
-        for i, (source, ring) in enumerate(zip(sources, rings, strict=True)):
-            plgpu.copy_gmem_to_smem(source(t), ring.at[slot], loaded[i].at[slot])
+        with jax.named_scope("load"):
+            for i, (source, ring) in enumerate(zip(sources, rings, strict=True)):
+                plgpu.copy_gmem_to_smem(source(t), ring.at[slot], loaded[i].at[slot])
 
     if not interpreted:
         # On the GPU the compute warpgroups outlive this one and nothing waits
@@ -226,42 +228,47 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
         def step(t, carry, masked):
             dk, dv = carry
             slot = lax.rem(t, jnp.array(stages, t.dtype))
-            for ring in loaded:
-                plgpu.barrier_wait(ring.at[slot])
-            # Sᵀ: this warpgroup's keys by the step's queries, raw; scaled and
-            # exponentiated in one FMA and one ex2 a score (docs/design.md#fp8-attention).
-            st = mma_t(k8_w.at[wg], q8_r.at[slot], shape)
-            # The keys' one block scale, read as a vector along the queries
-            # (columns; read each step, as 16 registers held it spills), joins
-            # each query's scale in one factor a column.
-            c = load(qs_r.at[slot], column) * load(ks_w.at[wg], column)
-            lse = load(lse_r.at[slot], column)
-            pt = jnp.exp2(st * lax.broadcast_in_dim(c, shape, [1])
-                          - lax.broadcast_in_dim(lse, shape, [1]))  # fmt: skip
-            if masked:
-                _, rows = rows_of(t)
-                query = iota(shape, 1) + rows.start
-                pt = jnp.where(query >= iota(shape, 0) + base, pt, 0.0)
-            dpt = mma_t(v_w.at[wg], do_r.at[slot], shape)
-            dst = pt * (dpt - lax.broadcast_in_dim(load(dl_r.at[slot], column), shape, [1]))
+            with jax.named_scope("wait"):
+                for ring in loaded:
+                    plgpu.barrier_wait(ring.at[slot])
+            with jax.named_scope("scores"):
+                # Sᵀ: this warpgroup's keys by the step's queries, raw; scaled and
+                # exponentiated in one FMA and one ex2 a score (docs/design.md#fp8-attention).
+                st = mma_t(k8_w.at[wg], q8_r.at[slot], shape)
+                # The keys' one block scale, read as a vector along the queries
+                # (columns; read each step, as 16 registers held it spills), joins
+                # each query's scale in one factor a column.
+                c = load(qs_r.at[slot], column) * load(ks_w.at[wg], column)
+                lse = load(lse_r.at[slot], column)
+                pt = jnp.exp2(st * lax.broadcast_in_dim(c, shape, [1])
+                              - lax.broadcast_in_dim(lse, shape, [1]))  # fmt: skip
+                if masked:
+                    _, rows = rows_of(t)
+                    query = iota(shape, 1) + rows.start
+                    pt = jnp.where(query >= iota(shape, 0) + base, pt, 0.0)
+            with jax.named_scope("dp"):
+                dpt = mma_t(v_w.at[wg], do_r.at[slot], shape)
+                dst = pt * (dpt - lax.broadcast_in_dim(load(dl_r.at[slot], column), shape, [1]))
             # Pᵀ and dSᵀ enter wgmma from registers: 16-bit A operands share
             # the accumulator's layout, and no shared-memory round trip or
             # fence stands between the softmax and the products.
             wgmma_layout = plgpu.Layout.WGMMA
-            dv = mma_add(dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
-            dk = mma_add(dk, laid_out(dst.astype(BF16), wgmma_layout), q_r.at[slot])
+            with jax.named_scope("dv_dk"):
+                dv = mma_add(dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
+                dk = mma_add(dk, laid_out(dst.astype(BF16), wgmma_layout), q_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
         # Every step masked under causality: splitting off the diagonal's steps
         # (each head's first two) spilled registers at d 128 (12-36 bytes).
         dk, dv = lax.fori_loop(0, steps, functools.partial(step, masked=causal), (zeros, zeros))
-        dk_w[wg] = (dk * scale).astype(BF16)  # softmax's scale once, not a score at a time
-        v_w[wg] = dv.astype(BF16)  # V's buffer is free now: shared memory is short at D 128
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dk_w.at[wg], dk_ref.at[batch, keys, kv_head])
-        plgpu.copy_smem_to_gmem(v_w.at[wg], dv_ref.at[batch, keys, kv_head])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("epilogue"):
+            dk_w[wg] = (dk * scale).astype(BF16)  # softmax's scale once, not a score at a time
+            v_w[wg] = dv.astype(BF16)  # V's buffer is free now: shared memory is short at D 128
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dk_w.at[wg], dk_ref.at[batch, keys, kv_head])
+            plgpu.copy_smem_to_gmem(v_w.at[wg], dv_ref.at[batch, keys, kv_head])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
@@ -320,19 +327,23 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
 
         def step(t, dq, masked):
             slot = lax.rem(t, jnp.array(stages, t.dtype))
-            for ring in loaded:
-                plgpu.barrier_wait(ring.at[slot])
-            # The step's keys share one scale: read along the rows, it joins
-            # each query's in one factor a row, and one FMA a score scales it.
-            c = qs * load(ks_r.at[slot], row)
-            s = mma_t(q8_w.at[wg], k8_r.at[slot], shape)
-            p = jnp.exp2(s * lax.broadcast_in_dim(c, shape, [0]) - lse)
-            if masked:
-                key = iota(shape, 1) + t * STEP_ROWS
-                p = jnp.where(iota(shape, 0) + base >= key, p, 0.0)
-            dp = mma_t(do_w.at[wg], v_r.at[slot], shape)
-            ds = laid_out((p * (dp - delta)).astype(BF16), plgpu.Layout.WGMMA)
-            dq = mma_add(dq, ds, k_r.at[slot])
+            with jax.named_scope("wait"):
+                for ring in loaded:
+                    plgpu.barrier_wait(ring.at[slot])
+            with jax.named_scope("scores"):
+                # The step's keys share one scale: read along the rows, it joins
+                # each query's in one factor a row, and one FMA a score scales it.
+                c = qs * load(ks_r.at[slot], row)
+                s = mma_t(q8_w.at[wg], k8_r.at[slot], shape)
+                p = jnp.exp2(s * lax.broadcast_in_dim(c, shape, [0]) - lse)
+                if masked:
+                    key = iota(shape, 1) + t * STEP_ROWS
+                    p = jnp.where(iota(shape, 0) + base >= key, p, 0.0)
+            with jax.named_scope("dp"):
+                dp = mma_t(do_w.at[wg], v_r.at[slot], shape)
+                ds = laid_out((p * (dp - delta)).astype(BF16), plgpu.Layout.WGMMA)
+            with jax.named_scope("dq"):
+                dq = mma_add(dq, ds, k_r.at[slot])
             plgpu.barrier_arrive(done.at[slot])
             return dq
 
@@ -341,10 +352,11 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
         diagonal = lax.max(steps - DIAGONAL_STEPS, 0) if causal else steps
         dq = lax.fori_loop(0, diagonal, functools.partial(step, masked=False), zeros)
         dq = lax.fori_loop(diagonal, steps, functools.partial(step, masked=True), dq)
-        dq_w[wg] = (dq * scale).astype(BF16)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_w.at[wg], dq_ref.at[batch, rows, head])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("epilogue"):
+            dq_w[wg] = (dq * scale).astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dq_w.at[wg], dq_ref.at[batch, rows, head])
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
@@ -363,8 +375,16 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
 
 
 def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, scale,
-                    stages=STAGES, interpret=None):  # fmt: skip
-    """The two kernels: dK, dV (one CTA per 128 keys of a kv head), then dQ (per 128 queries)."""
+                    stages=STAGES, interpret=None, profile_dir: str | None = None):  # fmt: skip
+    """The two kernels: dK, dV (one CTA per 128 keys of a kv head), then dQ (per 128 queries).
+
+    ``profile_dir``: as :func:`fp8jax.kernels.attention.mosaic_forward`'s: each
+    kernel's named regions (``wait``, ``scores``, ``dp``, ``dv_dk`` or ``dq``,
+    ``epilogue``; ``wait_free`` and ``load`` in the memory warpgroup) traced by
+    Mosaic GPU's profiler, whose buffer shares shared memory with the kernel's:
+    at head_dim 128 it fits up to about 100 steps a CTA (sequences of 2048 at
+    three query heads a kv head).
+    """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -377,7 +397,7 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
     options = dict(causal=causal, scale=scale, group=group, stages=stages,
                    interpreted=interpret is not None)  # fmt: skip
 
-    def launch(body, name, grid, grid_names, out_type, scratch, barriers):
+    def launch(body, name, grid, grid_names, out_type, scratch, barriers, steps):
         def entry(*refs):
             pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, *barriers,
                           collective_axes="wg")  # fmt: skip
@@ -385,7 +405,8 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
         return plgpu.kernel(
             entry, out_type=out_type, grid=grid, grid_names=grid_names,
             num_threads=3, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
+            compiler_params=plgpu.CompilerParams(
+                approx_math=True, **fwd.profiling(profile_dir, steps, per_step=8)),
             kernel_name=name, interpret=interpret,
         )(*operands)  # fmt: skip
 
@@ -400,6 +421,7 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
          *[plgpu.SMEM((stages, step), jnp.float32)] * 3],
         [plgpu.Barrier(num_barriers=6), [plgpu.Barrier(num_barriers=stages)] * 6,
          plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
+        group * tq // step,
     )  # fmt: skip
     (dq,) = launch(
         functools.partial(_dq_kernel, **options), DQ_KERNEL,
@@ -411,5 +433,6 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
          _smem(plgpu, (stages, step, d), BF16), plgpu.SMEM((stages, step), jnp.float32)],
         [plgpu.Barrier(num_barriers=10), [plgpu.Barrier(num_barriers=stages)] * 4,
          plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
+        tk // step,
     )  # fmt: skip
     return dispatch.varying_like((dq, dk, dv), operands)

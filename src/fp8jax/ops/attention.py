@@ -277,16 +277,26 @@ def _dequantized(x8, scale):
     return (x8.astype(jnp.float32) * rows).astype(jnp.bfloat16)
 
 
-def _attention_bwd(config: _Config, residuals, g):
-    ((q8, qs), (k8, ks), (v8, vs)), out, lse2 = residuals
+def backward_operands(quantized, out, lse2, g, scale: float):
+    """The backward kernels' operands from the forward's residuals and the output gradient.
+
+    ``quantized``: :func:`kernel_operands`' ``(x8, scale)`` pairs of Q, K and V;
+    ``out``, ``lse2``: the forward kernel's results; ``g``: the output's gradient.
+    """
+    ((q8, qs), (k8, ks), (v8, vs)) = quantized
     delta = jnp.sum(g.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    operands = (
+    return (
         q8, k8,
-        _expand(qs * (config.scale * kernel.LOG2E), kernel.BLOCK),
+        _expand(qs * (scale * kernel.LOG2E), kernel.BLOCK),
         _expand(ks, kernel.BLOCK),
         _dequantized(q8, qs), _dequantized(k8, ks), _dequantized(v8, vs),
         g.astype(jnp.bfloat16), lse2, jnp.transpose(delta, (0, 2, 1)),
     )  # fmt: skip
+
+
+def _attention_bwd(config: _Config, residuals, g):
+    quantized, out, lse2 = residuals
+    operands = backward_operands(quantized, out, lse2, g, config.scale)
     run = backward_kernels.xla_backward if config.xla_only else backward_kernels.backward
     grads = run(*operands, causal=config.causal, scale=config.scale)
     return tuple(x.astype(dtype) for x, dtype in zip(grads, config.dtypes, strict=True))
