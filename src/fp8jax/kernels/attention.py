@@ -278,7 +278,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     stages = config.stages
 
     def region(name):
-        """A named region: its start and end on the device's clock when the kernel is
+        """A named region: its start and end in the SM's cycles when the kernel is
         profiled (``mosaic_forward(profile_dir=...)``); nothing otherwise."""
 
         def decorate(fn):
@@ -698,9 +698,10 @@ def mosaic_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
     ``config``: how the kernel is built (:class:`ForwardConfig`).
     ``interpret``: a Mosaic GPU interpreter's parameters (tests), or None to compile.
     ``profile_dir``: where Mosaic GPU's on-device profiler writes a Chrome trace of
-    every call, each warpgroup's named regions (waits, QKᵀ, softmax, P's operand,
-    PV...) timed on the device's clock (bench/attention_profile.py reads them);
-    None: no profiling, and the regions compile to nothing.
+    each warpgroup's named regions (waits, QKᵀ, softmax, P's operand, PV...) in
+    the SM's cycles (bench/attention_profile.py reads them), for the first call
+    of a compile (the file is named when the kernel is lowered); None: no
+    profiling, and the regions compile to nothing.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
