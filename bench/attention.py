@@ -13,7 +13,9 @@ is measured.
   pipelined mean, peak memory; a backward's dq, dk and dv checked not to be
   zeros before it is timed). ``vs_bf16``
   is cuDNN BF16's median over the row's (> 1: faster than cuDNN BF16),
-  ``vs_bf16_pipelined`` the same of the pipelined means. Shapes:
+  ``vs_bf16_pipelined`` the same of the pipelined means, ``tflops`` each
+  row's useful FLOPs a second and ``mma_floor_ms`` its products' time at the
+  tensor cores' dense peaks (:func:`tensor_rates`). Shapes:
   ``llama-3b``'s attention (8 x 4096, 24 query and 8 kv heads of 128,
   causal), the TE layer's (bench/layer.py's ``te``: 8 x 2048, 32 heads of
   128, causal) and issue 60's targets.
@@ -68,6 +70,7 @@ import jax.numpy as jnp
 
 import fp8jax
 from fp8jax.kernels.attention import ForwardConfig
+from fp8jax.training import mfu
 
 BF16, F32, F8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -303,6 +306,7 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
             summary["vs_bf16_pipelined"][f"{impl}_{part}"] = (
                 base["pipelined_ms"] / t["pipelined_ms"]
             )
+    summary |= tensor_rates(shape, times)
     if builds:  # > 1: the build is faster than the default
         summary["vs_default"] = {
             f"{impl}_{part}": times[("fp8jax", part)]["median_ms"] / t["median_ms"]
@@ -313,7 +317,39 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
     print(f"{name}: " + ", ".join(f"{k} {r:.3f}x ({pipelined[k]:.3f}x pipelined)"
                                   for k, r in summary["vs_bf16"].items())
           + f" {baseline}", flush=True)  # fmt: skip
+    floors = summary["mma_floor_ms"] or {}
+    print(f"{name} TFLOP/s: " + ", ".join(
+        f"{k} {r:.0f}" + (f" (floor {floors[k]:.3f} ms)" if k in floors else "")
+        for k, r in summary["tflops"].items()), flush=True)  # fmt: skip
     return summary
+
+
+def tensor_rates(shape, times: dict) -> dict:
+    """Each timed row's TFLOP/s and its floor: its products at the tensor cores' dense peaks.
+
+    A product is one T x T x d GEMM a head (halved under causality); the
+    forward has two (QKᵀ, PV), the backward five (S again, dP, dV, dK, dQ),
+    FlashAttention's count. The floor runs each at the peak of the precision
+    the implementation takes it in: fp8jax's forward and S in FP8 (twice BF16's
+    peak on Hopper), its other four in BF16; cuDNN FP8 all in FP8; the BF16
+    and F16 kernels all at BF16's. None where the device's peak is unknown.
+    """
+    _, batch, seq, heads, _, d, causal = shape
+    gemm = 2 * batch * heads * seq * seq * d * (0.5 if causal else 1.0)
+    bf16 = mfu.BF16_PEAK_FLOPS.get(jax.devices()[0].device_kind)
+    rates, floors = {}, {}
+    for (impl, part), t in times.items():
+        products = 2 if part == "fwd" else 7
+        rates[f"{impl}_{part}"] = products * gemm / (t["median_ms"] * 1e-3) / 1e12
+        if bf16 is None:
+            continue
+        if impl.startswith("fp8jax"):
+            fp8_products = 2 if part == "fwd" else 3  # the forward's two and S again
+        else:
+            fp8_products = products if impl == "cudnn_fp8" else 0
+        seconds = gemm * (fp8_products / (2 * bf16) + (products - fp8_products) / bf16)
+        floors[f"{impl}_{part}"] = seconds * 1e3
+    return {"tflops": rates, "mma_floor_ms": floors or None}
 
 
 def _grads_after(index: int, results: int | None = None):

@@ -28,6 +28,9 @@ def test_dry_run_times_fp8jax_against_bf16_and_measures_every_error(tmp_path):
     ]  # fmt: skip
     assert all(r > 0 for r in summary["vs_bf16"].values())
     assert sorted(summary["vs_bf16_pipelined"]) == sorted(summary["vs_bf16"])
+    # Every timed row's FLOP rate; no floor without a known peak (a CPU).
+    assert len(summary["tflops"]) == 6 and all(r > 0 for r in summary["tflops"].values())
+    assert summary["mma_floor_ms"] is None
     # Each timed row has its first compile, pipelined mean and peak memory; a
     # backward's dq, dk and dv were checked not to be zeros before it was timed.
     timed = [r for r in rows if "median_ms" in r]
@@ -50,6 +53,26 @@ def test_dry_run_times_fp8jax_against_bf16_and_measures_every_error(tmp_path):
         # both far below 1 (a wrong head, mask or scale errs by about 1).
         bound = 2.0**-6 if row["errors_vs_f32"] == "xla_bf16" else 0.5
         assert max(values) < bound, row
+
+
+def test_tensor_rates_count_flash_attentions_products_at_each_precisions_peak(monkeypatch):
+    from fp8jax.training import mfu
+
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(mfu.BF16_PEAK_FLOPS, kind, 1e12)  # a made-up BF16 peak of 1 TFLOP/s
+    shape = ("s", 1, 1024, 2, 1, 64, True)
+    gemm = 2 * 2 * 1024 * 1024 * 64 / 2  # one T x T x d product a head, causal
+    times = {(impl, part): {"median_ms": 1.0} for impl in ("fp8jax", "cudnn_bf16", "cudnn_fp8")
+             for part in ("fwd", "fwd_bwd")}  # fmt: skip
+    rates = bench.tensor_rates(shape, times)
+    assert rates["tflops"]["fp8jax_fwd"] == pytest.approx(2 * gemm / 1e-3 / 1e12)
+    assert rates["tflops"]["cudnn_bf16_fwd_bwd"] == pytest.approx(7 * gemm / 1e-3 / 1e12)
+    floor = rates["mma_floor_ms"]
+    # FP8 at twice BF16's peak: fp8jax's forward, and S again in its backward.
+    assert floor["fp8jax_fwd"] == pytest.approx(1e3 * 2 * gemm / 2e12)
+    assert floor["fp8jax_fwd_bwd"] == pytest.approx(1e3 * gemm * (3 / 2e12 + 4 / 1e12))
+    assert floor["cudnn_bf16_fwd_bwd"] == pytest.approx(1e3 * 7 * gemm / 1e12)
+    assert floor["cudnn_fp8_fwd_bwd"] == pytest.approx(1e3 * 7 * gemm / 2e12)
 
 
 def test_cudnn_fp8_call_traces_with_every_scale_and_bf16_results(monkeypatch):
