@@ -47,6 +47,20 @@ from fp8jax.kernels import attention_backward as backward_kernels
 from fp8jax.ops.attention import backward_operands, kernel_operands
 
 WARPGROUPS = ("compute", "compute", "memory")  # the kernel's thread index order
+# An SM's dense tensor-core rate a cycle: 989 TFLOP/s BF16 on 132 SMs at 1830 MHz (H100 and
+# H200 SXM) is 4096 FLOPs; FP8 twice that.
+BF16_FLOPS_A_CYCLE = 4096
+
+
+def mma_cycles_a_step(kernel_name: str, d: int) -> float:
+    """A CTA's products of one loop step at the tensor cores' peak, in cycles: the forward's
+    key block (QKᵀ, PV in FP8, both warpgroups' 64 rows by 128 keys); the backward's 64-row
+    step (S in FP8; dP, dV, dK or dP, dQ in BF16; both warpgroups' 64 rows by 64)."""
+    if kernel_name == "fwd":
+        return 2 * 2 * (2 * 64 * 128 * d) / (2 * BF16_FLOPS_A_CYCLE)
+    bf16_products = 3 if kernel_name == "dkv" else 2
+    product = 2 * 64 * 64 * d
+    return 2 * product * (1 / (2 * BF16_FLOPS_A_CYCLE) + bf16_products / BF16_FLOPS_A_CYCLE)
 
 
 def region_times(trace: dict) -> dict:
@@ -132,23 +146,26 @@ def profile(shape, batch: int, build, trace_dir: str, part: str = "fwd") -> list
         regions = times.get("compute", {}).get("regions", {})
         kernel_name = "dkv" if "dv_dk" in regions else "dq" if "dq" in regions else "fwd"
         results.append({"shape": name, "batch": batch, "kernel": kernel_name, "trace": path,
+                        "mma_cycles_a_step": mma_cycles_a_step(kernel_name, d),
                         "warpgroups": times})  # fmt: skip
     return results
 
 
 def print_table(result: dict) -> None:
-    """Each warpgroup kind's regions, most cycles first; a key block is a ``wait_k`` (compute)
-    or a ``load`` (memory): one a block in every build."""
+    """Each warpgroup kind's regions, most cycles first. A loop step (the forward's key
+    block, the backward's 64 rows) is a ``wait_k`` or ``wait`` (compute) or a ``load``
+    (memory): one a step in every build."""
     for kind, t in result["warpgroups"].items():
         block_region = (
             "load" if kind == "memory" else "wait" if result["kernel"] != "fwd" else "wait_k"
         )
         blocks = t["regions"].get(block_region, (0.0, 0.0))[1] or 1.0
         print(f"{result['kernel']} {result['shape']} (batch {result['batch']}, build "
-              f"{result['build']}), {kind} "
-              f"warpgroups: {t['ctas']}, {t['span_cycles']:,.0f} cycles a CTA, "
-              f"{blocks:.1f} key blocks a CTA")  # fmt: skip
-        print(f"  {'region':<14}{'cycles/CTA':>12}{'cycles/block':>14}{'share':>8}{'count':>8}")
+              f"{result['build']}), {kind} warpgroups: {t['ctas']}, "
+              f"{t['span_cycles']:,.0f} cycles a CTA, {blocks:.1f} steps a CTA, "
+              f"{t['span_cycles'] / blocks:,.0f} a step against "
+              f"{result['mma_cycles_a_step']:,.0f} of products at peak")  # fmt: skip
+        print(f"  {'region':<14}{'cycles/CTA':>12}{'cycles/step':>14}{'share':>8}{'count':>8}")
         for name, (cycles, count) in sorted(t["regions"].items(), key=lambda r: -r[1][0]):
             print(f"  {name:<14}{cycles:>12,.0f}{cycles / blocks:>14,.0f}"
                   f"{cycles / t['span_cycles']:>8.1%}{count:>8.1f}")  # fmt: skip

@@ -41,6 +41,38 @@ def test_each_region_counts_its_own_cycles_per_warpgroup_kind():
     assert memory["regions"]["load"] == pytest.approx((500.0, 1.0))
 
 
+def test_the_table_gives_each_kinds_cycles_a_step_beside_the_products_at_peak(capsys):
+    trace = {"traceEvents": [
+        *_events(1, ("wait_k", "B", 0.0), ("wait_k", "E", 1.0), ("qk", "B", 1.0), ("qk", "E", 2.0),
+                 ("wait_k", "B", 2.0), ("wait_k", "E", 3.0), ("qk", "B", 3.0), ("qk", "E", 4.0)),
+        *_events(3, ("load", "B", 0.0), ("load", "E", 0.5)),
+    ]}  # fmt: skip
+    times = attention_profile.region_times(trace)
+    result = {"shape": "s", "batch": 1, "kernel": "fwd", "build": "default",
+              "mma_cycles_a_step": 1024.0, "warpgroups": times}  # fmt: skip
+    attention_profile.print_table(result)
+    out = capsys.readouterr().out
+    # Two key blocks in 4000 cycles: 2000 a step, of which wait_k and qk 1000 each.
+    assert "compute warpgroups: 1, 4,000 cycles a CTA, 2.0 steps a CTA, 2,000 a step" in out
+    assert "against 1,024 of products at peak" in out
+    assert [line.split()[:3] for line in out.splitlines() if line.strip().startswith("wait_k")] == [
+        ["wait_k", "2,000", "1,000"]
+    ]
+
+
+def test_a_steps_products_at_peak():
+    # Forward, d 128: two warpgroups' 64 x 128 x 128 QKᵀ and PV at 8192 FP8 FLOPs a cycle.
+    assert attention_profile.mma_cycles_a_step("fwd", 128) == 2 * 2 * 2 * 64 * 128 * 128 / 8192
+    # dK, dV step: S (FP8) and three BF16 products of 64 x 64 x d, per warpgroup.
+    product = 2 * 64 * 64 * 64
+    assert attention_profile.mma_cycles_a_step("dkv", 64) == 2 * (
+        product / 8192 + 3 * product / 4096
+    )
+    assert attention_profile.mma_cycles_a_step("dq", 64) == 2 * (
+        product / 8192 + 2 * product / 4096
+    )
+
+
 def test_a_trace_whose_regions_do_not_nest_is_refused():
     crossed = {"traceEvents": _events(1, ("qk", "B", 0.0), ("pv", "B", 1.0), ("qk", "E", 2.0))}
     with pytest.raises(ValueError, match="'qk' ends inside 'pv'"):
