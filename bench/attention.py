@@ -94,6 +94,8 @@ FORWARD_BUILDS = {
     "p_registers": ForwardConfig(p_registers=True, row_scales=True),
     "in_place": ForwardConfig(pv_in_place=True),
     "stages3": ForwardConfig(stages=3),
+    # Four key blocks in flight: a block's TMA has three steps to land, not one.
+    "stages4": ForwardConfig(stages=4),
     "overlap_in_place": ForwardConfig(overlap=True, pv_in_place=True),
     # FlashAttention-3's FP8 forward: all of them.
     "fa3": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True),

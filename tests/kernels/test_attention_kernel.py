@@ -316,6 +316,7 @@ COMPILED_BUILDS = {
     "d128-overlap-in-place-p-registers": (
         128, kernel.ForwardConfig(overlap=True, pv_in_place=True, p_registers=True)),
     "d128-in-place-stages3": (128, kernel.ForwardConfig(pv_in_place=True, stages=3)),
+    "d128-stages4": (128, kernel.ForwardConfig(stages=4)),  # 4 K and Vᵀ slots fit shared memory
 }  # fmt: skip
 
 
