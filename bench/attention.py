@@ -45,6 +45,9 @@ refuses (head_dim 64 with FP8, a missing entry) the row says why.
   their accumulation), and error rows as the others' when errors are
   measured. ``--builds-only`` times only cuDNN BF16, the default and the
   builds; ``--parts fwd`` only the forwards (the builds share the backward).
+  The backward kernels' builds (:data:`BACKWARD_BUILDS`, each a
+  :class:`~fp8jax.kernels.attention_backward.BackwardConfig`) are timed
+  forward and backward only, under the same ``--builds``.
 
 Run on an H200 (speed and errors apart, each within ten minutes):
   PYTHONPATH=src python bench/attention.py --skip-errors --out bench/results/attention.jsonl
@@ -70,6 +73,7 @@ import jax.numpy as jnp
 
 import fp8jax
 from fp8jax.kernels.attention import ForwardConfig
+from fp8jax.kernels.attention_backward import BackwardConfig
 from fp8jax.training import mfu
 
 BF16, F32, F8 = jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn
@@ -110,6 +114,11 @@ FORWARD_BUILDS = {
         overlap=True, pv_in_place=True, p_registers=True, longest_first=True
     ),
 }
+# The backward kernels' builds: the same forward, so timed with their backward only.
+BACKWARD_BUILDS = {
+    # Three 64-row blocks of the streamed side in flight, not two.
+    "bwd_stages3": BackwardConfig(stages=3),
+}
 PARTS = ("fwd", "fwd_bwd")
 DRY_ERROR_SHAPE = (1, 128, 2, 1, 128)
 CASES = ("gaussian", "outliers")
@@ -145,9 +154,18 @@ def bf16_attention(implementation: str, causal: bool):
     return attend
 
 
-def fp8jax_attention(causal: bool, hadamard: bool = False, build: ForwardConfig | None = None):
+def fp8jax_attention(causal: bool, hadamard: bool = False, build: ForwardConfig | None = None,
+                     backward: BackwardConfig | None = None):  # fmt: skip
     return functools.partial(fp8jax.dot_product_attention, causal=causal, hadamard=hadamard,
-                             forward_config=build)  # fmt: skip
+                             forward_config=build, backward_config=backward)  # fmt: skip
+
+
+def built(causal: bool, name: str):
+    """fp8jax's attention as the build ``name`` of :data:`FORWARD_BUILDS` or
+    :data:`BACKWARD_BUILDS`."""
+    if name in FORWARD_BUILDS:
+        return fp8jax_attention(causal, build=FORWARD_BUILDS[name])
+    return fp8jax_attention(causal, backward=BACKWARD_BUILDS[name])
 
 
 def reference(causal: bool):
@@ -283,15 +301,16 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
     }
     if not args.builds_only:
         fns["fp8jax_hadamard"] = fp8jax_attention(causal, hadamard=True)
-    builds = {f"fp8jax@{b}": FORWARD_BUILDS[b] for b in args.builds}
-    fns |= {impl: fp8jax_attention(causal, build=build) for impl, build in builds.items()}
+    builds = {f"fp8jax@{b}": FORWARD_BUILDS[b] for b in args.builds if b in FORWARD_BUILDS}
+    backward_builds = [f"fp8jax@{b}" for b in args.builds if b in BACKWARD_BUILDS]
+    fns |= {f"fp8jax@{b}": built(causal, b) for b in args.builds}
     times = {}
     for impl, fn in fns.items():
         for part, jitted, call in (
             ("fwd", jax.jit(fn), (q, k, v)),
             ("fwd_bwd", jax.jit(with_backward(fn)), (q, k, v, g)),
         ):
-            if part in args.parts:
+            if part in args.parts and not (part == "fwd" and impl in backward_builds):
                 grads = _grads_after(1) if part == "fwd_bwd" else None  # (out, dq, dk, dv)
                 times[(impl, part)] = _measure(f"{impl} {part}", jitted, call, args.iters, grads)
                 log({"shape": name, "impl": impl, "part": part, **times[(impl, part)]})
@@ -309,10 +328,10 @@ def speed_rows(shape, args, baseline: str, cudnn_ok: bool, log) -> dict:
                 base["pipelined_ms"] / t["pipelined_ms"]
             )
     summary |= tensor_rates(shape, times)
-    if builds:  # > 1: the build is faster than the default
+    if args.builds:  # > 1: the build is faster than the default
         summary["vs_default"] = {
             f"{impl}_{part}": times[("fp8jax", part)]["median_ms"] / t["median_ms"]
-            for (impl, part), t in times.items() if impl in builds
+            for (impl, part), t in times.items() if impl in builds or impl in backward_builds
         }  # fmt: skip
     log(summary)
     pipelined = summary["vs_bf16_pipelined"]
@@ -467,10 +486,7 @@ def error_rows(error_shape, causal: bool, case: str, baseline: str, cudnn_ok: bo
     batch, seq, heads, kv_heads, d = error_shape
     q, k, v, g = inputs(batch, seq, heads, kv_heads, d, case=case, seed=1)
     want = jax.jit(with_backward(reference(causal)))(q, k, v, g)
-    runs = {
-        f"fp8jax@{b}": jax.jit(with_backward(fp8jax_attention(causal, build=FORWARD_BUILDS[b])))
-        for b in builds
-    }
+    runs = {f"fp8jax@{b}": jax.jit(with_backward(built(causal, b))) for b in builds}
     runs |= {
         "fp8jax": jax.jit(with_backward(fp8jax_attention(causal))),
         "fp8jax_hadamard": jax.jit(with_backward(fp8jax_attention(causal, hadamard=True))),
@@ -514,8 +530,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--builds",
         default="",
-        help="forward builds to time beside the "
-        f"default, comma-separated, or 'all': {', '.join(FORWARD_BUILDS)}",
+        help="builds to time beside the default, comma-separated, or 'all': forward "
+        f"{', '.join(FORWARD_BUILDS)}; backward {', '.join(BACKWARD_BUILDS)}",
     )
     parser.add_argument(
         "--builds-only",
@@ -532,7 +548,7 @@ def main(argv=None) -> list[dict]:
     harness.add_heat_argument(parser)
     harness.add_compile_cache_argument(parser)
     args = parser.parse_args(argv)
-    args.builds = _names(args.builds, FORWARD_BUILDS, "--builds")
+    args.builds = _names(args.builds, FORWARD_BUILDS | BACKWARD_BUILDS, "--builds")
     args.parts = _names(args.parts, PARTS, "--parts")
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     only = _names(args.only, [s[0] for s in shapes], "--only") if args.only else None

@@ -136,3 +136,17 @@ def test_forward_builds_are_timed_beside_the_default_and_checked_against_it(tmp_
     assert sorted(summary["vs_default"]) == ["fp8jax@overlap_fwd", "fp8jax@p_registers_fwd"]
     with pytest.raises(SystemExit, match=r"--builds: unknown \['fast'\]"):
         bench.main(["--dry-run", "--builds", "fast", "--out", str(out)])
+
+
+def test_backward_builds_are_timed_forward_and_backward_only(tmp_path):
+    out = tmp_path / "builds.jsonl"
+    argv = ["--dry-run", "--skip-errors", "--builds", "bwd_stages3", "--builds-only",
+            "--iters", "2", "--heat", "0", "--out", str(out)]  # fmt: skip
+    with jax.numpy_dtype_promotion("standard"):
+        rows = bench.main(argv)
+    timed = [(r["impl"], r["part"]) for r in rows if "median_ms" in r]
+    assert ("fp8jax@bwd_stages3", "fwd_bwd") in timed
+    assert ("fp8jax@bwd_stages3", "fwd") not in timed  # its forward is the default's
+    (summary,) = [r for r in rows if "vs_default" in r]
+    assert sorted(summary["vs_default"]) == ["fp8jax@bwd_stages3_fwd_bwd"]
+    assert not [r for r in rows if "check_vs_default" in r]  # no forward of its own to check

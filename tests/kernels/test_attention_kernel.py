@@ -165,6 +165,16 @@ def test_forward_config_refuses_builds_it_has_not():
     assert hash(kernel.ForwardConfig(overlap=True)) == hash(kernel.ForwardConfig(overlap=True))
 
 
+def test_backward_config_refuses_builds_it_has_not():
+    with pytest.raises(ValueError, match=r"stages=\.\.\.\) must be in \[2, 3\], got 4"):
+        attention_backward.BackwardConfig(stages=4)
+    with pytest.raises(TypeError, match=r"stages=\.\.\.\) must be an int, got 2.0"):
+        attention_backward.BackwardConfig(stages=2.0)
+    q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(TypeError, match="backward_config must be None or a"):
+        fp8jax.dot_product_attention(q, q, q, backward_config=kernel.ForwardConfig())
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))  # one program, as _operands
 def _backward_operands(tq, tk, heads, kv_heads, d, causal):
     """The backward kernels' operands, as the op's backward makes them."""
@@ -213,6 +223,22 @@ def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, 
         assert x.shape == y.shape, name
         np.testing.assert_allclose(x, y, rtol=2.0**-8, atol=2.0**-16, err_msg=name)
         assert np.mean(x == y) > 0.99, name  # bitwise but for rare boundary cases
+
+
+def test_backward_kernels_with_three_stages_match_their_xla_twin():
+    """``BackwardConfig(stages=3)``: a third slot of the streamed blocks, the same products."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    tq, tk, heads, kv_heads, d, causal = 256, 256, 2, 1, 64, True  # 3 to 8 steps a CTA
+    operands = _backward_operands(tq, tk, heads, kv_heads, d, causal)
+    scale = d**-0.5
+    two = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale,
+                                             interpret=InterpretGPUParams())  # fmt: skip
+    three = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale, stages=3,
+                                               interpret=InterpretGPUParams())  # fmt: skip
+    for name, x, y in zip(("dq", "dk", "dv"), three, two, strict=True):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                      err_msg=name)  # fmt: skip
 
 
 def test_kernel_takes_whole_blocks_and_its_head_dims():

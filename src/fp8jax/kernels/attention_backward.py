@@ -24,6 +24,7 @@ and 128 (the deviceless ptxas report, tests/kernels/test_attention_kernel.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -40,22 +41,52 @@ STAGES = 2
 DKV_KERNEL = "fp8jax_attention_dkv"
 DQ_KERNEL = "fp8jax_attention_dq"
 BF16 = jnp.bfloat16
+MAX_STAGES = 3  # at head_dim 128 a fourth slot of each streamed block overflows shared memory
 
 
-def backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal: bool, scale: float):
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """How the backward kernels are built; no field changes their products or f32 steps.
+
+    Frozen and hashable: part of ``jit``'s cache key, as
+    :class:`fp8jax.kernels.attention.ForwardConfig` is.
+
+    Attributes:
+      stages: the streamed side's 64-row blocks (Q, dO and their vectors for
+        dK and dV; K, V for dQ) in flight in shared memory: a block's loads
+        have ``stages - 1`` steps to land.
+    """
+
+    stages: int = STAGES
+
+    def __post_init__(self):
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int):
+            raise TypeError(f"BackwardConfig(stages=...) must be an int, got {self.stages!r}.")
+        if not 2 <= self.stages <= MAX_STAGES:
+            raise ValueError(
+                f"BackwardConfig(stages=...) must be in [2, {MAX_STAGES}], got {self.stages}."
+            )
+
+
+DEFAULT_CONFIG = BackwardConfig()
+
+
+def backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal: bool, scale: float,
+             config: BackwardConfig = DEFAULT_CONFIG):  # fmt: skip
     """``(dq, dk, dv)`` in BF16: the kernels on NVIDIA GPUs, else :func:`xla_backward`.
 
     ``q8``, ``k8``, ``q_scale``, ``k_scale``: the forward kernel's operands;
     ``q``, ``k``, ``v``: dequantized, BF16; ``do``: the output gradient
     (BF16); ``lse2``, ``delta`` (B, H, Tq) f32: base-2 logsumexp and
-    ``rowsum(dO * O)``.
+    ``rowsum(dO * O)``. ``config``: how the kernels are built
+    (:class:`BackwardConfig`); XLA ignores it.
     """
     operands = (q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta)
     xla = functools.partial(xla_backward, causal=causal, scale=scale)
     placement = dispatch.decide(lambda shards: fwd.fits_shards(q8.shape, k8.shape, shards))
     if not placement.kernel:
         return xla(*operands)
-    pallas = functools.partial(mosaic_backward, causal=causal, scale=scale)
+    pallas = functools.partial(mosaic_backward, causal=causal, scale=scale, stages=config.stages)
     layouts = ("rows", "rows", "rows")  # all lead with the batch, split by data parallelism
     return dispatch.on_each_device(
         pallas, xla, operands, len(operands), layouts, placement.row_axes

@@ -51,12 +51,14 @@ class _Config:
     xla_only: bool
     dtypes: tuple  # q's, k's and v's, for their gradients
     forward: kernel.ForwardConfig = kernel.DEFAULT_CONFIG
+    backward: backward_kernels.BackwardConfig = backward_kernels.DEFAULT_CONFIG
 
 
 def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None = None,
                           recipe=None, implementation: str | None = None,
                           hadamard: bool = False,
                           forward_config: kernel.ForwardConfig | None = None,
+                          backward_config: backward_kernels.BackwardConfig | None = None,
                           ) -> jax.Array:  # fmt: skip
     """Scaled dot-product attention with QKᵀ and PV in FP8 (E4M3), per-block current scales.
 
@@ -79,6 +81,9 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
       forward_config: how the forward kernel is built
         (:class:`fp8jax.kernels.attention.ForwardConfig`, for A/B timing of
         its pipelines); None: the default build. The XLA twin ignores it.
+      backward_config: how the backward kernels are built
+        (:class:`fp8jax.kernels.attention_backward.BackwardConfig`), as
+        ``forward_config``.
 
     Returns:
       The (batch, q_seq, heads, head_dim) output in ``q``'s dtype (BF16 in
@@ -108,11 +113,19 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
             "dot_product_attention: forward_config must be None or a "
             f"fp8jax.kernels.attention.ForwardConfig, got {forward_config!r}."
         )
+    if backward_config is None:
+        backward_config = backward_kernels.DEFAULT_CONFIG
+    if not isinstance(backward_config, backward_kernels.BackwardConfig):
+        raise TypeError(
+            "dot_product_attention: backward_config must be None or a "
+            f"fp8jax.kernels.attention_backward.BackwardConfig, got {backward_config!r}."
+        )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _static_scale(scale)
     if hadamard:
         q, k = _rotated(q, k)
     config = _Config(causal=bool(causal), scale=scale, xla_only=implementation == "xla",
-                     dtypes=(q.dtype, k.dtype, v.dtype), forward=forward_config)  # fmt: skip
+                     dtypes=(q.dtype, k.dtype, v.dtype), forward=forward_config,
+                     backward=backward_config)  # fmt: skip
     return _attention(q, k, v, config).astype(q.dtype)
 
 
@@ -297,8 +310,11 @@ def backward_operands(quantized, out, lse2, g, scale: float):
 def _attention_bwd(config: _Config, residuals, g):
     quantized, out, lse2 = residuals
     operands = backward_operands(quantized, out, lse2, g, config.scale)
-    run = backward_kernels.xla_backward if config.xla_only else backward_kernels.backward
-    grads = run(*operands, causal=config.causal, scale=config.scale)
+    if config.xla_only:
+        grads = backward_kernels.xla_backward(*operands, causal=config.causal, scale=config.scale)
+    else:
+        grads = backward_kernels.backward(*operands, causal=config.causal, scale=config.scale,
+                                          config=config.backward)  # fmt: skip
     return tuple(x.astype(dtype) for x, dtype in zip(grads, config.dtypes, strict=True))
 
 
