@@ -100,9 +100,15 @@ FORWARD_BUILDS = {
     "stages3": ForwardConfig(stages=3),
     # Four key blocks in flight: a block's TMA has three steps to land, not one.
     "stages4": ForwardConfig(stages=4),
+    # JAX's own Mosaic GPU attention's step: P from registers into PV accumulated in place.
+    "registers_in_place": ForwardConfig(p_registers=True, pv_in_place=True, row_scales=True),
+    "registers_in_place_stages4": ForwardConfig(
+        p_registers=True, pv_in_place=True, row_scales=True, stages=4
+    ),
     "overlap_in_place": ForwardConfig(overlap=True, pv_in_place=True),
     # FlashAttention-3's FP8 forward: all of them.
     "fa3": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True),
+    "fa3_stages4": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True, stages=4),
     "fa3_stages3": ForwardConfig(overlap=True, pv_in_place=True, p_registers=True, stages=3),
     "fa3_no_pingpong": ForwardConfig(
         overlap=True, pv_in_place=True, p_registers=True, pingpong=False

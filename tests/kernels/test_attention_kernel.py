@@ -86,6 +86,8 @@ BUILDS = {
     "overlap-in-place": (
         kernel.ForwardConfig(overlap=True, pv_in_place=True, row_scales=True), GQA),
     "in-place": (kernel.ForwardConfig(pv_in_place=True), CAUSAL),
+    "in-place-p-registers": (
+        kernel.ForwardConfig(pv_in_place=True, p_registers=True, row_scales=True), CAUSAL),
     "longest-first": (kernel.ForwardConfig(longest_first=True), CAUSAL),
     "stages3-p-registers": (kernel.ForwardConfig(stages=3, pingpong=False, registers=240,
                                                  p_registers=True), FOUR),
@@ -343,6 +345,8 @@ COMPILED_BUILDS = {
         128, kernel.ForwardConfig(overlap=True, pv_in_place=True, p_registers=True)),
     "d128-in-place-stages3": (128, kernel.ForwardConfig(pv_in_place=True, stages=3)),
     "d128-stages4": (128, kernel.ForwardConfig(stages=4)),  # 4 K and Vᵀ slots fit shared memory
+    "d128-in-place-p-registers-stages4": (
+        128, kernel.ForwardConfig(pv_in_place=True, p_registers=True, row_scales=True, stages=4)),
 }  # fmt: skip
 
 
