@@ -106,20 +106,8 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
         raise TypeError(f"dot_product_attention: hadamard must be a bool, got {hadamard!r}.")
     if not isinstance(causal, bool | np.bool_):  # "False", a str, would mask
         raise TypeError(f"dot_product_attention: causal must be a bool, got {causal!r}.")
-    if forward_config is None:
-        forward_config = kernel.DEFAULT_CONFIG
-    if not isinstance(forward_config, kernel.ForwardConfig):
-        raise TypeError(
-            "dot_product_attention: forward_config must be None or a "
-            f"fp8jax.kernels.attention.ForwardConfig, got {forward_config!r}."
-        )
-    if backward_config is None:
-        backward_config = backward_kernels.DEFAULT_CONFIG
-    if not isinstance(backward_config, backward_kernels.BackwardConfig):
-        raise TypeError(
-            "dot_product_attention: backward_config must be None or a "
-            f"fp8jax.kernels.attention_backward.BackwardConfig, got {backward_config!r}."
-        )
+    forward_config = _build("forward_config", forward_config, kernel.DEFAULT_CONFIG)
+    backward_config = _build("backward_config", backward_config, backward_kernels.DEFAULT_CONFIG)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _static_scale(scale)
     if hadamard:
         q, k = _rotated(q, k)
@@ -127,6 +115,19 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
                      dtypes=(q.dtype, k.dtype, v.dtype), forward=forward_config,
                      backward=backward_config)  # fmt: skip
     return _attention(q, k, v, config).astype(q.dtype)
+
+
+def _build(name: str, config, default):
+    """A kernel build argument: ``default`` for None, else an instance of ``default``'s class."""
+    if config is None:
+        return default
+    cls = type(default)
+    if not isinstance(config, cls):
+        raise TypeError(
+            f"dot_product_attention: {name} must be None or a "
+            f"{cls.__module__}.{cls.__qualname__}, got {config!r}."
+        )
+    return config
 
 
 def _static_scale(scale) -> float:
