@@ -93,7 +93,7 @@ def reference(q, k, v, g, causal, scale=None):
     # The backward's budgets, term by term (module docstring).
     e_delta = np.einsum("bqhd,bqhd->bhq", np.abs(g), fwd)[..., None] + U16 * np.abs(delta)
     e_dp = 2 * U16 * np.einsum("bqhd,bkhd->bhqk", np.abs(g), np.abs(vd))
-    e_ds = scale * p * (e_dp + e_delta) + U16 * np.abs(ds)
+    e_ds = abs(scale) * p * (e_dp + e_delta) + U16 * np.abs(ds)
     abs_ds = np.abs(ds)
     budgets = {
         "dq": np.einsum("bhqk,bkhd->bqhd", e_ds + U16 * abs_ds, np.abs(kd)),
@@ -175,6 +175,22 @@ def test_forward_and_backward_within_derived_budgets(shape, kv_heads, causal, ca
     assert_within("out", out, ref, budget)
     for name in ("dq", "dk", "dv"):
         assert_within(name, grads[name], ref_grads[name], budgets[name])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_negative_scale_is_within_the_derived_budgets(causal):
+    """A negative scale reverses which keys a query prefers; the kernels' exp2 folds the
+    scale in after the raw scores' row max, so the op negates Q instead (exact)."""
+    q, k, v, g = inputs((1, 256, 2, 64), 1, case="normal")
+
+    def f(q, k, v):
+        return fp8jax.dot_product_attention(q, k, v, causal=causal, scale=-0.125)
+
+    out, vjp = jax.vjp(f, q, k, v)
+    ref, budget, ref_grads, budgets = reference(q, k, v, g, causal, scale=-0.125)
+    assert_within("out", out, ref, budget)
+    for name, grad in zip(("dq", "dk", "dv"), vjp(g), strict=True):
+        assert_within(name, grad, ref_grads[name], budgets[name])
 
 
 def test_first_rows_under_causality_see_only_the_past():
@@ -326,7 +342,10 @@ REFUSALS = {
     "causal-str": ((1, 128, 2, 64), (1, 128, 2, 64), {"causal": "False"}, TypeError,
                    "causal must be a bool, got 'False'"),
     "scale-nan": ((1, 128, 2, 64), (1, 128, 2, 64), {"scale": float("nan")}, ValueError,
-                  "scale must be None or a finite number, got nan"),
+                  "scale must be None or a finite, nonzero number.*got nan"),
+    # Masked scores are -inf before the kernels scale them: at 0, NaN.
+    "scale-zero": ((1, 128, 2, 64), (1, 128, 2, 64), {"scale": 0.0}, ValueError,
+                   "scale must be None or a finite, nonzero number.*got 0.0"),
 }  # fmt: skip
 
 

@@ -69,7 +69,8 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
         ``jax.nn.dot_product_attention``'s GQA does).
       causal: each query attends to keys at or before its position (then
         ``q_seq == kv_seq``).
-      scale: the logits' scale, a Python number (static); None: ``1 / sqrt(head_dim)``.
+      scale: the logits' scale, a finite nonzero Python number (static; a
+        negative one negates Q exactly); None: ``1 / sqrt(head_dim)``.
       recipe: reserved for other scaling schemes; None: E4M3 with one current
         scale per 128 rows and head of Q, K and V.
       implementation: None (the Mosaic GPU kernel where it runs, else its XLA
@@ -92,7 +93,7 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
     Raises:
       ValueError: head_dim other than 64 or 128, sequence lengths not a
         multiple of 128, mismatched shapes, causal with ``q_seq != kv_seq``, or a
-        non-finite scale.
+        non-finite or zero scale.
       TypeError: a recipe other than None, non-floating inputs, or a traced scale.
 
     Example:
@@ -109,6 +110,11 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
     forward_config = _build("forward_config", forward_config, kernel.DEFAULT_CONFIG)
     backward_config = _build("backward_config", backward_config, backward_kernels.DEFAULT_CONFIG)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _static_scale(scale)
+    if scale < 0:
+        # The kernels fold the scale into exp2's argument after the row max of the
+        # raw scores, which is the scaled scores' max only for a positive factor:
+        # (-q)·k at |scale| is the same logits (negation is exact).
+        q, scale = -q, -scale
     if hadamard:
         q, k = _rotated(q, k)
     config = _Config(causal=bool(causal), scale=scale, xla_only=implementation == "xla",
@@ -139,9 +145,10 @@ def _static_scale(scale) -> float:
             "outside jit's arguments (functools.partial, or static_argnames)."
         )
     value = float(scale)
-    if not math.isfinite(value):
+    if not math.isfinite(value) or value == 0:
         raise ValueError(
-            f"dot_product_attention: scale must be None or a finite number, got {value}."
+            "dot_product_attention: scale must be None or a finite, nonzero number (the "
+            f"kernels mask scores before scaling them, and -inf * 0 is NaN), got {value}."
         )
     return value
 
