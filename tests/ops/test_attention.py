@@ -193,6 +193,16 @@ def test_a_negative_scale_is_within_the_derived_budgets(causal):
         assert_within(name, grad, ref_grads[name], budgets[name])
 
 
+def test_logits_up_to_half_a_million_are_within_the_derived_budgets():
+    """The docstring's range: exp2's argument is one f32 FMA against the row max, which
+    keeps P's 2**8 while the max's f32 unit is small beside it (past about 10**7 not)."""
+    q, k, v, g = inputs((1, 256, 2, 64), 2)
+    q = (np.asarray(q, np.float32) * 1e5).astype(jnp.bfloat16)  # |logits| up to 4.9e5
+    out = fp8jax.dot_product_attention(q, k, v)
+    ref, budget, _, _ = reference(q, k, v, g, False)
+    assert_within("out", out, ref, budget)
+
+
 def test_first_rows_under_causality_see_only_the_past():
     """Row 0 attends to key 0 alone: its output is v[0] up to V's E4M3 rounding and P's."""
     q, k, v, _ = inputs((1, 256, 2, 64), 1)

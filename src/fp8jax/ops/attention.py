@@ -88,7 +88,10 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
 
     Returns:
       The (batch, q_seq, heads, head_dim) output in ``q``'s dtype (BF16 in
-      training; the kernel writes BF16).
+      training; the kernel writes BF16). Within the FP8 error budgets for
+      logits (``scale * q·k``) up to about 10**6 in magnitude: each score's
+      exponent is one f32 FMA against the row max, whose f32 unit past about
+      10**7 outgrows P's 2**8 (then the values are not finite).
 
     Raises:
       ValueError: head_dim other than 64 or 128, sequence lengths not a
