@@ -124,6 +124,9 @@ FORWARD_BUILDS = {
 BACKWARD_BUILDS = {
     # Three 64-row blocks of the streamed side in flight, not two.
     "bwd_stages3": BackwardConfig(stages=3),
+    # The step's independent products issued together, waited for once.
+    "bwd_paired": BackwardConfig(paired=True),
+    "bwd_paired_stages3": BackwardConfig(paired=True, stages=3),
 }
 PARTS = ("fwd", "fwd_bwd")
 DRY_ERROR_SHAPE = (1, 128, 2, 1, 128)

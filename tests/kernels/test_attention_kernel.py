@@ -172,6 +172,8 @@ def test_backward_config_refuses_builds_it_has_not():
         attention_backward.BackwardConfig(stages=4)
     with pytest.raises(TypeError, match=r"stages=\.\.\.\) must be an int, got 2.0"):
         attention_backward.BackwardConfig(stages=2.0)
+    with pytest.raises(TypeError, match=r"paired=\.\.\.\) must be a bool, got 1"):
+        attention_backward.BackwardConfig(paired=1)
     q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match="backward_config must be None or a"):
         fp8jax.dot_product_attention(q, q, q, backward_config=kernel.ForwardConfig())
@@ -227,18 +229,20 @@ def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, 
         assert np.mean(x == y) > 0.99, name  # bitwise but for rare boundary cases
 
 
-def test_backward_kernels_with_three_stages_match_their_xla_twin():
-    """``BackwardConfig(stages=3)``: a third slot of the streamed blocks, the same products."""
+@pytest.mark.parametrize("build", [{"stages": 3}, {"paired": True}], ids=["stages3", "paired"])
+def test_backward_builds_are_bitwise_the_default_in_interpret_mode(build):
+    """``BackwardConfig(stages=3)``: a third slot of the streamed blocks; ``paired``: the
+    step's independent products issued together. The same products and sums either way."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     tq, tk, heads, kv_heads, d, causal = 256, 256, 2, 1, 64, True  # 3 to 8 steps a CTA
     operands = _backward_operands(tq, tk, heads, kv_heads, d, causal)
     scale = d**-0.5
-    two = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale,
-                                             interpret=InterpretGPUParams())  # fmt: skip
-    three = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale, stages=3,
+    default = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale,
+                                                 interpret=InterpretGPUParams())  # fmt: skip
+    built = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale, **build,
                                                interpret=InterpretGPUParams())  # fmt: skip
-    for name, x, y in zip(("dq", "dk", "dv"), three, two, strict=True):
+    for name, x, y in zip(("dq", "dk", "dv"), built, default, strict=True):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                       err_msg=name)  # fmt: skip
 
@@ -426,6 +430,32 @@ def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal
         # Each recomputes the scores from the forward's FP8 operands on FP8 tensor
         # cores (the HLO-wide search above is met by the forward kernel alone).
         assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx), name
+
+
+@pytest.mark.deviceless
+def test_deviceless_paired_backward_waits_for_the_tensor_cores_half_as_often(h200_with_dumps):
+    """``BackwardConfig(paired=True)`` for the H200 at head_dim 128: the dK/dV kernel's step
+    waits twice, not four times (scores with dP, dV with dK), and the dQ kernel's steps
+    (unmasked and on the diagonal: two loops) twice each, not three times; in registers."""
+    from fp8jax.kernels.attention_backward import BackwardConfig
+
+    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+
+    def step(q, k, v, g):
+        attention = functools.partial(fp8jax.dot_product_attention, causal=True,
+                                      backward_config=BackwardConfig(paired=True))  # fmt: skip
+        out, vjp = jax.vjp(attention, q, k, v)
+        return out, vjp(g)
+
+    _, dumps = h200_with_dumps(step, q, kv, kv, q, child="paired-backward")
+    waits = {}
+    for name in (attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
+        (ptx,) = [p.read_text() for p in dumps.glob(f"{name}*.ptx")]
+        waits[name] = len(re.findall(r"wgmma\.wait_group\.sync\.aligned", ptx))
+        (ptxas,) = [p.read_text() for p in dumps.glob(f"{name}*.ptxas")]
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
+    assert waits == {attention_backward.DKV_KERNEL: 2, attention_backward.DQ_KERNEL: 4}, waits
 
 
 def test_under_data_parallelism_each_device_attends_its_batch_rows():

@@ -55,9 +55,15 @@ class BackwardConfig:
       stages: the streamed side's 64-row blocks (Q, dO and their vectors for
         dK and dV; K, V for dQ) in flight in shared memory: a block's loads
         have ``stages - 1`` steps to land.
+      paired: a step's independent products are issued together and waited
+        for once (FlashAttention-3's backward): the scores and dP, whose
+        operands arrive together, and in the dK/dV kernel dV and dK. Two
+        waits a step instead of four (three for dQ's two): the tensor cores'
+        queue does not drain between them. The same products and sums.
     """
 
     stages: int = STAGES
+    paired: bool = False
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int):
@@ -66,6 +72,8 @@ class BackwardConfig:
             raise ValueError(
                 f"BackwardConfig(stages=...) must be in [2, {MAX_STAGES}], got {self.stages}."
             )
+        if not isinstance(self.paired, bool):
+            raise TypeError(f"BackwardConfig(paired=...) must be a bool, got {self.paired!r}.")
 
 
 DEFAULT_CONFIG = BackwardConfig()
@@ -86,7 +94,8 @@ def backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal: bool
     placement = dispatch.decide(lambda shards: fwd.fits_shards(q8.shape, k8.shape, shards))
     if not placement.kernel:
         return xla(*operands)
-    pallas = functools.partial(mosaic_backward, causal=causal, scale=scale, stages=config.stages)
+    pallas = functools.partial(mosaic_backward, causal=causal, scale=scale, stages=config.stages,
+                               paired=config.paired)  # fmt: skip
     layouts = ("rows", "rows", "rows")  # all lead with the batch, split by data parallelism
     return dispatch.on_each_device(
         pallas, xla, operands, len(operands), layouts, placement.row_axes
@@ -190,7 +199,32 @@ def _helpers(interpreted: bool):
 
         return pl.run_state(product)(plgpu.ACC.init(acc))
 
-    return pl, plgpu, load, laid_out, iota, mma_t, mma_add
+    def mma_t_both(first, second, shape):
+        """:func:`mma_t` of two ``(a_smem, bt_smem)`` pairs, issued together, waited for once."""
+        if interpreted:
+            return mma_t(*first, shape), mma_t(*second, shape)
+
+        def products(*refs):
+            for ref, (a_smem, bt_smem) in zip(refs, (first, second), strict=True):
+                plgpu.wgmma(ref, a_smem, plgpu.transpose_ref(bt_smem, (1, 0)))
+            first_ref, second_ref = refs
+            # Waiting for no MMA in flight is waiting for both: the second read waits for none.
+            return first_ref[...], plgpu.wgmma_accumulator_load(second_ref, wait_n=None)
+
+        return pl.run_scoped(products, *[plgpu.ACC(shape, jnp.float32)] * 2)
+
+    def mma_add_both(first, second):
+        """:func:`mma_add` of two ``(acc, a, b_smem)`` terms, issued together, waited for once."""
+        if interpreted:
+            return mma_add(*first), mma_add(*second)
+
+        def products(refs):
+            for ref, (_, a, b_smem) in zip(refs, (first, second), strict=True):
+                plgpu.wgmma(ref, a, b_smem)
+
+        return pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc, _, _ in (first, second)))
+
+    return pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, mma_add_both
 
 
 def _smem(plgpu, shape, dtype):
@@ -225,9 +259,12 @@ def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted)
 
 
 def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
+                dk_ref, dv_ref, *scoped, causal, scale, group, stages, paired,
+                interpreted):  # fmt: skip
     del k_ref
-    pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
+    pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, mma_add_both = _helpers(
+        interpreted
+    )
     (k8_w, v_w, ks_w, dk_w, q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
     n_rows = q8_ref.shape[1] // STEP_ROWS
@@ -262,10 +299,15 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
             with jax.named_scope("wait"):
                 for ring in loaded:
                     plgpu.barrier_wait(ring.at[slot])
+            scores = (k8_w.at[wg], q8_r.at[slot])
+            dp_operands = (v_w.at[wg], do_r.at[slot])
             with jax.named_scope("scores"):
                 # Sᵀ: this warpgroup's keys by the step's queries, raw; scaled and
                 # exponentiated in one FMA and one ex2 a score (docs/design.md#fp8-attention).
-                st = mma_t(k8_w.at[wg], q8_r.at[slot], shape)
+                if paired:
+                    st, dpt = mma_t_both(scores, dp_operands, shape)
+                else:
+                    st = mma_t(*scores, shape)
                 # The keys' one block scale, read as a vector along the queries
                 # (columns; read each step, as 16 registers held it spills), joins
                 # each query's scale in one factor a column.
@@ -278,15 +320,20 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
                     query = iota(shape, 1) + rows.start
                     pt = jnp.where(query >= iota(shape, 0) + base, pt, 0.0)
             with jax.named_scope("dp"):
-                dpt = mma_t(v_w.at[wg], do_r.at[slot], shape)
+                if not paired:
+                    dpt = mma_t(*dp_operands, shape)
                 dst = pt * (dpt - lax.broadcast_in_dim(load(dl_r.at[slot], column), shape, [1]))
             # Pᵀ and dSᵀ enter wgmma from registers: 16-bit A operands share
             # the accumulator's layout, and no shared-memory round trip or
             # fence stands between the softmax and the products.
             wgmma_layout = plgpu.Layout.WGMMA
             with jax.named_scope("dv_dk"):
-                dv = mma_add(dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
-                dk = mma_add(dk, laid_out(dst.astype(BF16), wgmma_layout), q_r.at[slot])
+                dv_term = (dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
+                dk_term = (dk, laid_out(dst.astype(BF16), wgmma_layout), q_r.at[slot])
+                if paired:
+                    dv, dk = mma_add_both(dv_term, dk_term)
+                else:
+                    dv, dk = mma_add(*dv_term), mma_add(*dk_term)
             plgpu.barrier_arrive(done.at[slot])
             return dk, dv
 
@@ -326,9 +373,9 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
 
 
 def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *scoped, causal, scale, group, stages, interpreted):  # fmt: skip
+               dq_ref, *scoped, causal, scale, group, stages, paired, interpreted):  # fmt: skip
     del q_ref
-    pl, plgpu, load, laid_out, iota, mma_t, mma_add = _helpers(interpreted)
+    pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, _ = _helpers(interpreted)
     (q8_w, do_w, qs_w, lse_w, dl_w, dq_w, k8_r, k_r, v_r, ks_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
     batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
@@ -365,13 +412,18 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
                 # The step's keys share one scale: read along the rows, it joins
                 # each query's in one factor a row, and one FMA a score scales it.
                 c = qs * load(ks_r.at[slot], row)
-                s = mma_t(q8_w.at[wg], k8_r.at[slot], shape)
+                scores, dp_operands = (q8_w.at[wg], k8_r.at[slot]), (do_w.at[wg], v_r.at[slot])
+                if paired:
+                    s, dp = mma_t_both(scores, dp_operands, shape)
+                else:
+                    s = mma_t(*scores, shape)
                 p = jnp.exp2(s * lax.broadcast_in_dim(c, shape, [0]) - lse)
                 if masked:
                     key = iota(shape, 1) + t * STEP_ROWS
                     p = jnp.where(iota(shape, 0) + base >= key, p, 0.0)
             with jax.named_scope("dp"):
-                dp = mma_t(do_w.at[wg], v_r.at[slot], shape)
+                if not paired:
+                    dp = mma_t(*dp_operands, shape)
                 ds = laid_out((p * (dp - delta)).astype(BF16), plgpu.Layout.WGMMA)
             with jax.named_scope("dq"):
                 dq = mma_add(dq, ds, k_r.at[slot])
@@ -406,7 +458,8 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
 
 
 def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, scale,
-                    stages=STAGES, interpret=None, profile_dir: str | None = None):  # fmt: skip
+                    stages=STAGES, paired=False, interpret=None,
+                    profile_dir: str | None = None):  # fmt: skip
     """The two kernels: dK, dV (one CTA per 128 keys of a kv head), then dQ (per 128 queries).
 
     ``profile_dir``: as :func:`fp8jax.kernels.attention.mosaic_forward`'s: each
@@ -425,7 +478,7 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
     rows, step = fwd.WG_ROWS, STEP_ROWS
     f8 = fwd.FP8
     operands = (q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta)
-    options = dict(causal=causal, scale=scale, group=group, stages=stages,
+    options = dict(causal=causal, scale=scale, group=group, stages=stages, paired=paired,
                    interpreted=interpret is not None)  # fmt: skip
 
     def launch(body, name, grid, grid_names, out_type, scratch, barriers, steps):
