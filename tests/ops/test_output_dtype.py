@@ -80,3 +80,41 @@ def test_modules_keep_computing_in_the_activations_dtype():
 
     layer = fnnx.DenseGeneral(32, 8, rngs=nnx.Rngs(0))
     assert layer(jnp.ones((4, 32), jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("op", ["dot_general", "dense", "einsum"])
+@pytest.mark.parametrize("magnitude", [1.0, 2.0**-6], ids=["unit", "small"])
+def test_float16_operands_give_exact_float16_values(op, magnitude):
+    # Current scaling maps one-valued operands to the format's maximum exactly,
+    # so the products are exact. Unscaled, the GEMM's sums (448**2 * 32 forward,
+    # 57344 * 448 * 8 for the input gradient) are beyond float16's 65504, and
+    # for small operands the combined scale (2**-6 / 448)**2 is below its
+    # smallest subnormal: a float16 GEMM gave inf, NaN and zeros.
+    ours, _ = _ops()[op]
+    x = jnp.full((4, 32), 0.25 * magnitude, jnp.float16)
+    w = jnp.full((32, 8), 0.5 * magnitude, jnp.float16)
+    y = ours(x, w)
+    assert y.dtype == jnp.float16
+    np.testing.assert_array_equal(y, np.full((4, 8), 4.0 * magnitude**2, np.float16))
+    dx, dw = jax.grad(lambda x, w: jnp.sum(ours(x, w)), argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(dx, np.full((4, 32), 4.0 * magnitude, np.float16))
+    np.testing.assert_array_equal(dw, np.full((32, 8), 1.0 * magnitude, np.float16))
+
+
+def test_float16_fused_ops_stay_finite():
+    # The fused ops' GEMMs write x.dtype: float16 here (see the test above).
+    x = jax.random.normal(jax.random.key(0), (4, 32), jnp.float16)
+    gamma = jnp.ones((32,), jnp.float16)
+    kernel = (0.1 * jax.random.normal(jax.random.key(1), (32, 8))).astype(jnp.float16)
+    k1 = (0.1 * jax.random.normal(jax.random.key(2), (32, 2, 16))).astype(jnp.float16)
+    k2 = (0.1 * jax.random.normal(jax.random.key(3), (16, 32))).astype(jnp.float16)
+
+    def loss(x, kernel, k1, k2):
+        y1 = fp8jax.layernorm_dense(x, gamma, None, kernel)
+        y2 = fp8jax.layernorm_mlp(x, gamma, None, k1, k2)
+        return jnp.sum(y1.astype(jnp.float32)) + jnp.sum(y2.astype(jnp.float32)), (y1, y2)
+
+    grads, outputs = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, kernel, k1, k2)
+    for value in (*outputs, *grads):
+        assert value.dtype == jnp.float16
+        assert bool(jnp.all(jnp.isfinite(value)))

@@ -59,6 +59,7 @@ from jax import lax
 from fp8jax.activations import gated
 from fp8jax.kernels.block_gemm import BLOCK, block_scaled_matmul, xla_block_matmul
 from fp8jax.ops import _partitioning, dimensions, quantizing
+from fp8jax.ops.gemm import gemm_dtype
 from fp8jax.ops.norm import NormConfig, norm
 from fp8jax.ops.residuals import saved_as_bits
 from fp8jax.quantize import Fp8Array
@@ -203,18 +204,6 @@ def layernorm_mlp(x, gamma, beta, kernel_1, kernel_2, bias_1, bias_2, norm_confi
 
 # The scaled GEMMs: ``a (B, M, K) . b (B, N, K)^T`` of two Fp8Arrays, each
 # rescaled by the scales its granularity gives, in ``out_dtype``.
-
-
-def gemm_dtype(out_dtype) -> np.dtype:
-    """The dtype the rowwise FP8 GEMM writes before the scale epilogue.
-
-    Unscaled, the product of two FP8 rows reaches ``448**2 * K`` (about
-    3e9 for K = 16384): beyond float16's range, within bfloat16's. bfloat16
-    output rounds once more (a relative 2**-9, against E4M3's 2**-4 per
-    operand) and halves what the GEMM writes; float16 and float32 outputs
-    are computed in float32 (docs/design.md#fine-grained-scaling).
-    """
-    return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else np.float32
 
 
 def _epilogue_gemm(a: Fp8Array, b: Fp8Array, out_dtype, precision) -> jax.Array:

@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fp8jax.kernels import dispatch
@@ -48,11 +49,27 @@ def scaled_dot(
         a_data, b_data, out_shape = matrices
         gemm_dims = (((a_data.ndim - 1,), (1,)), ((), ()))
     out_sharding = _partitioning.dot_out_sharding(a_data, b_data, gemm_dims, like, permutation)
-    y = fp8_dot_general(a_data, b_data, gemm_dims, precision, out_dtype, out_sharding)
+    acc = gemm_dtype(out_dtype)
+    y = fp8_dot_general(a_data, b_data, gemm_dims, precision, acc, out_sharding)
     if out_shape is not None:
         y = y.reshape(out_shape)
-    y = y * (a.scale_inv * b.scale_inv).astype(out_dtype)
+    # In the GEMM's dtype: a float16 output's scale (scale_inv_a * scale_inv_b)
+    # is below float16's smallest subnormal for operands of amax below about 0.1.
+    y = (y * (a.scale_inv * b.scale_inv).astype(acc)).astype(out_dtype)
     return y if permutation is None else jnp.transpose(y, permutation)
+
+
+def gemm_dtype(out_dtype) -> np.dtype:
+    """The dtype an FP8 GEMM writes before its scales multiply it.
+
+    Unscaled, the product of two FP8 operands reaches ``448**2 * K`` (about
+    3e9 for K = 16384; E5M2 x E4M3, ``57344 * 448 * K``): beyond float16's
+    range, within bfloat16's. bfloat16 output rounds once more (a relative
+    2**-9, against E4M3's 2**-4 per operand) and halves what the GEMM writes;
+    float16 and float32 outputs are computed in float32, as cuBLASLt scales
+    its f32 accumulator before it converts (docs/design.md#fine-grained-scaling).
+    """
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(out_dtype) == jnp.bfloat16 else np.dtype(np.float32)
 
 
 # The cuBLASLt accumulation each lax.Precision asks for, as the FP8 dot
