@@ -100,3 +100,35 @@ def test_no_fp8_residual_is_rounded_by_the_checkpoint():
     text = str(jax.make_jaxpr(grad)(x, w))
     rounded = [line for line in text.splitlines() if "reduce_precision" in line and ":f8" in line]
     assert rounded == []
+
+
+SECOND_ORDER_OPS = {
+    "dense": lambda x, w: fp8jax.dense(x, w),
+    "dense_rowwise": lambda x, w: fp8jax.dense(x, w, recipe=fp8jax.RowwiseScaling()),
+    "layernorm_dense": lambda x, w: fp8jax.layernorm_dense(x, jnp.ones((x.shape[-1],)), None, w),
+}
+
+
+@pytest.mark.parametrize("op", list(SECOND_ORDER_OPS))
+def test_a_gradient_of_the_gradient_is_refused(op):
+    # The residuals' bits carry no tangent: a second derivative missed the
+    # terms through them and came out 80-90% off (a dense, f32 reference).
+    fn = SECOND_ORDER_OPS[op]
+    x, w = _x_w(k=32, n=8)
+
+    def loss(x):
+        return jnp.sum(jnp.tanh(fn(x, w) / 30) ** 2)
+
+    with pytest.raises(TypeError, match="differentiable once"):
+        jax.grad(lambda x: jnp.sum(jax.grad(loss)(x)))(x)
+    with pytest.raises(TypeError, match="differentiable once"):
+        jax.hessian(lambda x: loss(x[None])[()])(x[0])
+
+
+def test_a_vjp_differentiated_in_its_cotangent_alone_is_still_allowed():
+    # Linear in the cotangent, with the residuals constant: nothing is lost.
+    x, w = _x_w(k=32, n=8)
+    _, vjp = jax.vjp(lambda x: fp8jax.dense(x, w), x)
+    ct = jnp.ones((x.shape[0], w.shape[1]))
+    grad = jax.grad(lambda ct: jnp.sum(vjp(ct)[0]))(ct)
+    assert grad.shape == ct.shape and bool(jnp.isfinite(grad).all())

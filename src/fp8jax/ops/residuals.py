@@ -31,8 +31,31 @@ class Fp8Bits:
     dtype: np.dtype
 
 
+@jax.custom_jvp
+def _differentiated_once(x):
+    """``x``, refusing to be differentiated: see :func:`_refuse_second_order`."""
+    return x
+
+
+@_differentiated_once.defjvp
+def _refuse_second_order(primals, tangents):
+    # Reached only where the forward itself is differentiated (jax.grad of a
+    # gradient): a plain jax.grad runs the forward without tangents, and JAX
+    # skips this rule where every tangent is zero. The bits below carry no
+    # tangent, so the terms through the FP8 residuals would be dropped and
+    # the second derivative silently wrong (off by 80-90% in a small dense).
+    del primals, tangents
+    raise TypeError(
+        "fp8jax's FP8 ops are differentiable once: a gradient of their gradient (jax.grad "
+        "of jax.grad, jax.hessian, jax.jacfwd of jax.grad) would miss the terms through "
+        "their FP8 residuals. Differentiate the FP8 op once, or use its high-precision "
+        "equivalent (jnp.dot, jnp.einsum) for higher derivatives."
+    )
+
+
 def _to_bits(leaf):
     if getattr(leaf, "dtype", None) is not None and is_fp8(leaf.dtype):
+        leaf = _differentiated_once(leaf)
         return Fp8Bits(lax.bitcast_convert_type(leaf, jnp.uint8), jnp.dtype(leaf.dtype))
     return leaf
 
