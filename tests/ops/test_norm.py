@@ -53,6 +53,12 @@ def test_bf16_output_dtype_and_precision():
         ({"epsilon": 0.0}, ValueError, "epsilon must be a number > 0, got 0.0"),
         ({"epsilon": -1e-5}, ValueError, "epsilon must be a number > 0"),
         (
+            {"epsilon": float("inf")},
+            ValueError,
+            "epsilon must be a number > 0, got inf: a finite one",
+        ),
+        ({"zero_centered_gamma": "False"}, TypeError, "zero_centered_gamma must be a bool"),
+        (
             {"gamma": jnp.ones(16)},
             ValueError,
             r"gamma must have shape \(32,\) to match x's hidden size, got \(16,\)",

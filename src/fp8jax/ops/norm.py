@@ -37,8 +37,14 @@ def check_norm_args(x, gamma, beta, config: NormConfig) -> None:
     if config.norm_type not in NORM_TYPES:
         raise ValueError(f"norm_type must be one of {NORM_TYPES}, got {config.norm_type!r}.")
     eps = config.epsilon
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
-        raise ValueError(f"epsilon must be a number > 0, got {eps!r}.")
+    # An infinite epsilon makes every rstd 0: the norm's output is beta, silently.
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < float("inf"):
+        raise ValueError(
+            f"epsilon must be a number > 0, got {eps!r}: a finite one, typically 1e-6 to 1e-5."
+        )
+    # Any truthy value would select 1 + gamma, the string "False" among them.
+    if not isinstance(config.zero_centered_gamma, bool):
+        raise TypeError(f"zero_centered_gamma must be a bool, got {config.zero_centered_gamma!r}.")
     if x.ndim < 1:
         raise ValueError("x must have at least one axis (the hidden axis), got a scalar.")
     hidden = x.shape[-1]
