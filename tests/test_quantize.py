@@ -137,6 +137,14 @@ def test_quantize_rejects_bad_format_and_scale():
         fp8jax.dequantize(jnp.ones((2,)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn, jnp.bool_])
+def test_dequantize_refuses_a_dtype_that_rounds_again(dtype):
+    # int32 truncated 0.9375 to 0; an FP8 dtype rounded the scaled values again.
+    q, _ = fp8jax.quantize(jnp.array([1.0, -2.0, 3.0]), fp8jax.E4M3)
+    with pytest.raises(TypeError, match="dtype must be a high-precision float dtype"):
+        fp8jax.dequantize(q, dtype)
+
+
 @pytest.mark.parametrize(
     ("shape", "row_maxima"),
     [

@@ -69,6 +69,26 @@ def test_quantize_rejects_a_concrete_scale_that_is_not_finite_and_positive(scale
         fp8jax.quantize(jnp.ones((4,)), fp8jax.E4M3, jnp.float32(scale))
 
 
+# Finite and positive as Python floats, but not as the f32 the cast multiplies
+# by, or with a reciprocal (scale_inv) that is not a normal f32: 1e39 is inf in
+# f32, 1e38's reciprocal is subnormal (flushed to 0), 1e-40 is subnormal and
+# its reciprocal inf. Each made the dequantized values NaN or 0.
+@pytest.mark.parametrize("scale", [1e39, 1e38, 1e-40, 1e-50, True])
+def test_quantize_rejects_a_scale_that_is_no_normal_f32_both_ways(scale):
+    import jax.numpy as jnp
+
+    with pytest.raises(ValueError, match="scale must be a finite number > 0, from 2.*-126"):
+        fp8jax.quantize(jnp.ones((4,)), fp8jax.E4M3, scale)
+
+
+@pytest.mark.parametrize("scale", [2.0**-126, 2.0**126])
+def test_quantize_takes_the_extreme_normal_scales(scale):
+    import jax.numpy as jnp
+
+    q, _ = fp8jax.quantize(jnp.zeros((4,)), fp8jax.E4M3, scale)
+    assert fp8jax.dequantize(q).tolist() == [0.0] * 4
+
+
 @pytest.mark.parametrize("margin", [math.inf, -1, 40])
 def test_quantize_rejects_a_margin_out_of_range(margin):
     import jax.numpy as jnp

@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp8jax.formats import Fp8Format, is_fp8
 from fp8jax.recipes import check_margin
@@ -131,8 +132,8 @@ def quantize(x: jax.Array, fmt: Fp8Format, scale: jax.Array | None = None, *, ma
     Raises:
       TypeError: if ``x`` is not a high-precision float array or ``fmt`` is not
         an FP8 format.
-      ValueError: for a scale that is not a scalar, a concrete scale that is
-        not finite and > 0, or a margin outside [0, 32].
+      ValueError: for a scale that is not a scalar, a concrete scale outside
+        [2**-126, 2**126] (or a bool), or a margin outside [0, 32].
 
     Example:
       >>> import jax.numpy as jnp, fp8jax
@@ -152,18 +153,22 @@ def quantize(x: jax.Array, fmt: Fp8Format, scale: jax.Array | None = None, *, ma
     elif not isinstance(scale, jax.core.Tracer):
         # A traced scale cannot be checked here; a concrete one can. A zero,
         # negative or non-finite scale gives a scale_inv that makes every
-        # dequantized value NaN, Inf or of the wrong sign.
+        # dequantized value NaN, Inf or of the wrong sign; so does one whose
+        # f32 value or reciprocal is not a normal f32 (1e39 is inf there, and
+        # devices flush subnormals to 0), such as 1e39, 1e38 or 1e-40.
         value = float(scale)
-        if not (math.isfinite(value) and value > 0):
+        tiny = float(np.finfo(np.float32).tiny)  # 2**-126
+        if isinstance(scale, bool) or not tiny <= value <= 1 / tiny:
             raise ValueError(
-                f"scale must be a finite number > 0, got {value}: it multiplies x before the "
-                "cast. Pass scale=None to derive it from x's amax."
+                f"scale must be a finite number > 0, from 2**-126 to 2**126 (about 1.2e-38 to "
+                f"8.5e37, so that it and its reciprocal are normal f32 numbers), got {scale!r}: "
+                "it multiplies x before the cast. Pass scale=None to derive it from x's amax."
             )
     return quantize_with_scale(x, fmt, jnp.asarray(scale)), x_amax
 
 
 def dequantize(q: Fp8Array, dtype=jnp.float32) -> jax.Array:
-    """Inverse of :func:`quantize`: ``q.data * q.scale_inv`` in ``dtype``.
+    """Inverse of :func:`quantize`: ``q.data * q.scale_inv`` in ``dtype``, a high-precision float.
 
     Example:
       >>> import jax.numpy as jnp, fp8jax
@@ -173,4 +178,11 @@ def dequantize(q: Fp8Array, dtype=jnp.float32) -> jax.Array:
     """
     if not isinstance(q, Fp8Array):
         raise TypeError(f"q must be an fp8jax.Fp8Array from fp8jax.quantize, got {type(q)}.")
+    # An integer or FP8 dtype would round the values again, silently.
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or is_fp8(dtype):
+        raise TypeError(
+            "dtype must be a high-precision float dtype (float32, bfloat16 or float16), "
+            f"got {dtype}."
+        )
     return (q.data.astype(jnp.float32) * q.scale_inv).astype(dtype)
