@@ -49,6 +49,14 @@ def test_negative_axes_are_normalized():
     )
 
 
+def test_numpy_integer_axes_are_taken_as_lax_takes_them():
+    # Axes computed with NumPy were refused as "not a sequence of ints".
+    dims = (((np.int64(-1),), (np.int32(0),)), ((), ()))
+    normalized = dimensions.normalize(dims, (2, 3), (3, 4))
+    assert normalized == (((1,), (0,)), ((), ()))
+    assert all(type(a) is int for group in normalized for axes in group for a in axes)
+
+
 @pytest.mark.parametrize(
     ("dims", "message"),
     [
@@ -65,6 +73,8 @@ def test_negative_axes_are_normalized():
         ((((1,), (0, 1)), ((), ())), "same number of contracting dims"),
         ((((), ()), ((), ())), "contracts no axis"),
         ((((1.0,), (0,)), ((), ())), "must be a sequence of ints"),
+        ((((True,), (0,)), ((), ())), "must be a sequence of ints"),
+        ((((np.bool_(True),), (0,)), ((), ())), "must be a sequence of ints"),
     ],
 )
 def test_bad_dimension_numbers_are_explained(dims, message):

@@ -7,8 +7,11 @@ operands instead of going through JAX's own (high-precision) transpose rule.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 DimensionNumbers = tuple[
     tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]
@@ -27,15 +30,18 @@ def contract_last(lhs_ndim: int) -> DimensionNumbers:
     return (((lhs_ndim - 1,), (0,)), ((), ()))
 
 
+def _is_int(a) -> bool:
+    # NumPy integers too (axes computed with NumPy), as lax.dot_general takes them.
+    return isinstance(a, numbers.Integral) and not isinstance(a, bool | np.bool_)
+
+
 def _axes(value, ndim: int, what: str) -> tuple[int, ...]:
-    if isinstance(value, int):
+    if _is_int(value):
         value = (value,)
-    if not isinstance(value, Sequence) or not all(
-        isinstance(a, int) and not isinstance(a, bool) for a in value
-    ):
+    if not isinstance(value, Sequence) or not all(_is_int(a) for a in value):
         raise TypeError(f"{what} must be a sequence of ints, got {value!r}.")
     axes = []
-    for a in value:
+    for a in map(int, value):
         if not -ndim <= a < ndim:
             raise ValueError(f"{what} has axis {a}, out of range for an operand of rank {ndim}.")
         axes.append(a % ndim)
