@@ -72,6 +72,8 @@ def test_einsum_forward_within_fp8_bound_and_three_fp8_dots(spec, np_spec, x_sha
         ("bsd,dkq->bsk", (32, 4, 2), "label 'q' appears only in w"),
         ("bsd,dd->bsd", (32, 32), "repeats an axis label in w"),
         ("bs,dk->bsk", (32, 4), "gives x 2 axes, but it has rank 3"),
+        ("bsd,k->bsdk", (4,), r"spec 'bsd,k->bsdk' contracts no label"),  # outer product
+        ("bsd,sd->bsd", (8, 32), "contracts no label"),  # elementwise
     ],
 )
 def test_bad_specs_are_explained(spec, w_shape, message):

@@ -100,6 +100,13 @@ def einsum(spec: str, x, w, *, recipe: Recipe | None = None, state=None,
                 )
     batch = [c for c in lhs if c in rhs and c in out]
     contract = [c for c in lhs if c in rhs and c not in out]
+    if not contract:
+        # Named here: dot_general's own message speaks of dimension numbers,
+        # which the caller of einsum never wrote.
+        raise ValueError(
+            f"spec {spec!r} contracts no label (none is in x and w but not the output); an FP8 "
+            "GEMM needs one. Use jnp.einsum for an outer or elementwise product."
+        )
     dims = (
         (tuple(lhs.index(c) for c in contract), tuple(rhs.index(c) for c in contract)),
         (tuple(lhs.index(c) for c in batch), tuple(rhs.index(c) for c in batch)),
