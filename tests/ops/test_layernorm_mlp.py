@@ -280,6 +280,11 @@ _K2 = jnp.ones((64, 32))
             ValueError,
             r"split must be positive integers summing to the output's axis -2 \(4\), got \(3, 2\)",
         ),
+        (  # True is an int to Python, not a size
+            lambda: fp8jax.dense(_X, jnp.ones((32, 4, 8)), split=(True, 3)),
+            ValueError,
+            r"split must be positive integers summing to .* got \(True, 3\)",
+        ),
         (
             lambda: fp8jax.layernorm_dense(_X, _G, None, jnp.ones((32, 8)), split=(4, 4)),
             ValueError,

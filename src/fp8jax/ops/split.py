@@ -52,7 +52,7 @@ def make_split(
     axis += ndim
     if (
         not sizes
-        or not all(isinstance(s, int) and s > 0 for s in sizes)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)
         or sum(sizes) != out_shape[axis]
     ):
         raise ValueError(
