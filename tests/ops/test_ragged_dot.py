@@ -244,6 +244,36 @@ def test_no_rows_gives_empty_outputs_and_zero_weight_gradients(path):
     assert not np.asarray(dw).any()
 
 
+# (lhs shape, rhs shape): no contraction, no output columns, no groups at all.
+EMPTY_AXES = {"k": ((8, 0), (3, 0, 8)), "n": ((8, 16), (3, 16, 0)), "g": ((8, 16), (0, 16, 8))}
+
+
+@pytest.mark.parametrize("path", ["xla", "interpret", "block"])
+@pytest.mark.parametrize("axis", list(EMPTY_AXES))
+def test_an_empty_k_n_or_group_axis_gives_what_lax_gives(axis, path):
+    # Each crashed: the per-expert amax reshaped or reduced an empty rhs
+    # (ZeroDivisionError, "zero-size array to reduction"), the kernels sliced
+    # a tile out of it, BlockScaling divided by the groups.
+    lhs_shape, rhs_shape = EMPTY_AXES[axis]
+    x, w = jnp.ones(lhs_shape), jnp.ones(rhs_shape)
+    gs = jnp.array([3, 0, 5][: rhs_shape[0]], jnp.int32)
+    recipe = fp8jax.BlockScaling() if path == "block" else None
+
+    def run(op):
+        y, vjp = jax.vjp(op, x, w)
+        return (y, *vjp(jnp.ones_like(y)))
+
+    want = run(lambda x, w: lax.ragged_dot(x, w, gs))
+    if path == "interpret":
+        with rd.interpret_kernels():
+            got = jax.jit(run, static_argnums=0)(lambda x, w: fp8jax.ragged_dot(x, w, gs))
+    else:
+        got = run(lambda x, w: fp8jax.ragged_dot(x, w, gs, recipe=recipe))
+    for a, b in zip(got, want, strict=True):  # sums of no terms: zeros, or empty
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
 def test_traced_invalid_sizes_follow_the_documented_clipping():
     # Inside jit sizes cannot be checked: a negative size is an empty group,
     # rows past m are dropped; both paths agree with lax on valid ends.

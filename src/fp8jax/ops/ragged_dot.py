@@ -432,6 +432,11 @@ def _grouped_product(lhs, rhs, group_sizes, slots, config: RaggedConfig) -> jax.
     of :func:`fp8jax.ops._partitioning.ragged_out_sharding` (as the
     fine-grained GEMMs do, :func:`fp8jax.ops.fine_grained.dot_general`).
     """
+    if 0 in (lhs.shape[1], *rhs.shape) and not config.rhs_gather:
+        # No groups, or an empty k or n: every output sums no terms, so zeros
+        # (and zero gradients), as lax.ragged_dot gives. The scales' per-expert
+        # amaxes, the kernels' tiles and BlockScaling's blocks all need a value.
+        return jnp.zeros((lhs.shape[0] * config.repeats, rhs.shape[2]), config.out_dtype)
     op = block_ragged.block_ragged_dot if isinstance(config.recipe, BlockScaling) else _fp8_ragged
 
     def product(lhs, rhs, group_sizes, slots):
