@@ -133,6 +133,27 @@ def test_a_plain_jax_user_gets_the_flax_blocks_values_and_gradients(recipe):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("empty", ["ffn", "hidden"])
+def test_no_ffn_units_or_hidden_features_give_what_jnp_gives(empty, fp8):
+    # Each raised ZeroDivisionError (a reshape of zero-size rows by -1). The
+    # experts then sum no terms: zeros (or an empty output), zero gradients.
+    x, logits, wi, wo = _inputs()
+    if empty == "ffn":
+        wi, wo = wi[..., :0], wo[:, :0]
+    else:
+        x, wi, wo = x[:, :0], wi[:, :0], wo[..., :0]
+
+    def loss(x, wi, wo):
+        y, _ = fp8jax.moe_mlp(x, logits, wi, wo, top_k=K, fp8=fp8, capacity_factor=0.5)
+        return jnp.sum(y), y
+
+    grads, y = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, wi, wo)
+    np.testing.assert_array_equal(y, jnp.zeros(x.shape))
+    for g, primal in zip(grads, (x, wi, wo), strict=True):
+        np.testing.assert_array_equal(g, jnp.zeros(primal.shape))
+
+
 @pytest.mark.parametrize(
     "change,match",
     [

@@ -150,7 +150,7 @@ def experts_ffn(xs, sizes, wi, wo, activation: str, fp8: bool, recipe):
     """
     gemm = _gemm(fp8, recipe)
     e, hidden, _, ffn = wi.shape
-    h = gemm(xs, wi.reshape(e, hidden, 2 * ffn), sizes).reshape(-1, 2, ffn)
+    h = gemm(xs, wi.reshape(e, hidden, 2 * ffn), sizes).reshape(xs.shape[0], 2, ffn)
     return gemm(gated(h, activation, xs.dtype), wo, sizes)
 
 
@@ -175,7 +175,7 @@ def routed_experts(x2, order, top_k: int, sizes, wi, wo, activation: str, fp8: b
     gemm = functools.partial(ragged_dot_ops.sharded_permuted_ragged_dot, recipe=recipe)
     h = gemm(x2, wi.reshape(e, wi.shape[1], 2 * ffn), sizes, lhs_slots=order, repeats=top_k,
              rhs_gather=(1, gather_axes))  # fmt: skip
-    a = gated(h.reshape(-1, 2, ffn), activation, x2.dtype)
+    a = gated(h.reshape(h.shape[0], 2, ffn), activation, x2.dtype)
     return gemm(a, wo, sizes, out_slots=order, rhs_gather=(2, gather_axes))
 
 
@@ -311,7 +311,7 @@ def moe_mlp(
         # slots only, as where the dropped ones are never sent (expert parallelism).
         kept = ragged_dot_ops.inverse_permutation(order) < jnp.sum(sizes)
         ys = jnp.where(kept[:, None], ys, jnp.zeros((), ys.dtype))
-    per_slot = ys.reshape(-1, top_k, x.shape[-1])
+    per_slot = ys.reshape(x.shape[0], top_k, x.shape[-1])  # not -1: hidden or ffn may be 0
     y = jnp.einsum("tkh,tk->th", per_slot.astype(jnp.float32), gates).astype(x.dtype)
     return y, stats
 
@@ -343,7 +343,7 @@ def _dispatch_fwd(x2, order, inverse, top_k):
 def _dispatch_bwd(top_k, residuals, g):
     order, inverse = residuals
     per_slot = jnp.take(g, inverse, axis=0).astype(jnp.float32)
-    dx2 = jnp.sum(per_slot.reshape(-1, top_k, g.shape[-1]), axis=1).astype(g.dtype)
+    dx2 = jnp.sum(per_slot.reshape(g.shape[0] // top_k, top_k, g.shape[-1]), axis=1).astype(g.dtype)
     return dx2, _no_cotangent(order), _no_cotangent(inverse)
 
 
