@@ -334,6 +334,25 @@ def test_bad_settings_name_the_argument_expected_and_given(kw, match):
         fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))
 
 
+def test_numpy_int_settings_give_the_python_int_block():
+    # The settings' checks take NumPy ints (a config read with NumPy); top_k
+    # then failed at the first call, in fp8jax.moe_mlp, and shared_experts
+    # was refused as "must be an int".
+    x = jax.random.normal(jax.random.key(0), (2, 4, 16))
+    ints = dict(num_experts=4, top_k=2, ffn=8, shared_experts=1)
+    numpy_ints = {name: np.int64(value) for name, value in ints.items()}
+    block = fnn.MoEBlock(**ints)
+    variables = block.init(jax.random.key(1), x)
+    want = block.apply(variables, x)
+    np.testing.assert_array_equal(fnn.MoEBlock(**numpy_ints).apply(variables, x), want)
+    model = fnnx.MoEBlock(16, **numpy_ints, rngs=nnx.Rngs(0))
+    assert model(x).shape == x.shape
+    logits = x.reshape(-1, 16) @ nn.meta.unbox(variables)["params"]["router"]
+    args = (x.reshape(-1, 16), logits, jnp.ones((4, 16, 2, 8)), jnp.ones((4, 8, 16)))
+    np.testing.assert_array_equal(fp8jax.moe_mlp(*args, top_k=np.int64(2))[0],
+                                  fp8jax.moe_mlp(*args, top_k=2)[0])  # fmt: skip
+
+
 @pytest.mark.parametrize("recipe", [fp8jax.MXFP8Scaling(), fp8jax.RowwiseScaling(),
                                     fp8jax.DelayedScaling()])  # fmt: skip
 def test_recipes_the_expert_gemms_cannot_take_are_refused_at_construction(recipe):

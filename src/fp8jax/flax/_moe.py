@@ -13,6 +13,7 @@ device routes its own tokens), both :mod:`fp8jax.flax._expert_parallel`.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,12 @@ def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_expert
         raise ValueError(
             f"{owner}.activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}."
         )
-    if not isinstance(shared_experts, int) or shared_experts < 0:
+    # NumPy ints too, as for the other counts (_common.positive_int).
+    if (
+        isinstance(shared_experts, bool)
+        or not isinstance(shared_experts, numbers.Integral)
+        or shared_experts < 0
+    ):
         raise ValueError(f"{owner}.shared_experts must be an int >= 0, got {shared_experts!r}.")
     if fp8:
         ragged_dot_ops.check_recipe(owner, recipe)
@@ -125,6 +131,8 @@ def moe(x, router, wi, wo, shared_wi, shared_wo, *, top_k: int, gating: str, act
     split the experts over a mesh axis; with every device routing its own
     tokens where they split only the tokens (data parallelism, FSDP).
     """
+    # The settings take NumPy ints (_common.positive_int); every path below a static int.
+    top_k = int(top_k)
     shape, hidden = x.shape, x.shape[-1]
     x2 = x.reshape(-1, hidden)
     settings = dict(top_k=top_k, gating=gating, activation=activation, fp8=fp8, recipe=recipe,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -214,7 +215,8 @@ def _check(x, logits, wi, wo, top_k, gating, activation, fp8, recipe, gather_axe
             f"fp8jax.moe_mlp: logits must be float [tokens, experts] = {(t, e)}, got "
             f"{logits.dtype} {logits.shape}."
         )
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+    # numbers.Integral: NumPy ints too, as the Flax blocks' settings take them.
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= e:
         raise ValueError(f"fp8jax.moe_mlp: top_k must be an int in [1, {e}], got {top_k!r}.")
     if gating not in GATINGS:
         raise ValueError(f"fp8jax.moe_mlp: gating must be one of {GATINGS}, got {gating!r}.")
@@ -294,6 +296,7 @@ def moe_mlp(
       ((16, 64), (4,), 1.0)
     """
     _check(x, logits, wi, wo, top_k, gating, activation, fp8, recipe, gather_axes)
+    top_k = int(top_k)  # a static int: permuted_ragged_dot's repeats and the jit keys
     if fp8:
         recipe = ragged_dot_ops.check_recipe("fp8jax.moe_mlp", recipe)
         if token_axes:
