@@ -133,6 +133,24 @@ def test_a_plain_jax_user_gets_the_flax_blocks_values_and_gradients(recipe):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize(
+    "factor,same_as", [(1e9, None), (1e308, None), (np.float32(1.25), 1.25)], ids=str
+)
+def test_any_finite_capacity_factor_runs(factor, same_as):
+    # 1e9 overflowed int32 against the slots' ranks (OverflowError), 1e308 made
+    # math.ceil see inf; np.float32 was refused as not "a finite number". A
+    # capacity of at least the tokens drops nothing: the dropless values.
+    x, logits, wi, wo = _inputs(skew=3.0)
+
+    def run(capacity_factor):
+        return fp8jax.moe_mlp(x, logits, wi, wo, top_k=K, fp8=False,
+                              capacity_factor=capacity_factor)  # fmt: skip
+
+    (y, stats), (want, want_stats) = run(factor), run(same_as)
+    np.testing.assert_array_equal(y, want)
+    assert float(stats.dropped) == float(want_stats.dropped)
+
+
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("empty", ["ffn", "hidden"])
 def test_no_ffn_units_or_hidden_features_give_what_jnp_gives(empty, fp8):

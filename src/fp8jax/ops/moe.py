@@ -93,7 +93,10 @@ def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float |
     """Each expert's slots for ``tokens`` tokens (all devices' that share the experts), or None."""
     if capacity_factor is None:
         return None
-    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+    # At most ``tokens``: a token's experts are distinct, so no expert gets more
+    # slots and a larger capacity drops nothing; unbounded, a large factor overflowed
+    # int32 against the slots' ranks (or math.ceil, at inf).
+    return max(1, math.ceil(min(capacity_factor * tokens * top_k / num_experts, tokens)))
 
 
 def sort_by_expert(flat: jax.Array, num_experts: int, cap: int | None = None,
@@ -184,7 +187,8 @@ def check_capacity_factor(owner: str, capacity_factor) -> None:
     """Raises unless ``capacity_factor`` is None or a finite number > 0."""
     if capacity_factor is None:
         return
-    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+    # numbers.Real: NumPy floats too (np.float32 is no float subclass).
+    if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
             or not 0 < capacity_factor < math.inf):  # fmt: skip
         raise ValueError(
             f"{owner}: capacity_factor must be None (dropless) or a finite number > 0 "
