@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+from fp8jax.ops import moe as moe_ops
 
 T, H, F, E, K = 40, 32, 16, 4, 2
 BUDGET = 2 * 2.0**-24 * (H + F + K) * 4  # 4: headroom for the gated product's two roundings
@@ -131,6 +132,30 @@ def test_a_plain_jax_user_gets_the_flax_blocks_values_and_gradients(recipe):
     got = jax.jit(jax.value_and_grad(by_op, argnums=(0, 1)))(params, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigmoid_gating_of_very_negative_logits_is_finite():
+    # The normalized sigmoid sigmoid(l) / sum(sigmoid(l)) was computed as that
+    # quotient: below about -88 the f32 sigmoids are subnormal (few digits
+    # left) or 0, and a token whose logits all were gave 0 / 0, NaN in y, the
+    # aux loss and the router's gradient. Its gates against f64:
+    x, logits, wi, wo = _inputs()
+    logits = logits.at[0].set(-200.0).at[1].set(jnp.array([-100.0, -101.0, -102.0, -110.0]))
+
+    def loss(logits):
+        y, stats = fp8jax.moe_mlp(x, logits, wi, wo, top_k=K, gating="sigmoid", fp8=False)
+        return jnp.sum(y) + stats.aux_loss, (y, stats)
+
+    d_logits, (y, stats) = jax.grad(loss, has_aux=True)(logits)
+    for value in (y, stats.aux_loss, d_logits):
+        assert np.isfinite(np.asarray(value)).all()
+    # f64: sigmoid(l) = 1 / (1 + exp(-l)), with no underflow at these logits.
+    scores = 1 / (1 + np.exp(-np.asarray(logits[:2], np.float64)))
+    probs = scores / scores.sum(-1, keepdims=True)
+    gates, experts, _ = moe_ops.route(logits[:2], K, "sigmoid")
+    want = -np.sort(-probs, axis=-1)[:, :K]
+    np.testing.assert_allclose(gates, want / want.sum(-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_array_equal(experts[1], [0, 1])
 
 
 @pytest.mark.parametrize(

@@ -75,8 +75,10 @@ def route(logits: jax.Array, top_k: int, gating: str, axes: tuple[str, ...] = ()
     if gating == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
     else:
-        scores = jax.nn.sigmoid(logits)
-        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        # sigmoid / sum(sigmoid), as a softmax of log-sigmoids: the sigmoids of
+        # logits below about -88 are subnormal or 0 in f32, and their quotient
+        # lost its digits there, or was 0 / 0 (NaN) where all were.
+        probs = jax.nn.softmax(jax.nn.log_sigmoid(logits), axis=-1)
     gates, experts = lax.top_k(probs, top_k)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     counts = jnp.zeros((num_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
