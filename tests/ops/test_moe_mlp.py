@@ -219,3 +219,17 @@ def test_bad_arguments_name_the_argument_expected_and_given(change, match):
     args = {"x": x, "logits": logits, "wi": wi, "wo": wo, "top_k": K, **change}
     with pytest.raises(ValueError, match=rf"fp8jax.moe_mlp: {match}"):
         fp8jax.moe_mlp(args.pop("x"), args.pop("logits"), args.pop("wi"), args.pop("wo"), **args)
+
+
+@pytest.mark.parametrize("name", ["x", "wi", "wo"])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn])
+def test_non_float_operands_are_named_by_moe_mlp(name, dtype):
+    # They were refused inside the grouped GEMMs as "lhs" or "rhs", names
+    # the caller never passed.
+    x, logits, wi, wo = _inputs()
+    args = {"x": x, "wi": wi, "wo": wo}
+    args[name] = args[name].astype(dtype)
+    match = rf"fp8jax.moe_mlp: {name} must be a float32, bfloat16 or float16 array, got dtype"
+    for fp8 in (True, False):
+        with pytest.raises(TypeError, match=match):
+            fp8jax.moe_mlp(args["x"], logits, args["wi"], args["wo"], top_k=K, fp8=fp8)

@@ -42,6 +42,7 @@ from jax import lax
 from fp8jax import activations
 from fp8jax.kernels import bf16_grouped
 from fp8jax.ops import ragged_dot as ragged_dot_ops
+from fp8jax.quantize import check_high_precision
 
 GATINGS = ("softmax", "sigmoid")
 # The experts' gate activations: every registered one but "linear" (a gated pair (act, "linear")).
@@ -200,6 +201,9 @@ def check_capacity_factor(owner: str, capacity_factor) -> None:
 
 def _check(x, logits, wi, wo, top_k, gating, activation, fp8, recipe, gather_axes) -> None:
     """Raises for bad operands or settings, naming the argument, the expected and the given."""
+    # Here, not in the grouped GEMMs, whose errors name their own lhs and rhs.
+    for name, operand in (("x", x), ("wi", wi), ("wo", wo)):
+        check_high_precision(f"fp8jax.moe_mlp: {name}", operand)
     if x.ndim != 2:
         raise ValueError(f"fp8jax.moe_mlp: x must be 2-D [tokens, hidden], got shape {x.shape}.")
     t, hidden = x.shape
@@ -287,6 +291,7 @@ def moe_mlp(
       slots, the share dropped).
 
     Raises:
+      TypeError: for an ``x``, ``wi`` or ``wo`` that is not a high-precision float array.
       ValueError: for wrong shapes, a bad ``top_k``, gating, activation or
         capacity factor, or a recipe other than CurrentScaling or BlockScaling.
 
