@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import fp8jax
+from fp8jax.flax import linen as fnn
 from fp8jax.flax import nnx as fnnx
 
 RECIPE = fp8jax.DelayedScaling(amax_history_len=4)
@@ -34,6 +35,16 @@ def test_a_rank1_input_is_one_token(name):
     # The backward runs too (it crashed in lax for a rank-1 operand).
     grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=DIFF)(model)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+def test_a_rank1_input_is_one_token_to_both_moe_blocks():
+    # Linen's MoEBlock refused it (rank >= 2) where its NNX twin took it.
+    x = jax.random.normal(jax.random.key(0), (16,))
+    block = fnn.MoEBlock(num_experts=4, top_k=2, ffn=8)
+    variables = block.init(jax.random.key(1), x)
+    np.testing.assert_array_equal(block.apply(variables, x), block.apply(variables, x[None])[0])
+    model = fnnx.MoEBlock(16, num_experts=4, top_k=2, ffn=8, rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(model(x), model(x[None])[0])
 
 
 @pytest.mark.parametrize("name", list(MODULES))

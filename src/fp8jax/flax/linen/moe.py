@@ -97,7 +97,7 @@ class MoEBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        _common.rank(type(self).__name__, x, at_least=2)
+        _common.rank(type(self).__name__, x, at_least=1)  # rank 1: one token, as in NNX
         x = x.astype(self.dtype or x.dtype)
         hidden, e, ffn, pd = x.shape[-1], self.num_experts, self.ffn, self.param_dtype
         init = _common.fan_in_init(self.kernel_init, 1)
