@@ -334,6 +334,15 @@ def test_bad_settings_name_the_argument_expected_and_given(kw, match):
         fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))
 
 
+def test_fp8_setting_must_be_a_bool():
+    # Taken for its truth value, a config's "false" ran the FP8 experts.
+    settings = {"num_experts": E, "top_k": K, "ffn": F, "fp8": "false"}
+    with pytest.raises(TypeError, match=r"MoEBlock.fp8 must be a bool, got 'false'"):
+        fnn.MoEBlock(**settings)
+    with pytest.raises(TypeError, match=r"MoEBlock.fp8 must be a bool, got 'false'"):
+        fnnx.MoEBlock(H, **settings, rngs=nnx.Rngs(0))
+
+
 def test_numpy_int_settings_give_the_python_int_block():
     # The settings' checks take NumPy ints (a config read with NumPy); top_k
     # then failed at the first call, in fp8jax.moe_mlp, and shared_experts

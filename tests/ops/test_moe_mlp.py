@@ -221,6 +221,14 @@ def test_bad_arguments_name_the_argument_expected_and_given(change, match):
         fp8jax.moe_mlp(args.pop("x"), args.pop("logits"), args.pop("wi"), args.pop("wo"), **args)
 
 
+@pytest.mark.parametrize("fp8", ["false", None, 0])
+def test_fp8_must_be_a_bool(fp8):
+    # Taken for its truth value, a config's "false" ran the FP8 experts.
+    x, logits, wi, wo = _inputs()
+    with pytest.raises(TypeError, match=rf"fp8jax.moe_mlp: fp8 must be a bool, got {fp8!r}"):
+        fp8jax.moe_mlp(x, logits, wi, wo, top_k=K, fp8=fp8)
+
+
 @pytest.mark.parametrize("name", ["x", "wi", "wo"])
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn])
 def test_non_float_operands_are_named_by_moe_mlp(name, dtype):

@@ -17,6 +17,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import fp8jax
 from fp8jax.flax import _common, _expert_parallel
@@ -49,6 +50,8 @@ def check(owner: str, num_experts, top_k, ffn, gating, activation, shared_expert
         or shared_experts < 0
     ):
         raise ValueError(f"{owner}.shared_experts must be an int >= 0, got {shared_experts!r}.")
+    if not isinstance(fp8, bool | np.bool_):  # a config's "false" would run FP8
+        raise TypeError(f"{owner}.fp8 must be a bool, got {fp8!r}.")
     if fp8:
         ragged_dot_ops.check_recipe(owner, recipe)
 

@@ -234,6 +234,8 @@ def _check(x, logits, wi, wo, top_k, gating, activation, fp8, recipe, gather_axe
         raise ValueError(
             f"fp8jax.moe_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}."
         )
+    if not isinstance(fp8, bool | np.bool_):  # a config's "false" would run FP8
+        raise TypeError(f"fp8jax.moe_mlp: fp8 must be a bool, got {fp8!r}.")
     if fp8:
         ragged_dot_ops.check_recipe("fp8jax.moe_mlp", recipe)
 
