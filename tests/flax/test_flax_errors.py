@@ -81,6 +81,20 @@ CASES = [
         "TransformerLayer: dropout_rate must be in [0, 1), got 1.0",
     ),
     (
+        # RoPE's frequencies base**(-2i / d) were inf or NaN: NaN outputs, no error.
+        "rope_base positive",
+        lambda: fnn.MultiHeadAttention(4, use_rope=True, rope_base=0.0),
+        lambda: nnx_make(fnnx.MultiHeadAttention, 4, 32, use_rope=True, rope_base=0.0),
+        "MultiHeadAttention: rope_base must be a finite number > 0 (10000.0 in the RoPE paper), "
+        "got 0.0",
+    ),
+    (
+        "rope_base finite in a layer",
+        lambda: fnn.TransformerLayer(4, 64, use_rope=True, rope_base=float("nan")),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, use_rope=True, rope_base=float("nan")),
+        "TransformerLayer: rope_base must be a finite number > 0",
+    ),
+    (
         "norm_position",
         lambda: fnn.TransformerLayer(4, 64, norm_position="sandwich"),
         lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, norm_position="sandwich"),
@@ -232,3 +246,8 @@ def test_rotary_errors():
         apply_rotary(jnp.ones((1, 4, 2, 5)), jnp.arange(4))
     with pytest.raises(ValueError, match=re.escape("positions must have shape (4,) or (1, 4)")):
         apply_rotary(jnp.ones((1, 4, 2, 8)), jnp.arange(5))
+    for base in (0.0, -10000.0, float("inf")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"base must be a finite number > 0, got {base}")
+        ):
+            apply_rotary(jnp.ones((1, 4, 2, 8)), jnp.arange(4), base=base)

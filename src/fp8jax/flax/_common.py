@@ -66,6 +66,17 @@ def dropout_rate(owner: str, value) -> float:
     return float(value)
 
 
+def rope_base(owner: str, value) -> float:
+    # RoPE's frequencies are base**(-2i / head_dim): a base <= 0, inf or NaN
+    # makes them inf or NaN, and every rotated query and key NaN, silently.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+        raise ValueError(
+            f"{_name(owner, 'rope_base')} must be a finite number > 0 (10000.0 in the RoPE "
+            f"paper), got {value!r}."
+        )
+    return float(value)
+
+
 def norm_position(owner: str, value: str) -> str:
     if value not in NORM_POSITIONS:
         raise ValueError(

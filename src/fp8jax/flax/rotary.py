@@ -7,6 +7,9 @@ rotated by ``position * base**(-2i / head_dim)``.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
 
@@ -23,7 +26,8 @@ def apply_rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -
       ``x`` rotated, in ``x.dtype``; the angles are computed in f32.
 
     Raises:
-      ValueError: for an odd head_dim or positions that do not fit x.
+      ValueError: for an odd head_dim, positions that do not fit x, or a base
+        that is not a finite number > 0.
 
     Example:
       >>> import jax.numpy as jnp
@@ -33,6 +37,10 @@ def apply_rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -
       >>> bool(jnp.allclose(y[:, 0], x[:, 0]))  # position 0 is not rotated
       True
     """
+    # The frequencies are base**(-2i / head_dim): a base <= 0, inf or NaN makes
+    # them inf or NaN, and the rotated heads NaN, silently.
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 0 < base < math.inf:
+        raise ValueError(f"apply_rotary: base must be a finite number > 0, got {base!r}.")
     batch, seq, _, dim = x.shape
     if dim % 2:
         raise ValueError(f"rotary embeddings need an even head_dim, got {dim}.")

@@ -90,6 +90,7 @@ class MultiHeadAttention(nn.Module):
         _common.heads(owner, self.num_heads, self.num_kv_heads)
         _common.norm_type(owner, self.norm_type)
         _common.dropout_rate(owner, self.dropout_rate)
+        _common.rope_base(owner, self.rope_base)
         _attention.check_hadamard(owner, self.attention_hadamard, self.attention_implementation)
         _common.layernorm_output(owner, self.return_layernorm_output, self.input_layernorm)
         _common.residual_output(owner, self.return_residual, self.return_layernorm_output,

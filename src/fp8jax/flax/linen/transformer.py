@@ -107,6 +107,7 @@ class TransformerLayer(nn.Module):
         _common.norm_position(owner, self.norm_position)
         _common.residual_from_norm(owner, self.residual_from_norm, self.norm_position)
         _common.dropout_rate(owner, self.dropout_rate)
+        _common.rope_base(owner, self.rope_base)
         _attention.check_hadamard(owner, self.attention_hadamard, self.attention_implementation)
         if self.moe is not None:
             _moe.block_settings(owner, self.moe, self.intermediate_dim, self.activations,

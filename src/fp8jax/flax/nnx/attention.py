@@ -86,6 +86,7 @@ class MultiHeadAttention(nnx.Module):
         d = _common.head_dim(owner, hidden, n, head_dim)
         _common.norm_type(owner, norm_type)
         rate = _common.dropout_rate(owner, dropout_rate)
+        rope_base = _common.rope_base(owner, rope_base)
         _attention.check_hadamard(owner, attention_hadamard, attention_implementation)
         _common.layernorm_output(owner, return_layernorm_output, input_layernorm)
         _common.residual_output(owner, return_residual, return_layernorm_output, input_layernorm)

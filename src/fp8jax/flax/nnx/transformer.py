@@ -90,6 +90,7 @@ class TransformerLayer(nnx.Module):
         self.pre = _common.norm_position(owner, norm_position) == "pre"
         _common.residual_from_norm(owner, residual_from_norm, norm_position)
         rate = _common.dropout_rate(owner, dropout_rate)
+        _common.rope_base(owner, rope_base)
         _attention.check_hadamard(owner, attention_hadamard, attention_implementation)
         _common.positive_int(owner, "intermediate_dim", intermediate_dim)
         _common.activations(owner, activations)
