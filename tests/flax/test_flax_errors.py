@@ -6,6 +6,7 @@ import flax
 import flax_reference as ref
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -178,6 +179,83 @@ CASES = [
 def test_bad_configuration_is_named(api, case, linen, nnx_, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         (linen if api == "linen" else nnx_)()
+
+
+# (id, Linen thunk, NNX thunk, message); each thunk must raise TypeError. A switch
+# was read for its truth value: a config's "False" turned the causal mask, RoPE,
+# a bias or a returned residual on, and deterministic="False" turned dropout off.
+FLAG_CASES = [
+    (
+        "causal",
+        lambda: fnn.MultiHeadAttention(4, causal="False"),
+        lambda: nnx_make(fnnx.MultiHeadAttention, 4, 32, causal="False"),
+        "MultiHeadAttention: causal must be a bool, got 'False'",
+    ),
+    (
+        "use_rope in a layer",
+        lambda: fnn.TransformerLayer(4, 64, use_rope="False"),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, use_rope="False"),
+        "TransformerLayer: use_rope must be a bool, got 'False'",
+    ),
+    (
+        "use_bias",
+        lambda: fnn.DenseGeneral(8, use_bias="False"),
+        lambda: nnx_make(fnnx.DenseGeneral, 32, 8, use_bias="False"),
+        "DenseGeneral: use_bias must be a bool, got 'False'",
+    ),
+    (
+        "return_residual",
+        lambda: fnn.LayerNormMLP(64, return_residual=0),
+        lambda: nnx_make(fnnx.LayerNormMLP, 32, 64, return_residual=0),
+        "LayerNormMLP: return_residual must be a bool, got 0",
+    ),
+    (
+        "return_layernorm_output",
+        lambda: fnn.LayerNormDenseGeneral(8, return_layernorm_output="no"),
+        lambda: nnx_make(fnnx.LayerNormDenseGeneral, 32, 8, return_layernorm_output="no"),
+        "LayerNormDenseGeneral: return_layernorm_output must be a bool, got 'no'",
+    ),
+    (
+        "input_layernorm",
+        lambda: fnn.MultiHeadAttention(4, input_layernorm="False"),
+        lambda: nnx_make(fnnx.MultiHeadAttention, 4, 32, input_layernorm="False"),
+        "MultiHeadAttention: input_layernorm must be a bool, got 'False'",
+    ),
+    (
+        "residual_from_norm",
+        lambda: fnn.TransformerLayer(4, 64, residual_from_norm="False"),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, residual_from_norm="False"),
+        "TransformerLayer: residual_from_norm must be a bool, got 'False'",
+    ),
+    (
+        "deterministic",
+        lambda: fnn.TransformerLayer(4, 64, dropout_rate=0.1, deterministic="False"),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, dropout_rate=0.1, deterministic="False"),
+        "TransformerLayer: deterministic must be a bool, got 'False'",
+    ),
+]
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize(
+    ("case", "linen", "nnx_", "message"), FLAG_CASES, ids=[c[0] for c in FLAG_CASES]
+)
+def test_a_switch_that_is_not_a_bool_is_named(api, case, linen, nnx_, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        (linen if api == "linen" else nnx_)()
+
+
+def test_a_call_time_deterministic_that_is_not_a_bool_is_named():
+    message = "MultiHeadAttention: deterministic must be a bool, got 'False'"
+    layer = fnn.MultiHeadAttention(4, dropout_rate=0.5)
+    variables = linen_init(layer.clone(deterministic=True))
+    with pytest.raises(TypeError, match=re.escape(message)):
+        layer.apply(variables, X, deterministic="False", rngs={"dropout": jax.random.key(1)})
+    attn = nnx_make(fnnx.MultiHeadAttention, 4, 32, dropout_rate=0.5)
+    with pytest.raises(TypeError, match=re.escape(message)):
+        attn(X, deterministic="False")
+    # NumPy's bool is a bool (a config read through NumPy).
+    assert layer.clone(deterministic=np.True_).apply(variables, X).shape == X.shape
 
 
 def test_wrong_input_rank():

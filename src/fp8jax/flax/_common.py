@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp8jax import activations as activations_
 
@@ -47,6 +48,23 @@ def as_tuple(owner: str, arg: str, value) -> tuple[int, ...]:
 def features(owner: str, value, arg: str = "features") -> tuple[int, ...]:
     """Output feature sizes as a tuple of positive ints."""
     return tuple(positive_int(owner, arg, f) for f in as_tuple(owner, arg, value))
+
+
+def flags(owner: str, **values) -> None:
+    """Raises a named TypeError unless every value is a bool.
+
+    A switch is read for its truth value, so a config's string "false" would
+    turn it on silently: causal masking, RoPE, a bias, a returned residual.
+    """
+    for arg, value in values.items():
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{_name(owner, arg)} must be a bool, got {value!r}.")
+
+
+def deterministic(owner: str, value) -> None:
+    """``deterministic``, an attribute or a call's argument: None (unset) or a bool."""
+    if value is not None:
+        flags(owner, deterministic=value)
 
 
 def norm_type(owner: str, value: str) -> str:

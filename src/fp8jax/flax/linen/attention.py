@@ -91,6 +91,12 @@ class MultiHeadAttention(nn.Module):
         _common.norm_type(owner, self.norm_type)
         _common.dropout_rate(owner, self.dropout_rate)
         _common.rope_base(owner, self.rope_base)
+        _common.flags(owner, causal=self.causal, use_rope=self.use_rope,
+                      input_layernorm=self.input_layernorm,
+                      zero_centered_gamma=self.zero_centered_gamma,
+                      return_layernorm_output=self.return_layernorm_output,
+                      return_residual=self.return_residual, use_bias=self.use_bias)  # fmt: skip
+        _common.deterministic(owner, self.deterministic)
         _attention.check_hadamard(owner, self.attention_hadamard, self.attention_implementation)
         _common.layernorm_output(owner, self.return_layernorm_output, self.input_layernorm)
         _common.residual_output(owner, self.return_residual, self.return_layernorm_output,
@@ -114,6 +120,7 @@ class MultiHeadAttention(nn.Module):
         """
         owner = type(self).__name__
         _common.rank(owner, x, expected=3)
+        _common.deterministic(owner, deterministic)
         hidden = x.shape[-1]
         n, n_kv = _common.heads(owner, self.num_heads, self.num_kv_heads)
         d = _common.head_dim(owner, hidden, n, self.head_dim)

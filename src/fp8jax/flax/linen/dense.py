@@ -68,6 +68,7 @@ class DenseGeneral(nn.Module):
 
     def __post_init__(self):
         _common.features(type(self).__name__, self.features)
+        _common.flags(type(self).__name__, use_bias=self.use_bias)
         _common.no_custom_dot_with_state(type(self).__name__, self.dot_general, self.recipe)
         super().__post_init__()
 
@@ -159,6 +160,9 @@ class LayerNormDenseGeneral(nn.Module):
         owner = type(self).__name__
         _common.features(owner, self.features)
         _common.norm_type(owner, self.norm_type)
+        _common.flags(owner, zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
+                      return_layernorm_output=self.return_layernorm_output,
+                      return_residual=self.return_residual)  # fmt: skip
         _common.residual_output(owner, self.return_residual, self.return_layernorm_output)
         super().__post_init__()
 

@@ -73,6 +73,9 @@ class LayerNormMLP(nn.Module):
         _common.positive_int(owner, "intermediate_dim", self.intermediate_dim)
         _common.activations(owner, self.activations)
         _common.norm_type(owner, self.norm_type)
+        _common.flags(owner, zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
+                      return_layernorm_output=self.return_layernorm_output,
+                      return_residual=self.return_residual)  # fmt: skip
         _common.residual_output(owner, self.return_residual, self.return_layernorm_output)
         super().__post_init__()
 

@@ -48,6 +48,7 @@ class LayerNorm(nn.Module):
 
     def __post_init__(self):
         _common.norm_type(type(self).__name__, self.norm_type)
+        _common.flags(type(self).__name__, zero_centered_gamma=self.zero_centered_gamma)
         super().__post_init__()
 
     @nn.compact

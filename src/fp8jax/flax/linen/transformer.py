@@ -108,6 +108,10 @@ class TransformerLayer(nn.Module):
         _common.residual_from_norm(owner, self.residual_from_norm, self.norm_position)
         _common.dropout_rate(owner, self.dropout_rate)
         _common.rope_base(owner, self.rope_base)
+        _common.flags(owner, residual_from_norm=self.residual_from_norm,
+                      zero_centered_gamma=self.zero_centered_gamma, causal=self.causal,
+                      use_rope=self.use_rope, use_bias=self.use_bias)  # fmt: skip
+        _common.deterministic(owner, self.deterministic)
         _attention.check_hadamard(owner, self.attention_hadamard, self.attention_implementation)
         if self.moe is not None:
             _moe.block_settings(owner, self.moe, self.intermediate_dim, self.activations,
@@ -118,6 +122,7 @@ class TransformerLayer(nn.Module):
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
         """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
         _common.rank(type(self).__name__, x, expected=3)
+        _common.deterministic(type(self).__name__, deterministic)
         # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         pre, from_norm = self.norm_position == "pre", self.residual_from_norm

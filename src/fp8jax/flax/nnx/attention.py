@@ -87,6 +87,11 @@ class MultiHeadAttention(nnx.Module):
         _common.norm_type(owner, norm_type)
         rate = _common.dropout_rate(owner, dropout_rate)
         rope_base = _common.rope_base(owner, rope_base)
+        _common.flags(owner, causal=causal, use_rope=use_rope, input_layernorm=input_layernorm,
+                      zero_centered_gamma=zero_centered_gamma,
+                      return_layernorm_output=return_layernorm_output,
+                      return_residual=return_residual, use_bias=use_bias,
+                      deterministic=deterministic)  # fmt: skip
         _attention.check_hadamard(owner, attention_hadamard, attention_implementation)
         _common.layernorm_output(owner, return_layernorm_output, input_layernorm)
         _common.residual_output(owner, return_residual, return_layernorm_output, input_layernorm)
@@ -134,6 +139,7 @@ class MultiHeadAttention(nnx.Module):
         """Attends ``x`` ``(batch, seq, hidden)`` to itself; arguments as in the Linen module."""
         owner = type(self).__name__
         _common.rank(owner, x, expected=3)
+        _common.deterministic(owner, deterministic)
         _common.in_features(owner, x, (-1,), (self.in_features,))
         x = x.astype(self.dtype or x.dtype)
         qkv, passed = self.qkv(x) if self.passes_input else (self.qkv(x), None)

@@ -76,6 +76,7 @@ class DenseGeneral(nnx.Module):
                 f"{owner}: axis={axis!r} names {len(self.axis)} axes, but in_features="
                 f"{in_features!r} gives {len(self.in_features)} sizes; give one size per axis."
             )
+        _common.flags(owner, use_bias=use_bias)
         _common.no_custom_dot_with_state(owner, dot_general, recipe)
         shape = self.in_features + features
         names = _common.axis_names(
@@ -168,6 +169,9 @@ class LayerNormDenseGeneral(nnx.Module):
         hidden = _common.positive_int(owner, "in_features", in_features)
         features = _common.features(owner, out_features, "out_features")
         self.norm_type = _common.norm_type(owner, norm_type)
+        _common.flags(owner, zero_centered_gamma=zero_centered_gamma, use_bias=use_bias,
+                      return_layernorm_output=return_layernorm_output,
+                      return_residual=return_residual)  # fmt: skip
         _common.residual_output(owner, return_residual, return_layernorm_output)
         gamma_init = _common.gamma_init(zero_centered_gamma, scale_init)
         self.scale = param(gamma_init, rngs, (hidden,), param_dtype, (EMBED,))

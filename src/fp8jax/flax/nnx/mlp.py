@@ -69,6 +69,9 @@ class LayerNormMLP(nnx.Module):
         ffn = _common.positive_int(owner, "intermediate_dim", intermediate_dim)
         self.activations = _common.activations(owner, activations)
         self.norm_type = _common.norm_type(owner, norm_type)
+        _common.flags(owner, zero_centered_gamma=zero_centered_gamma, use_bias=use_bias,
+                      return_layernorm_output=return_layernorm_output,
+                      return_residual=return_residual)  # fmt: skip
         _common.residual_output(owner, return_residual, return_layernorm_output)
         n_act, pd = len(self.activations), param_dtype
         gamma_init = _common.gamma_init(zero_centered_gamma, scale_init)

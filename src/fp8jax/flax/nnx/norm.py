@@ -51,6 +51,7 @@ class LayerNorm(nnx.Module):
         owner = type(self).__name__
         self.num_features = _common.positive_int(owner, "num_features", num_features)
         self.norm_type = _common.norm_type(owner, norm_type)
+        _common.flags(owner, zero_centered_gamma=zero_centered_gamma)
         self.epsilon, self.zero_centered_gamma, self.dtype = epsilon, zero_centered_gamma, dtype
         shape, init = (num_features,), _common.gamma_init(zero_centered_gamma, scale_init)
         self.scale = param(init, rngs, shape, param_dtype, (EMBED,))

@@ -91,6 +91,9 @@ class TransformerLayer(nnx.Module):
         _common.residual_from_norm(owner, residual_from_norm, norm_position)
         rate = _common.dropout_rate(owner, dropout_rate)
         _common.rope_base(owner, rope_base)
+        _common.flags(owner, residual_from_norm=residual_from_norm,
+                      zero_centered_gamma=zero_centered_gamma, causal=causal, use_rope=use_rope,
+                      use_bias=use_bias, deterministic=deterministic)  # fmt: skip
         _attention.check_hadamard(owner, attention_hadamard, attention_implementation)
         _common.positive_int(owner, "intermediate_dim", intermediate_dim)
         _common.activations(owner, activations)
@@ -163,6 +166,7 @@ class TransformerLayer(nnx.Module):
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
         """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
         _common.rank(type(self).__name__, x, expected=3)
+        _common.deterministic(type(self).__name__, deterministic)
         # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         a = self.attention(x, mask, positions, deterministic)
