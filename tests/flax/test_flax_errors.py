@@ -271,6 +271,15 @@ def test_wrong_input_rank():
         linen_init(fnn.DenseGeneral(8, axis=(1, 2)), jnp.ones((4, 32)))
 
 
+def test_an_axis_that_is_not_an_int_is_named():
+    # It failed later as a tuple index ("tuple indices must be integers"), naming no argument.
+    message = "DenseGeneral: axis must be an int or a tuple of ints, got (1.5,)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        linen_init(fnn.DenseGeneral(8, axis=(1.5,)))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        nnx_make(fnnx.DenseGeneral, 32, 8, axis=(1.5,))
+
+
 def test_nnx_input_width_must_match_in_features():
     layer = fnnx.LayerNormMLP(32, 64, rngs=nnx.Rngs(0))
     message = "LayerNormMLP: x has size (48,) on axes (-1,) (shape (2, 48)), but the module was "

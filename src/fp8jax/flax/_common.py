@@ -40,9 +40,15 @@ def positive_int(owner: str, arg: str, value) -> int:
 def as_tuple(owner: str, arg: str, value) -> tuple[int, ...]:
     """An int or a sequence of ints as a non-empty tuple."""
     values = (value,) if isinstance(value, numbers.Integral) else value
-    if not isinstance(values, Sequence) or not values:
+    # Each entry too: axis=(1.5,) failed later as a tuple index, naming no argument.
+    if (
+        not isinstance(values, Sequence)
+        or isinstance(values, str)
+        or not values
+        or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in values)
+    ):
         raise ValueError(f"{_name(owner, arg)} must be an int or a tuple of ints, got {value!r}.")
-    return tuple(values)
+    return tuple(int(v) for v in values)
 
 
 def features(owner: str, value, arg: str = "features") -> tuple[int, ...]:
