@@ -258,6 +258,21 @@ def test_a_call_time_deterministic_that_is_not_a_bool_is_named():
     assert layer.clone(deterministic=np.True_).apply(variables, X).shape == X.shape
 
 
+def test_a_kernel_init_of_the_wrong_shape_is_named():
+    # The transposed shape has the right size: it was reshaped silently.
+    def transposed(key, shape, dtype=jnp.float32):
+        return jnp.ones(shape[::-1], dtype)
+
+    message = "kernel_init must return the shape it is asked for, (32, 8) (the kernel (32, 8) "
+    with pytest.raises(ValueError, match=re.escape(message + "flattened to 2-D), got (8, 32)")):
+        linen_init(fnn.DenseGeneral(8, kernel_init=transposed))
+    with pytest.raises(ValueError, match=re.escape(message + "flattened to 2-D), got (8, 32)")):
+        fnnx.DenseGeneral(32, 8, kernel_init=transposed, rngs=nnx.Rngs(0))
+    message = "kernel_init must return the shape it is asked for, (32, 128) (the kernel (32, 2, 64)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fnnx.LayerNormMLP(32, 64, kernel_init=lambda *_: jnp.ones((3, 3)), rngs=nnx.Rngs(0))
+
+
 def test_wrong_input_rank():
     message = "MultiHeadAttention: x must have rank 3, got shape (8, 32) (rank 2)"
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -199,7 +199,15 @@ def fan_in_init(init, n_in: int):
 
     def wrapped(key, shape, dtype=jnp.float32):
         flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
-        return jnp.reshape(init(key, flat, dtype), shape)
+        value = init(key, flat, dtype)
+        # Checked before the reshape: a wrong shape of the same size would be
+        # reshaped silently, and another one failed in jnp.reshape, unnamed.
+        if tuple(jnp.shape(value)) != flat:
+            raise ValueError(
+                f"kernel_init must return the shape it is asked for, {flat} (the kernel "
+                f"{tuple(shape)} flattened to 2-D), got {tuple(jnp.shape(value))}."
+            )
+        return jnp.reshape(value, shape)
 
     return wrapped
 
