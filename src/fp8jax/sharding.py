@@ -229,6 +229,21 @@ def _rules(config, rules):
     return (config or DEFAULT).logical_rules()
 
 
+def _check_names(owner: str, names, shape) -> None:
+    """``names`` is a sequence of names, one per axis of ``shape`` (when given)."""
+    # A str is a sequence: "embed" was read as five names, one per character.
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise TypeError(
+            f"{owner}: names must be a sequence of logical names (or None), one per axis, "
+            f"got {names!r}; for one axis write ({names!r},)."
+        )
+    if shape is not None and len(names) != len(shape):
+        raise ValueError(
+            f"{owner}: names gives {len(names)} logical names {tuple(names)!r} for an array of "
+            f"shape {tuple(shape)} (rank {len(shape)}); give one per axis."
+        )
+
+
 def _as_axes(entry) -> tuple[str, ...]:
     if entry is None:
         return ()
@@ -265,6 +280,7 @@ def logical_spec(
       >>> fs.logical_spec(("batch", "length", None))
       P(('dp', 'fsdp'), None, None)
     """
+    _check_names("logical_spec", names, shape)
     available = None if mesh is None else dict(mesh.shape)
     result: list[tuple[str, ...]] = [() for _ in names]
     used: set[str] = set()
@@ -407,6 +423,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """
     from flax.core import spmd
 
+    # Checked with or without a mesh, so that a mismatch shows on one device too.
+    _check_names("constrain", names, x.shape)
     rules = spmd.get_logical_axis_rules()
     mesh = jax.sharding.get_abstract_mesh()
     if not rules or mesh.empty or AxisType.Manual in tuple(mesh.axis_types):

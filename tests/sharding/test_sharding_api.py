@@ -1,6 +1,7 @@
 """fp8jax.sharding: roles, rules, meshes, shardings, constraints; NNX modules sharded."""
 
 import contextlib
+import re
 
 import flax.linen as nn
 import jax
@@ -57,6 +58,21 @@ def test_logical_spec_drops_missing_and_non_dividing_axes():
     # A batch of 2 cannot split 8 ways: the inner axis is dropped.
     assert fs.logical_spec(("batch", None), mesh=mesh, shape=(2, 4)) == P("dp", None)
     assert fs.logical_spec(("length",), config=fs.ShardingConfig(sp="sp"), mesh=mesh) == P(None)
+
+
+def test_names_must_be_one_per_axis():
+    # A str was read as one name per character: P(None, None, None, None, None).
+    with pytest.raises(TypeError, match=re.escape("logical_spec: names must be a sequence")):
+        fs.logical_spec("embed")
+    mesh = fs.make_mesh(dp=8)
+    # With a shape: an extra name gave a spec JAX refused later, a missing one
+    # left the axis unsplit silently.
+    message = "names gives 1 logical names ('batch',) for an array of shape (8, 4) (rank 2)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fs.named_sharding(mesh, ("batch",), shape=(8, 4))
+    # constrain checks without a mesh too: a mismatch shows on one device.
+    with pytest.raises(ValueError, match=re.escape("constrain: names gives 2 logical names")):
+        fs.constrain(jnp.ones((8, 4, 2)), ("batch", None))
 
 
 def test_make_mesh_orders_axes_outermost_first():
