@@ -49,7 +49,20 @@ CASES = [
         "num_heads positive",
         lambda: fnn.TransformerLayer(0, 64),
         lambda: nnx_make(fnnx.TransformerLayer, 0, 32, 64),
-        "num_heads must be an int >= 1, got 0",
+        "TransformerLayer: num_heads must be an int >= 1, got 0",
+    ),
+    (
+        # NNX's layer named its MultiHeadAttention, a module the user never built.
+        "num_heads must divide the width in a layer",
+        lambda: linen_init(fnn.TransformerLayer(3, 64)),
+        lambda: nnx_make(fnnx.TransformerLayer, 3, 32, 64),
+        "TransformerLayer: num_heads=3 must divide the hidden size 32",
+    ),
+    (
+        "unknown norm_type in a layer",
+        lambda: fnn.TransformerLayer(4, 64, norm_type="batchnorm"),
+        lambda: nnx_make(fnnx.TransformerLayer, 4, 32, 64, norm_type="batchnorm"),
+        "TransformerLayer: norm_type must be one of ('layernorm', 'rmsnorm'), got 'batchnorm'",
     ),
     (
         "unknown activation",

@@ -121,8 +121,12 @@ class TransformerLayer(nn.Module):
     @nn.compact
     def __call__(self, x, mask=None, positions=None, deterministic: bool | None = None):
         """``x`` ``(batch, seq, hidden)`` -> same shape; arguments as in MultiHeadAttention."""
-        _common.rank(type(self).__name__, x, expected=3)
-        _common.deterministic(type(self).__name__, deterministic)
+        owner = type(self).__name__
+        _common.rank(owner, x, expected=3)
+        _common.deterministic(owner, deterministic)
+        # Checked here too, so that the error names this module, not its attention.
+        n, _ = _common.heads(owner, self.num_heads, self.num_kv_heads)
+        _common.head_dim(owner, x.shape[-1], n, self.head_dim)
         # The residual stream: batch split over dp/fsdp, sequence over sp (if any).
         x = constrain(x.astype(self.dtype or x.dtype), RESIDUAL)
         pre, from_norm = self.norm_position == "pre", self.residual_from_norm

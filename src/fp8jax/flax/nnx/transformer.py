@@ -87,6 +87,11 @@ class TransformerLayer(nnx.Module):
         rngs: nnx.Rngs,
     ):
         owner = type(self).__name__
+        # Checked here too, so that the errors name this module, not its attention.
+        n, _ = _common.heads(owner, num_heads, num_kv_heads)
+        hidden = _common.positive_int(owner, "in_features", in_features)
+        _common.head_dim(owner, hidden, n, head_dim)
+        _common.norm_type(owner, norm_type)
         self.pre = _common.norm_position(owner, norm_position) == "pre"
         _common.residual_from_norm(owner, residual_from_norm, norm_position)
         rate = _common.dropout_rate(owner, dropout_rate)
