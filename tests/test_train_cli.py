@@ -74,6 +74,7 @@ def copy_of_run(run_dir, tmp_path):
         (["--steps", "0"], "--steps must be an int >= 1"),
         (["--log-every", "3", "--eval-every", "5"], "must be a multiple of --log-every"),
         (["--mesh", "fsdp8"], "--mesh must look like"),
+        (["--mesh", "fsdp=\u00b2"], "--mesh must look like"),  # isdigit, but no int
         (["--mesh", "tp=2"], "--mesh axes are ('dp', 'fsdp', 'ep')"),
         (["--mesh", "fsdp=16"], "needs 16 devices, but JAX sees 8"),
         (["--mesh", "dp=3"], "--batch-size 8 must be divisible by the mesh size 3"),

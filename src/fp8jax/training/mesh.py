@@ -49,7 +49,8 @@ def parse_mesh(text: str | None) -> dict[str, int]:
     axes: dict[str, int] = {}
     for part in text.split(","):
         name, eq, size = part.strip().partition("=")
-        if not eq or not size.strip().isdigit():
+        # isdecimal, not isdigit: int() refuses digits such as '²', which isdigit accepts.
+        if not eq or not size.strip().isdecimal():
             raise ConfigError(
                 f"--mesh must look like 'fsdp=8', 'dp=2,fsdp=4' or 'ep=8', got {text!r}."
             )
