@@ -80,6 +80,15 @@ def copy_of_run(run_dir, tmp_path):
         (["--mesh", "dp=3"], "--batch-size 8 must be divisible by the mesh size 3"),
         (["--verify-target", "a100"], "--verify-target must be one of"),
         (["--attention", "flash"], "--attention must be one of"),
+        (
+            ["--attention", "fp8"],
+            "--attention fp8 needs a head_dim in (64, 128) (the FP8 kernels' tiles); the preset "
+            "'tiny' has 32.",
+        ),
+        (
+            ["--config", "small", "--attention", "fp8-hadamard"],
+            "--attention fp8-hadamard needs a --seq-len that is a multiple of 128",
+        ),
         (["--remat", "some"], "--remat must be one of ('none', 'dots', 'full'), got 'some'"),
         (["--accumulation-steps", "0"], "--accumulation-steps must be an int >= 1, got 0"),
         (

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fp8jax import compile_cache, data
+from fp8jax.kernels import attention as attention_kernel
 from fp8jax.ops import fine_grained
 from fp8jax.training import distributed, gemm_count, mfu, summary
 from fp8jax.training import mesh as mesh_lib
@@ -109,6 +110,7 @@ def train(
     # Every check comes before the first file is written (the run directory, the cache).
     _check_options(options)
     config = resolve(options)
+    _check_attention(config, options.attention)
     run = RunDir(options.out, writer=distributed.is_writer())
     run.check_usable()
     cache_dir = _compile_cache_dir(options.compile_cache)
@@ -174,6 +176,30 @@ def train(
         loop = _Loop(program, run, corpus, options, say)
         with program.sharding_context():
             return loop.run(state, start, progress, on_step)
+
+
+def _check_attention(config: RunConfig, attention: str) -> None:
+    """Refuses ``--attention fp8`` for shapes its kernels do not tile, before anything is written.
+
+    fp8jax.dot_product_attention would refuse them too, but only when the first
+    step traces, after the run directory exists, as a traceback that names
+    neither the option nor the preset.
+    """
+    if attention not in ("fp8", "fp8-hadamard"):
+        return
+    head_dim = config.model.hidden // config.model.heads
+    if head_dim not in attention_kernel.HEAD_DIMS:
+        raise ConfigError(
+            f"--attention {attention} needs a head_dim in {attention_kernel.HEAD_DIMS} (the FP8 "
+            f"kernels' tiles); the preset {config.name!r} has {head_dim}. Use --attention xla or "
+            "auto, or a preset such as small."
+        )
+    if config.seq_len % attention_kernel.BLOCK:
+        raise ConfigError(
+            f"--attention {attention} needs a --seq-len that is a multiple of "
+            f"{attention_kernel.BLOCK} (one FP8 scale per {attention_kernel.BLOCK} rows), got "
+            f"{config.seq_len}."
+        )
 
 
 def _check_recipe_devices(config: RunConfig, mesh) -> None:
