@@ -133,6 +133,20 @@ def test_a_compile_cache_that_is_a_file_is_refused_before_the_run_directory(tmp_
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_a_profile_that_cannot_be_a_directory_is_refused_before_the_run_directory(
+    tmp_path, capsys, where
+):
+    # jax.profiler failed only when it stopped, after the traced steps, with a traceback.
+    profile = a_file(tmp_path) if where == "a file" else a_file(tmp_path) / "trace"
+    out = tmp_path / "run"
+    assert cli.main(["train", *FAST, "--profile", str(profile), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fp8jax train: error: --profile {str(profile)!r} "), err
+    assert "not a directory" in err
+    assert not out.exists()
+
+
 def test_resume_without_out_continues_the_default_run_directory(tmp_path, capsys, monkeypatch):
     # "Continue with the same command plus --resume" holds for a command without --out.
     monkeypatch.chdir(tmp_path)

@@ -73,9 +73,30 @@ def _check_options(options: TrainOptions) -> None:
         not isinstance(options.profile, str) or not options.profile
     ):
         raise ConfigError(f"--profile must be a directory path, got {options.profile!r}.")
+    if options.profile is not None:
+        _check_profile_dir(options.profile)
     keep = options.keep_checkpoints
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ConfigError(f"--keep-checkpoints must be an int >= 1, got {keep!r}.")
+
+
+def _check_profile_dir(directory: str) -> None:
+    """Refuses a --profile that cannot become a directory.
+
+    jax.profiler writes the trace only when it stops, after the traced steps, and a file
+    in the directory's place failed there as a traceback, the run directory long written.
+    """
+    path = pathlib.Path(directory).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = (
+            "is a file" if existing == path else f"cannot be created: {str(existing)!r} is a file"
+        )
+        raise ConfigError(
+            f"--profile {directory!r} {what}, not a directory; pass a directory path."
+        )
 
 
 def train(
