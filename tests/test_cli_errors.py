@@ -64,6 +64,9 @@ def test_trains_help_names_every_preset(capsys, monkeypatch):
         (["--lr", "inf"], "--lr must be a finite number > 0, got inf."),
         (["--lr", "nan"], "--lr must be a number > 0, got nan."),
         (["--lr", "0"], "--lr must be a number > 0"),
+        # 0 or inf in the f32 schedule: a run that never moved, or NaN parameters.
+        (["--lr", "1e-300"], "--lr must be within float32's normal range [1.18e-38, 3.4e+38]"),
+        (["--lr", "1e300"], "as the optimizer computes in f32; got 1e+300."),
         (["--attention", "cudnn"], "--attention cudnn runs cuDNN's attention kernel"),
         (["--keep-checkpoints", "0"], "--keep-checkpoints must be an int >= 1, got 0."),
         (["--eval-batches", "-2"], "--eval-batches must be an int >= 1, got -2."),

@@ -7,6 +7,7 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
 import optax
 
 import fp8jax
@@ -419,6 +420,14 @@ def resolve(options: TrainOptions) -> RunConfig:
         raise ConfigError(f"--lr must be a number > 0, got {learning_rate!r}.")
     if not math.isfinite(learning_rate):
         raise ConfigError(f"--lr must be a finite number > 0, got {learning_rate!r}.")
+    f32 = np.finfo(np.float32)
+    if not float(f32.tiny) <= learning_rate <= float(f32.max):  # f64: no overflowing cast
+        # The schedule computes in f32: a smaller peak became 0 (also subnormals, flushed),
+        # a run that silently never moved; a larger one inf, NaN parameters after step 1.
+        raise ConfigError(
+            f"--lr must be within float32's normal range [{f32.tiny:.3g}, {f32.max:.3g}], "
+            f"as the optimizer computes in f32; got {learning_rate!r}."
+        )
     if preset.model.experts and recipe not in (None, "current"):
         raise ConfigError(
             f"--recipe {recipe}: the MoE preset {options.config!r} runs its experts on grouped "
