@@ -68,6 +68,16 @@ def test_argument_errors_exit_2(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_a_target_file_that_is_not_text_is_refused_naming_it(tmp_path, capsys):
+    # The codec's error came out alone, naming neither --target nor the file.
+    target = tmp_path / "gpu.txtpb"
+    target.write_bytes(b"\xd6\x00\xff binary")
+    assert _run("verify_programs:fp8_entry", "--target", str(target)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fp8jax verify: error: target config {target} cannot be read "), err
+    assert "can't decode byte 0xd6" in err
+
+
 def test_errors_are_json_too_with_json(capsys):
     assert _run("verify_programs:fp8_entry", "--target", "a100", "--json") == 2
     assert json.loads(capsys.readouterr().out)["ok"] is False

@@ -286,8 +286,15 @@ def _target_config(target: str) -> str | None:
     if target in TARGETS:
         return toolchain.target_config(target)
     if target.endswith(".txtpb") and os.path.isfile(target):
-        with open(target) as f:
-            return toolchain.validate_target_config(f.read(), target)
+        try:
+            with open(target, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            # Both came out without the file's name: a traceback, or the codec's words alone.
+            raise ValueError(
+                f"target config {target} cannot be read as a text GpuTargetConfigProto: {e}"
+            ) from None
+        return toolchain.validate_target_config(text, target)
     raise ValueError(
         f"target must be one of {TARGETS} or the path of a GpuTargetConfigProto .txtpb file; "
         f"got {target!r}."
