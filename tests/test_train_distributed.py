@@ -64,6 +64,10 @@ def test_the_launch_comes_from_the_options_or_the_cluster(args, environ, expecte
         (("h:1", 2, 2), "--process-id must be below --num-processes (2), got 2"),
         (("h:1", 0, 0), "--num-processes must be an int >= 1, got 0"),
         (("nohost", 2, 0), "'host:port'"),
+        # jax.distributed.initialize segfaulted on a port that is no number.
+        (("localhost:abc", 2, 0), "a port from 1 to 65535), got 'localhost:abc'"),
+        (("localhost:65536", 2, 0), "'host:port'"),
+        ((":1234", 2, 0), "'host:port'"),
         (("h:1", None, None), "without --num-processes and --process-id"),
     ],
 )

@@ -57,6 +57,14 @@ def _task_count(environ: Mapping[str, str], name: str) -> int:
         return 1
 
 
+def _host_and_port(address) -> bool:
+    # The port is checked here: jax.distributed.initialize segfaulted on 'localhost:abc'.
+    if not isinstance(address, str):
+        return False
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdecimal() and 0 < int(port) < 2**16
+
+
 def plan(
     coordinator_address: str | None,
     num_processes: int | None,
@@ -74,9 +82,10 @@ def plan(
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < low):  # fmt: skip
             raise ConfigError(f"--{name} must be an int >= {low}, got {value!r}.")
-    if address is not None and (not isinstance(address, str) or ":" not in address):
+    if address is not None and not _host_and_port(address):
         raise ConfigError(
-            f"--coordinator-address must look like 'host:port' (process 0's host), got {address!r}."
+            "--coordinator-address must look like 'host:port' (process 0's host, a port from 1 "
+            f"to 65535), got {address!r}."
         )
     if num_processes is not None or process_id is not None:
         missing = [
