@@ -96,6 +96,27 @@ def test_non_numbers_are_refused_by_the_parser(tmp_path, capsys, argv, message):
     assert not out.exists()
 
 
+DATA_MESSAGE = (
+    "--data must be a text file or folder, got ''; leave --data out to train on the Python "
+    "standard library's source."
+)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [("--out", "--out must be a directory path, got ''."), ("--data", DATA_MESSAGE)],
+)
+def test_an_empty_out_or_data_is_refused_not_taken_as_the_working_directory(
+    tmp_path, capsys, monkeypatch, option, message
+):
+    # pathlib reads '' as '.': the run was written into, or trained on, the working directory.
+    monkeypatch.chdir(tmp_path)
+    argv = ["--out", str(tmp_path / "run"), option, ""]  # the last --out wins
+    assert cli.main(["train", *FAST, *ONE_STEP, *argv]) == 2
+    assert capsys.readouterr().err == f"fp8jax train: error: {message}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
     path = a_file(tmp_path)
     assert cli.main(["train", *FAST, "--out", str(path)]) == 2

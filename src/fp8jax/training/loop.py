@@ -46,6 +46,15 @@ class TrainResult:
 
 
 def _check_options(options: TrainOptions) -> None:
+    # An empty path is the working directory to pathlib: --out "$UNSET" wrote the run's
+    # files there, and --data "$UNSET" trained on whatever files it held.
+    if options.out == "":
+        raise ConfigError("--out must be a directory path, got ''.")
+    if options.data == "":
+        raise ConfigError(
+            "--data must be a text file or folder, got ''; leave --data out to train on the "
+            "Python standard library's source."
+        )
     if options.verify_target not in (None, *VERIFY_TARGETS):
         raise ConfigError(
             f"--verify-target must be one of {VERIFY_TARGETS}, got {options.verify_target!r}."
