@@ -188,9 +188,7 @@ def xla_block_matmul(a, b, a_scale_inv, b_scale_inv, *, out_dtype, b_blocks=Fals
                               preferred_element_type=jnp.float32)  # fmt: skip
     sa = jnp.swapaxes(a_scale_inv, 1, 2)[..., :, None]  # (B, slices, M, 1)
     sb = jnp.swapaxes(b_scale_inv, 1, 2)[..., None, :]  # (B, slices, 1, N)
-    # The scales' product first, as the kernel takes it: a slice's sum reaches
-    # 448**2 * block, times one scale_inv of a near-f32-max operand it overflowed.
-    return jnp.sum(partial * (sa * sb), axis=1).astype(out_dtype)
+    return jnp.sum(partial * sa * sb, axis=1).astype(out_dtype)
 
 
 def sm_count() -> int:
