@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -219,6 +220,15 @@ def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
     return out.astype(jnp.bfloat16), lse2
 
 
+def load_whole(plgpu, ref, layout):
+    """``plgpu.load`` of all of ``ref``: jax 0.10 requires the index argument, jax 0.11
+    deprecates passing one apart from the ref (a warning: an error under the tests' filters)."""
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 def _smem_transforms(plgpu, columns: int, dtype) -> tuple:
     """Shared-memory tiling and swizzle for rows of ``columns`` elements of ``dtype``."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -294,7 +304,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
     # The interpreter has no rules for layouts (plgpu.load, layout_cast, iota's
     # layout) and needs none: there these are plain loads, values and iotas.
     def load(ref, layout):
-        return ref[...] if interpreted else plgpu.load(ref, (), layout=layout)
+        return ref[...] if interpreted else load_whole(plgpu, ref, layout)
 
     def laid_out(x, layout):
         return x if interpreted else plgpu.layout_cast(x, layout)

@@ -163,7 +163,7 @@ def _helpers(interpreted: bool):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     def load(ref, layout):
-        return ref[...] if interpreted else plgpu.load(ref, (), layout=layout)
+        return ref[...] if interpreted else fwd.load_whole(plgpu, ref, layout)
 
     def laid_out(x, layout):
         return x if interpreted else plgpu.layout_cast(x, layout)
