@@ -20,6 +20,7 @@ from fp8jax import activations as activations_
 
 # Re-exported: the modules take their axis names from here.
 from fp8jax.axes import ACT, BATCH, EMBED, HEADS, KV, LENGTH, MLP, QKV, RESIDUAL  # noqa: F401
+from fp8jax.flax import rotary
 from fp8jax.ops.norm import NORM_TYPES
 from fp8jax.recipes import CurrentScaling, DelayedScaling, Recipe, resolve_recipe
 
@@ -91,9 +92,7 @@ def dropout_rate(owner: str, value) -> float:
 
 
 def rope_base(owner: str, value) -> float:
-    # RoPE's frequencies are base**(-2i / head_dim): a base <= 0, inf or NaN
-    # makes them inf or NaN, and every rotated query and key NaN, silently.
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+    if not rotary.valid_base(value):
         raise ValueError(
             f"{_name(owner, 'rope_base')} must be a finite number > 0 (10000.0 in the RoPE "
             f"paper), got {value!r}."

@@ -14,6 +14,15 @@ import jax
 import jax.numpy as jnp
 
 
+def valid_base(base) -> bool:
+    """Whether ``base`` is a finite number > 0.
+
+    The frequencies are base**(-2i / head_dim): a base <= 0, inf or NaN makes
+    them inf or NaN, and every rotated query and key NaN, silently.
+    """
+    return not isinstance(base, bool) and isinstance(base, numbers.Real) and 0 < base < math.inf
+
+
 def apply_rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> jax.Array:
     """Rotates query or key heads by their positions.
 
@@ -37,9 +46,7 @@ def apply_rotary(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -
       >>> bool(jnp.allclose(y[:, 0], x[:, 0]))  # position 0 is not rotated
       True
     """
-    # The frequencies are base**(-2i / head_dim): a base <= 0, inf or NaN makes
-    # them inf or NaN, and the rotated heads NaN, silently.
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 0 < base < math.inf:
+    if not valid_base(base):
         raise ValueError(f"apply_rotary: base must be a finite number > 0, got {base!r}.")
     batch, seq, _, dim = x.shape
     if dim % 2:
