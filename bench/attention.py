@@ -41,8 +41,9 @@ refuses (head_dim 64 with FP8, a missing entry) the row says why.
   default in the same process as ``fp8jax@NAME``, each with a check row:
   its forward output against the default build's on the same inputs
   (bitwise equal but where P in registers lets the tensor cores sum a
-  block in another order, or PV in place leaves the sum across blocks to
-  their accumulation), and error rows as the others' when errors are
+  block in another order, PV in place leaves the sum across blocks to
+  their accumulation, or ``fma_exp2``'s cubic moves a P across an E4M3
+  rounding boundary), and error rows as the others' when errors are
   measured. ``--builds-only`` times only cuDNN BF16, the default and the
   builds; ``--parts fwd`` only the forwards (the builds share the backward).
   The backward kernels' builds (:data:`BACKWARD_BUILDS`, each a
@@ -115,6 +116,10 @@ FORWARD_BUILDS = {
     ),
     "overlap": ForwardConfig(overlap=True, row_scales=True, registers=240),
     "no_pingpong": ForwardConfig(pingpong=False),
+    # A quarter or half of the scores' exponentials on the FP32 pipes, off the MUFU.
+    "fma_exp2_32": ForwardConfig(fma_exp2=32),
+    "fma_exp2_64": ForwardConfig(fma_exp2=64),
+    "fma_exp2_32_no_pingpong": ForwardConfig(fma_exp2=32, pingpong=False),
     "longest_first": ForwardConfig(longest_first=True),
     "fa3_longest_first": ForwardConfig(
         overlap=True, pv_in_place=True, p_registers=True, longest_first=True

@@ -43,9 +43,10 @@ def _operands(tq, tk, heads, kv_heads, d):
 
 
 @functools.cache
-def _xla_forward(dims, causal):
+def _xla_forward(dims, causal, fma_exp2=0):
     """``kernel.xla_forward`` on ``_operands(*dims)``: the (out, lse) the kernel must give."""
-    return jax.jit(functools.partial(kernel.xla_forward, causal=causal))(*_operands(*dims))
+    twin = functools.partial(kernel.xla_forward, causal=causal, fma_exp2=fma_exp2)
+    return jax.jit(twin)(*_operands(*dims))
 
 
 # Interpretation is slow (a Python callback per shared-memory access): one CTA
@@ -91,12 +92,17 @@ BUILDS = {
     "longest-first": (kernel.ForwardConfig(longest_first=True), CAUSAL),
     "stages3-p-registers": (kernel.ForwardConfig(stages=3, pingpong=False, registers=240,
                                                  p_registers=True), FOUR),
+    # The cubic exp2 for the last 48 scores of each row, and for all of them.
+    "fma-exp2": (kernel.ForwardConfig(fma_exp2=48), CAUSAL),
+    "fma-exp2-all-overlap-in-place-p-registers": (kernel.ForwardConfig(
+        fma_exp2=128, overlap=True, pv_in_place=True, p_registers=True), GQA),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("config, shape", BUILDS.values(), ids=BUILDS.keys())
 def test_forward_builds_in_interpret_mode_match_the_xla_twin(config, shape):
-    """Every build computes the default's f32 operations: the output bitwise, as the default's.
+    """Every build computes the default's f32 operations: the output bitwise, as the default's
+    (with ``fma_exp2``, as the twin's with the same exp2 split).
 
     With P in registers the operand's keys and Vᵀ's are permuted alike, which
     moves no product; XLA's f32 dot on the CPU has summed them bitwise alike.
@@ -109,7 +115,7 @@ def test_forward_builds_in_interpret_mode_match_the_xla_twin(config, shape):
     operands = _operands(*dims)
     out, lse = kernel.mosaic_forward(*operands, causal=causal, config=config,
                                      interpret=InterpretGPUParams())  # fmt: skip
-    want_out, want_lse = _xla_forward(tuple(dims), causal)
+    want_out, want_lse = _xla_forward(tuple(dims), causal, config.fma_exp2)
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_allclose(lse, want_lse, rtol=0, atol=2.0**-16)
 
@@ -160,6 +166,10 @@ def test_forward_config_refuses_builds_it_has_not():
         kernel.ForwardConfig(longest_first="yes")
     with pytest.raises(ValueError, match=r"registers=\.\.\.\) must be 232 or 240, got 256"):
         kernel.ForwardConfig(registers=256)
+    for fma in (12, 136, -8, 32.0, True):  # the accumulator's 8-column tiles of 128 keys
+        with pytest.raises(ValueError, match=rf"fma_exp2=\.\.\.\) must be a multiple of 8 in "
+                                             rf"\[0, 128\] .*got {fma!r}"):  # fmt: skip
+            kernel.ForwardConfig(fma_exp2=fma)
     q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match="forward_config must be None or a"):
         fp8jax.dot_product_attention(q, q, q, forward_config={"overlap": True})
@@ -305,6 +315,30 @@ def test_deviceless_attention_is_one_fp8_wgmma_kernel(d, h200_with_dumps):
     assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
     # Within the 232 registers a compute warpgroup asks for (setmaxnreg).
     assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
+
+
+@pytest.mark.deviceless
+@pytest.mark.parametrize("fma_exp2", [32, 128])
+def test_deviceless_fma_exp2_moves_its_share_of_exponentials_off_the_mufu(
+    fma_exp2, h200_with_dumps
+):
+    """``fma_exp2`` of each row's 128 scores take the cubic: of a thread's 64 scores a
+    site, 64 * fma_exp2 / 128 lose their ex2 and gain the cubic's exponent shift (a
+    shift by 23, which ptxas fuses with the integer add into one LEA); no spills."""
+    q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    config = kernel.ForwardConfig(fma_exp2=fma_exp2)
+    fn = functools.partial(fp8jax.dot_product_attention, causal=True, forward_config=config)
+    _, dumps = h200_with_dumps(fn, q, kv, kv, child="forward")
+    (ptx,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptx")]
+    moved = 64 * fma_exp2 // 128
+    assert len(re.findall(r"\bex2\.approx", ptx)) == 2 * (64 - moved + 2)  # two sites, as above
+    assert len(re.findall(r"\bshl\.b32\s+%r\d+, %r\d+, 23;", ptx)) == 2 * moved
+    fp8_mma = r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3"
+    assert len(re.findall(fp8_mma, ptx)) == 2 * (128 // 32 + 4)  # QKᵀ and PV, two sites
+    (ptxas,) = [p.read_text() for p in dumps.glob(f"{kernel.KERNEL_NAME}*.ptxas")]
+    assert "0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
+    assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= config.registers, ptxas
 
 
 @pytest.mark.deviceless

@@ -445,3 +445,27 @@ def test_forward_builds_on_the_gpu_within_budget_and_near_the_default(build, sha
     v_max = np.max(np.abs(np.asarray(v, np.float64))) * (1 + 2.0**-4)
     assert_within("out vs default", out, default,
                   2.0**-8 * np.abs(default) + steps * 2.0**-13 * v_max)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fma_exp2",
+    [32, pytest.param(32, marks=pytest.mark.gpu), pytest.param(128, marks=pytest.mark.gpu)],
+    ids=["32", "32-gpu", "128-gpu"],
+)
+def test_fma_exp2_builds_within_the_derived_budgets(fma_exp2):
+    """The cubic's exponentials (:mod:`fp8jax.kernels.exp2`) keep the forward in budget.
+
+    Each P and the sum l carry at most CUBIC_ERROR relatively more: the output,
+    a ratio of the two, at most twice that of its magnitude ``mag``, and the
+    budget ``fwd`` holds at least ``P_UNIT * mag``. On the CPU the XLA twin
+    takes the same split; on an H100/H200 (``gpu``) the kernel.
+    """
+    from fp8jax.kernels import exp2
+
+    shape, kv_heads, causal = (1, 512, 4, 128), 2, True
+    q, k, v, _ = inputs(shape, kv_heads, case="outliers")
+    config = kernel.ForwardConfig(fma_exp2=fma_exp2)
+    fn = functools.partial(fp8jax.dot_product_attention, causal=causal, forward_config=config)
+    out = np.asarray(jax.jit(fn)(q, k, v), np.float64)
+    ref, budget, _, _ = reference(q, k, v, q, causal)
+    assert_within("out", out, ref, budget * (1 + 2 * exp2.CUBIC_ERROR / P_UNIT))

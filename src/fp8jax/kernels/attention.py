@@ -37,7 +37,9 @@ P as the register operand (its keys relabelled, Vᵀ's permuted to match),
 FlashAttention-3's intra-warpgroup overlap, PV accumulated in place, more
 stages, no ping-pong. All compute the default's FP8 products and f32 steps
 (the interpreter's outputs are bitwise the default's); on the GPU only the
-tensor cores' sums may differ (docs/design.md#fp8-attention).
+tensor cores' sums may differ (docs/design.md#fp8-attention). One build
+changes a value: ``fma_exp2`` takes a share of the exponentials as a cubic
+on the FP32 pipes (:mod:`fp8jax.kernels.exp2`), off the MUFU.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fp8jax.kernels import dispatch
+from fp8jax.kernels.exp2 import split_exp2
 
 BLOCK = 128  # rows (queries or keys) that share one scale, and keys a kernel step
 WG_ROWS = 64  # query rows per compute warpgroup: wgmma's M
@@ -76,7 +79,7 @@ KEY_ORDER = tuple(8 * u + 2 * c + e for c in range(4) for u in range(2) for e in
 
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig:
-    """How the forward kernel is built; no field changes its FP8 products or f32 steps.
+    """How the forward kernel is built; only ``fma_exp2`` changes an f32 step (none a product).
 
     Frozen and hashable: it reaches the kernel as a static argument, so it is
     part of ``jit``'s cache key (a new value compiles a new kernel).
@@ -110,6 +113,13 @@ class ForwardConfig:
         f32 tile (64 registers at d 128) and no scaling add a block. The
         f32 steps are the default's; on the GPU the sum across blocks then
         has the tensor cores' accumulation precision, not f32 adds'.
+      fma_exp2: of each block's 128 scores a row, how many (its last ones, a
+        multiple of 8) take their exp2 as :func:`fp8jax.kernels.exp2.exp2_cubic`
+        on the FP32 pipes instead of MUFU's ``ex2``, which at head_dim 128
+        needs as many cycles as the block's FP8 products at peak
+        (FlashAttention-4's split). The one field that changes an f32 step:
+        P's exponentials, by at most 1.02e-4 relatively against E4M3's 2**-4
+        rounding of P; the XLA twin (:func:`xla_forward`) takes the same split.
       longest_first: under causality a CTA's work grows with its query tile;
         each batch element's tiles launch last (longest) first, so the short
         ones fill the grid's final wave instead of a few long ones running
@@ -126,6 +136,7 @@ class ForwardConfig:
     registers: int = 232
     pv_in_place: bool = False
     longest_first: bool = False
+    fma_exp2: int = 0
 
     def __post_init__(self):
         if self.registers not in (232, 240):
@@ -134,6 +145,12 @@ class ForwardConfig:
             )
         if not 2 <= self.stages <= 4:  # 4 slots of K and Vᵀ at d 128 use 128 KiB of 227
             raise ValueError(f"ForwardConfig(stages=...) must be in [2, 4], got {self.stages}.")
+        fma = self.fma_exp2
+        if isinstance(fma, bool) or not isinstance(fma, int) or not 0 <= fma <= BLOCK or fma % 8:
+            raise ValueError(
+                f"ForwardConfig(fma_exp2=...) must be a multiple of 8 in [0, {BLOCK}] (the "
+                f"accumulator's 8-column tiles of a {BLOCK}-key block), got {fma!r}."
+            )
         for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(
@@ -154,10 +171,11 @@ def forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool,
             config: ForwardConfig = DEFAULT_CONFIG):  # fmt: skip
     """``(out bf16 (B, Tq, H, D), lse2 f32 (B, H, Tq))``: the kernel on NVIDIA GPUs, else XLA.
 
-    ``config``: how the kernel is built (:class:`ForwardConfig`); XLA ignores it.
+    ``config``: how the kernel is built (:class:`ForwardConfig`); XLA takes its
+    ``fma_exp2`` (the one field that changes a value) and ignores the rest.
     """
     placement = dispatch.decide(lambda shards: fits_shards(q8.shape, k8.shape, shards))
-    xla = functools.partial(xla_forward, causal=causal)
+    xla = functools.partial(xla_forward, causal=causal, fma_exp2=config.fma_exp2)
     operands = (q8, k8, vt8, q_scale, k_scale, v_scale)
     if not placement.kernel:
         return xla(*operands)
@@ -173,8 +191,11 @@ def fits_shards(q_shape, k_shape, shards: int) -> bool:
     return q_shape[0] % shards == 0 and fits(q_shape, k_shape)
 
 
-def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
-    """The kernel's arithmetic in XLA, one key block a loop step: the twin and the reference."""
+def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool, fma_exp2: int = 0):
+    """The kernel's arithmetic in XLA, one key block a loop step: the twin and the reference.
+
+    ``fma_exp2``: :class:`ForwardConfig`'s, the scores a block whose exp2 is the cubic.
+    """
     batch, tq, heads, d = q8.shape
     kv_heads, tk = k8.shape[2], k8.shape[1]
     group = heads // kv_heads
@@ -199,7 +220,7 @@ def xla_forward(q8, k8, vt8, q_scale, k_scale, v_scale, *, causal: bool):
             s = jnp.where(rows >= cols + j * BLOCK, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1) * c[..., 0])
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s * c - (m_new - math.log2(P_SCALE))[..., None])  # p x P_SCALE
+        p = split_exp2(s * c - (m_new - math.log2(P_SCALE))[..., None], fma_exp2)  # p x P_SCALE
         l = l * alpha + jnp.sum(p, axis=-1)
         p8 = p.astype(FP8)
         pv = jnp.einsum("bhgqk,bhdk->bhgqd", p8, vtb, preferred_element_type=jnp.float32)
@@ -271,6 +292,24 @@ def _register_operand(plgpu, p8):
     return relabel(p8)
 
 
+def _columns_joined(plgpu, a, b):
+    """``a`` (rows, m) and ``b`` (rows, n), both in the WGMMA layout, as one (rows, m + n)
+    array: their registers side by side (the layout's second register axis counts
+    8-column tiles), no data moved; Mosaic GPU lowers no concatenation."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import numpy as np
+
+    shape = (a.shape[0], a.shape[1] + b.shape[1])
+    out_type = plgpu.ShapeDtypeStruct(shape, a.dtype, layout=plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 2, return_type=out_type)
+    def join(_, x, y):
+        registers = np.concatenate([x.registers, y.registers], axis=1)
+        return mgpu.FragmentedArray(_registers=registers, _layout=x.layout, _is_signed=None)
+
+    return join(a, b)
+
+
 def permuted_keys(x, axis: int = -1):
     """``x`` with its keys along ``axis`` in :data:`KEY_ORDER` within each 16: P's operand's."""
     axis = axis % x.ndim
@@ -331,6 +370,11 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             return ref[...]  # waits for the MMA
 
         return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+    def exp2_scores(x):
+        """exp2 of a block's scores, ``config.fma_exp2`` of each row's on the FP32 pipes."""
+        joined = None if interpreted else functools.partial(_columns_joined, plgpu)
+        return split_exp2(x, config.fma_exp2, joined)
 
     def iota(shape, axis):
         if interpreted:
@@ -422,7 +466,7 @@ def _kernel(q_ref, k_ref, vt_ref, qs_ref, ks_ref, vs_ref, out_ref, lse_ref, scop
             alpha = jnp.exp2(m - m_new)
             # One FMA a score: the scaling, the max and P_SCALE folded into exp2's argument.
             row = lambda x: lax.broadcast_in_dim(x, shape, [0])  # noqa: E731
-            p = jnp.exp2(s * row(c) - row(m_new - math.log2(P_SCALE)))
+            p = exp2_scores(s * row(c) - row(m_new - math.log2(P_SCALE)))
             return p, m_new, alpha, l * alpha + p.sum(axis=1)
 
         @region("p_operand")
