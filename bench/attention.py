@@ -116,10 +116,12 @@ FORWARD_BUILDS = {
     ),
     "overlap": ForwardConfig(overlap=True, row_scales=True, registers=240),
     "no_pingpong": ForwardConfig(pingpong=False),
-    # A quarter or half of the scores' exponentials on the FP32 pipes, off the MUFU.
+    # A quarter, half or three quarters of the scores' exponentials on the FP32 pipes,
+    # off the MUFU (which may also run P's E4M3 conversions).
     "fma_exp2_32": ForwardConfig(fma_exp2=32),
     "fma_exp2_64": ForwardConfig(fma_exp2=64),
-    "fma_exp2_32_no_pingpong": ForwardConfig(fma_exp2=32, pingpong=False),
+    "fma_exp2_96": ForwardConfig(fma_exp2=96),
+    "fma_exp2_64_no_pingpong": ForwardConfig(fma_exp2=64, pingpong=False),
     "longest_first": ForwardConfig(longest_first=True),
     "fa3_longest_first": ForwardConfig(
         overlap=True, pv_in_place=True, p_registers=True, longest_first=True
