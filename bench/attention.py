@@ -122,6 +122,10 @@ FORWARD_BUILDS = {
     "fma_exp2_64": ForwardConfig(fma_exp2=64),
     "fma_exp2_96": ForwardConfig(fma_exp2=96),
     "fma_exp2_64_no_pingpong": ForwardConfig(fma_exp2=64, pingpong=False),
+    "fma_exp2_64_registers_in_place": ForwardConfig(
+        fma_exp2=64, p_registers=True, pv_in_place=True, row_scales=True
+    ),
+    "fma_exp2_64_fa3": ForwardConfig(fma_exp2=64, overlap=True, pv_in_place=True, p_registers=True),
     "longest_first": ForwardConfig(longest_first=True),
     "fa3_longest_first": ForwardConfig(
         overlap=True, pv_in_place=True, p_registers=True, longest_first=True
