@@ -417,8 +417,9 @@ def block_rows(shape: Shape, recipes=("current",)) -> list[dict]:
         return block, apply
 
     block, _ = make(True)
-    # The parameters alone: the routing statistics init sows are not differentiated.
-    variables = {"params": block.init(jax.random.key(2), x)["params"]}
+    # The parameters alone: the routing statistics init sows are not differentiated. Jitted:
+    # eagerly, init's forward compiled each of its steps on its own.
+    variables = {"params": jax.jit(block.init)(jax.random.key(2), x)["params"]}
     params = jax.tree.map(lambda p: p.astype(BF16) if p.ndim > 1 else p, variables)
     variants = (
         *((RECIPES[r][0], make(True, RECIPES[r][1])[1]) for r in recipes),

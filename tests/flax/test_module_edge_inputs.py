@@ -27,13 +27,18 @@ MODULES = {
 }
 
 
+# The calls are jitted, as a model runs: eagerly each step of a module was a CPU program
+# of its own (60-140 compiles a test).
+_call = nnx.jit(lambda model, x: model(x))
+
+
 @pytest.mark.parametrize("name", list(MODULES))
 def test_a_rank1_input_is_one_token(name):
     model = MODULES[name]()
     x = jax.random.normal(jax.random.key(0), (16,))
-    np.testing.assert_array_equal(model(x), model(x[None])[0])
+    np.testing.assert_array_equal(_call(model, x), _call(model, x[None])[0])
     # The backward runs too (it crashed in lax for a rank-1 operand).
-    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=DIFF)(model)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=DIFF))(model)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
 
@@ -41,18 +46,19 @@ def test_a_rank1_input_is_one_token_to_both_moe_blocks():
     # Linen's MoEBlock refused it (rank >= 2) where its NNX twin took it.
     x = jax.random.normal(jax.random.key(0), (16,))
     block = fnn.MoEBlock(num_experts=4, top_k=2, ffn=8)
-    variables = block.init(jax.random.key(1), x)
-    np.testing.assert_array_equal(block.apply(variables, x), block.apply(variables, x[None])[0])
+    variables = jax.jit(block.init)(jax.random.key(1), x)
+    apply = jax.jit(block.apply)
+    np.testing.assert_array_equal(apply(variables, x), apply(variables, x[None])[0])
     model = fnnx.MoEBlock(16, num_experts=4, top_k=2, ffn=8, rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(model(x), model(x[None])[0])
+    np.testing.assert_array_equal(_call(model, x), _call(model, x[None])[0])
 
 
 @pytest.mark.parametrize("name", list(MODULES))
 def test_an_empty_batch_gives_empty_output_and_zero_param_gradients(name):
     model = MODULES[name]()
     x = jnp.ones((0, 16))
-    assert model(x).shape[0] == 0
-    grads = nnx.grad(lambda m: jnp.sum(m(x)), argnums=DIFF)(model)
+    assert _call(model, x).shape[0] == 0
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x)), argnums=DIFF))(model)
     params, state = nnx.split_state(grads, nnx.Param, fnnx.Fp8State)
     for g in jax.tree.leaves(params):
         np.testing.assert_array_equal(g, jnp.zeros_like(g))

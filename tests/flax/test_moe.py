@@ -347,19 +347,21 @@ def test_numpy_int_settings_give_the_python_int_block():
     # The settings' checks take NumPy ints (a config read with NumPy); top_k
     # then failed at the first call, in fp8jax.moe_mlp, and shared_experts
     # was refused as "must be an int".
+    # Each call jitted, as a model runs (the settings are static: traced the same way);
+    # eagerly, every step of the block compiled on its own (5 s).
     x = jax.random.normal(jax.random.key(0), (2, 4, 16))
     ints = dict(num_experts=4, top_k=2, ffn=8, shared_experts=1)
     numpy_ints = {name: np.int64(value) for name, value in ints.items()}
     block = fnn.MoEBlock(**ints)
-    variables = block.init(jax.random.key(1), x)
-    want = block.apply(variables, x)
-    np.testing.assert_array_equal(fnn.MoEBlock(**numpy_ints).apply(variables, x), want)
+    variables = jax.jit(block.init)(jax.random.key(1), x)
+    want = jax.jit(block.apply)(variables, x)
+    np.testing.assert_array_equal(jax.jit(fnn.MoEBlock(**numpy_ints).apply)(variables, x), want)
     model = fnnx.MoEBlock(16, **numpy_ints, rngs=nnx.Rngs(0))
-    assert model(x).shape == x.shape
+    assert nnx.jit(lambda model, x: model(x))(model, x).shape == x.shape
     logits = x.reshape(-1, 16) @ nn.meta.unbox(variables)["params"]["router"]
     args = (x.reshape(-1, 16), logits, jnp.ones((4, 16, 2, 8)), jnp.ones((4, 8, 16)))
-    np.testing.assert_array_equal(fp8jax.moe_mlp(*args, top_k=np.int64(2))[0],
-                                  fp8jax.moe_mlp(*args, top_k=2)[0])  # fmt: skip
+    moe = jax.jit(fp8jax.moe_mlp, static_argnames="top_k")
+    np.testing.assert_array_equal(moe(*args, top_k=np.int64(2))[0], moe(*args, top_k=2)[0])
 
 
 @pytest.mark.parametrize("recipe", [fp8jax.MXFP8Scaling(), fp8jax.RowwiseScaling(),

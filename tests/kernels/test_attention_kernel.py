@@ -203,6 +203,25 @@ def _backward_operands(tq, tk, heads, kv_heads, d, causal):
             op._dequantized(v8, vs), g, lse2, jnp.swapaxes(delta, 1, 2))  # fmt: skip
 
 
+@functools.cache
+def _interpreted_backward(dims, causal, build=()):
+    """``mosaic_backward`` in interpret mode on ``_backward_operands(*dims, causal)``, with the
+    ``BackwardConfig`` fields ``build`` (pairs): (dq, dk, dv) as f32 numpy arrays.
+
+    Kept per build: the default at (256, 256, 2, 1, 64, causal) is the twin test's
+    ``causal-two-tiles-gqa`` case and both builds' reference, about 2.5 s of
+    interpretation each time on a 2-core machine.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    operands = _backward_operands(*dims, causal)
+    grads = attention_backward.mosaic_backward(
+        *operands, causal=causal, scale=dims[-1] ** -0.5, **dict(build),
+        interpret=InterpretGPUParams(),
+    )  # fmt: skip
+    return tuple(np.asarray(x, np.float32) for x in grads)
+
+
 # Head_dim 128 (P and dS as register operands beside two 128-wide accumulators)
 # over a GQA group of two under causality.
 @pytest.mark.parametrize(
@@ -224,12 +243,9 @@ def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, 
     another order than XLA's einsums, which can move a BF16 result by one
     step (2**-8 relative) where the f32 sum lies near a rounding boundary.
     """
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
     operands = _backward_operands(tq, tk, heads, kv_heads, d, causal)
     scale = d**-0.5
-    got = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale,
-                                             interpret=InterpretGPUParams())  # fmt: skip
+    got = _interpreted_backward((tq, tk, heads, kv_heads, d), causal)
     twin = functools.partial(attention_backward.xla_backward, causal=causal, scale=scale)
     want = jax.jit(twin)(*operands)
     for name, x, y in zip(("dq", "dk", "dv"), got, want, strict=True):
@@ -243,18 +259,11 @@ def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, 
 def test_backward_builds_are_bitwise_the_default_in_interpret_mode(build):
     """``BackwardConfig(stages=3)``: a third slot of the streamed blocks; ``paired``: the
     step's independent products issued together. The same products and sums either way."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    tq, tk, heads, kv_heads, d, causal = 256, 256, 2, 1, 64, True  # 3 to 8 steps a CTA
-    operands = _backward_operands(tq, tk, heads, kv_heads, d, causal)
-    scale = d**-0.5
-    default = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale,
-                                                 interpret=InterpretGPUParams())  # fmt: skip
-    built = attention_backward.mosaic_backward(*operands, causal=causal, scale=scale, **build,
-                                               interpret=InterpretGPUParams())  # fmt: skip
+    dims, causal = (256, 256, 2, 1, 64), True  # 3 to 8 steps a CTA
+    default = _interpreted_backward(dims, causal)
+    built = _interpreted_backward(dims, causal, tuple(build.items()))
     for name, x, y in zip(("dq", "dk", "dv"), built, default, strict=True):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                                      err_msg=name)  # fmt: skip
+        np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 def test_kernel_takes_whole_blocks_and_its_head_dims():

@@ -156,10 +156,16 @@ def test_every_scale_bit_for_bit(margin, power_of_two):
     sizes, k, n = [130, 0, 5, 128, 37], 256, 384
     x, w, gs, _ = _inputs(330, k, n, sizes, outlier=3)
     fmt = fp8jax.E4M3
-    tiles = block_ragged.token_tiles(gs, x.shape[0])
     num_tiles = block_ragged.tile_count(x.shape[0], len(sizes))
-    data, scale_inv = block_ragged.quantize_token_tiles(x, tiles, num_tiles, fmt, margin,
-                                                        power_of_two)  # fmt: skip
+
+    # One jitted program, as the op runs them (eagerly, each step compiled on its own).
+    @jax.jit
+    def quantized(x, gs):
+        tiles = block_ragged.token_tiles(gs, x.shape[0])
+        return tiles, *block_ragged.quantize_token_tiles(x, tiles, num_tiles, fmt, margin,
+                                                         power_of_two)  # fmt: skip
+
+    tiles, data, scale_inv = quantized(x, gs)
     want, start = [], 0
     for size in sizes:
         rows = np.pad(np.asarray(x[start : start + size]), ((0, -size % 128), (0, 0)))
@@ -177,7 +183,8 @@ def test_every_scale_bit_for_bit(margin, power_of_two):
         fr.cast(np.asarray(x[real]), "e4m3", want[tiles[real]]),
     )
     recipe = fp8jax.BlockScaling(margin=margin, power_of_two_scales=power_of_two)
-    _, block_inv = block_ragged.quantize_weight_blocks(w, fmt, recipe)
+    weight_blocks = jax.jit(block_ragged.quantize_weight_blocks, static_argnums=(1, 2))
+    _, block_inv = weight_blocks(w, fmt, recipe)
     for i in range(len(sizes)):  # [n / 128, k / 128] per expert: the blocks of w[i]^T
         blocks = fr.group_scales(fr.group_amax(w[i], (128, 128)), "e4m3", margin, power_of_two)
         np.testing.assert_array_equal(np.asarray(block_inv[i]), (np.float32(1) / blocks).T)

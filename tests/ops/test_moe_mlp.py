@@ -117,7 +117,7 @@ def test_a_plain_jax_user_gets_the_flax_blocks_values_and_gradients(recipe):
 
     x, _, _, _ = _inputs()
     block = fnn.MoEBlock(num_experts=E, top_k=K, ffn=F, recipe=recipe)
-    params = nn.meta.unbox(block.init(jax.random.key(1), x))["params"]
+    params = nn.meta.unbox(jax.jit(block.init)(jax.random.key(1), x))["params"]
     g = jax.random.normal(jax.random.key(7), x.shape)
 
     def by_block(params, x):

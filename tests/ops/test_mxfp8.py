@@ -137,16 +137,19 @@ def test_fused_ops_and_modules_take_the_recipe():
     from fp8jax.flax import linen as fnn
     from fp8jax.flax import nnx as fnnx
 
+    # Every call is jitted, as a model runs: eagerly each step compiled on its own.
     recipe = fp8jax.MXFP8Scaling()
+    dense = jax.jit(lambda x, kernel, bias: fp8jax.dense(x, kernel, bias, recipe=recipe))
     x = jax.random.normal(jax.random.key(9), (2, 16, 64))
     layer = fnn.DenseGeneral(features=48, recipe=recipe)
-    variables = layer.init(jax.random.key(0), x)
+    variables = jax.jit(layer.init)(jax.random.key(0), x)
     params = nn.unbox(variables["params"])
-    expected = fp8jax.dense(x, params["kernel"], params["bias"], recipe=recipe)
-    np.testing.assert_allclose(layer.apply(variables, x), expected, rtol=1e-6, atol=1e-6)
+    expected = dense(x, params["kernel"], params["bias"])
+    np.testing.assert_allclose(jax.jit(layer.apply)(variables, x), expected, rtol=1e-6, atol=1e-6)
     module = fnnx.DenseGeneral(64, 48, recipe=recipe, rngs=nnx.Rngs(0))
-    expected = fp8jax.dense(x, module.kernel[...], module.bias[...], recipe=recipe)
-    np.testing.assert_allclose(module(x), expected, rtol=1e-6, atol=1e-6)
+    expected = dense(x, module.kernel[...], module.bias[...])
+    got = nnx.jit(lambda module, x: module(x))(module, x)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     # The fused op: a norm, then MX GEMMs; values and gradients against the MX
     # fake-quant reference (tests/fine_references.py: E4M3 blocks of 32 along
     # each GEMM's K, power-of-two scales), normwise within
@@ -158,13 +161,20 @@ def test_fused_ops_and_modules_take_the_recipe():
     beta = 0.1 * jax.random.normal(jax.random.key(3), (64,))
     kernel = jax.random.normal(jax.random.key(1), (64, 96)) * 0.1
     g = jax.random.normal(jax.random.key(4), (2, 16, 96))
-    y, vjp = jax.vjp(lambda *a: fp8jax.layernorm_dense(*a, recipe=recipe), x, gamma, beta, kernel)
+
+    @jax.jit
+    def forward_and_backward(x, gamma, beta, kernel, g):
+        y, vjp = jax.vjp(lambda *a: fp8jax.layernorm_dense(*a, recipe=recipe), x, gamma, beta,
+                         kernel)  # fmt: skip
+        return y, vjp(g)
+
+    y, grads = forward_and_backward(x, gamma, beta, kernel, g)
     rows = lambda v: np.asarray(v, np.float32).reshape(32, -1)  # noqa: E731
     want_y, want = fine_references.layernorm_dense(
         rows(x), np.asarray(gamma), np.asarray(beta), np.asarray(kernel), rows(g), kind="mx",
         forward="e4m3", backward="e4m3", power_of_two=True, block=MX,
     )  # fmt: skip
-    got = dict(zip(("x", "gamma", "beta", "kernel"), vjp(g), strict=True))
+    got = dict(zip(("x", "gamma", "beta", "kernel"), grads, strict=True))
     for name, value in {"y": (y, want_y), **{n: (got[n], want[n]) for n in want}}.items():
         actual, expected = np.asarray(value[0], np.float64).reshape(value[1].shape), value[1]
         err = np.linalg.norm(actual - expected) / np.linalg.norm(expected)

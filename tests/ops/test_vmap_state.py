@@ -40,6 +40,11 @@ def _assert_states_equal(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+# Every gradient and state update below is one jitted program: eagerly each step of the
+# ops was a CPU program of its own (80-140 compiles a test).
+_take_new_state = jax.jit(fp8jax.take_new_state)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_shared_state_under_vmap_matches_the_whole_batch(case):
     loss, group = CASES[case]
@@ -48,17 +53,17 @@ def test_shared_state_under_vmap_matches_the_whole_batch(case):
     def vmapped(state):
         return jnp.sum(jax.vmap(loss, in_axes=(0, None))(XS, state))
 
-    got = fp8jax.take_new_state(state, jax.jit(jax.grad(vmapped))(state))
+    got = _take_new_state(state, jax.jit(jax.grad(vmapped))(state))
     # The whole batch at once. Each example's loss is its own sum, so the
     # gradient amaxes are the same values in both.
-    want = fp8jax.take_new_state(state, jax.grad(loss, argnums=1)(XS, state))
+    want = _take_new_state(state, jax.jit(jax.grad(loss, argnums=1))(XS, state))
     _assert_states_equal(got, want)
 
 
 def test_vmap_of_grad_with_a_shared_state_gives_every_element_the_merged_state():
     state = fp8jax.init_state(RECIPE)
-    per_element = jax.vmap(jax.grad(_dense_loss, argnums=1), in_axes=(0, None))(XS, state)
-    want = fp8jax.take_new_state(state, jax.grad(_dense_loss, argnums=1)(XS, state))
+    per_element = jax.jit(jax.vmap(jax.grad(_dense_loss, argnums=1), in_axes=(0, None)))(XS, state)
+    want = _take_new_state(state, jax.jit(jax.grad(_dense_loss, argnums=1))(XS, state))
     for i in range(XS.shape[0]):
         _assert_states_equal(jax.tree.map(lambda a, i=i: a[i], per_element), want)
 
@@ -67,9 +72,10 @@ def test_mapped_states_are_updated_one_per_element():
     # An ensemble: one state per member, mapped with the inputs.
     state = fp8jax.init_state(RECIPE)
     states = jax.tree.map(lambda a: jnp.stack([a] * XS.shape[0]), state)
-    got = jax.vmap(jax.grad(_dense_loss, argnums=1))(XS, states)
+    got = jax.jit(jax.vmap(jax.grad(_dense_loss, argnums=1)))(XS, states)
+    grad = jax.jit(jax.grad(_dense_loss, argnums=1))
     for i in range(XS.shape[0]):
-        want = jax.grad(_dense_loss, argnums=1)(XS[i], state)
+        want = grad(XS[i], state)
         _assert_states_equal(jax.tree.map(lambda a, i=i: a[i], got), want)
 
 
@@ -83,8 +89,8 @@ def test_next_forward_after_a_vmapped_step_is_accurate():
     def vmapped(state):
         return jnp.sum(jax.vmap(_dense_loss, in_axes=(0, None))(XS, state))
 
-    state = fp8jax.take_new_state(state, jax.grad(vmapped)(state))
-    y = fp8jax.dense(XS, W, recipe=RECIPE, state=state)
+    state = _take_new_state(state, jax.jit(jax.grad(vmapped))(state))
+    y = jax.jit(lambda x, state: fp8jax.dense(x, W, recipe=RECIPE, state=state))(XS, state)
     want = jnp.einsum("btd,df->btf", XS, W, precision="highest")
     bound = 0.13 * jnp.einsum("btd,df->btf", jnp.abs(XS), jnp.abs(W), precision="highest")
     assert bool(jnp.all(jnp.abs(y - want) <= bound))
