@@ -281,3 +281,81 @@ def test_logging_stays_out_of_the_timed_steps_and_the_summary_says_which_steps(
     assert result["tokens_per_s_steps"] == [2, 10]
     assert "first step" in result["tokens_per_s_excludes"]
     assert "(steps 2-10)" in summary.text(result, out)
+
+
+# XLA's words when a buffer does not fit (a GPU's allocator); raised here by a stand-in step,
+# since a real out-of-memory on the CPU would take the machine's memory.
+XLA_OOM = (
+    "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 40802189312 bytes.\n"
+    "BufferAssignment OOM Debugging.\nBufferAssignment stats: ..."
+)
+
+
+class _OutOfMemoryAt:
+    """A TrainProgram whose jitted step raises XLA's out-of-memory error at one step."""
+
+    def __init__(self, step: int, message: str = XLA_OOM):
+        self.step, self.message = step, message
+
+    def patch(self, monkeypatch):
+        from fp8jax.training import loop
+
+        fail_at, message = self.step, self.message
+
+        class Program(loop.TrainProgram):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                step, calls = self.step, [0]
+
+                def failing(state, batch):
+                    calls[0] += 1
+                    if calls[0] == fail_at:
+                        raise jax.errors.JaxRuntimeError(message)
+                    return step(state, batch)
+
+                self.step = failing
+
+        monkeypatch.setattr(loop, "TrainProgram", Program)
+
+
+def test_out_of_memory_names_the_options_that_shrink_the_step(tmp_path, monkeypatch):
+    _OutOfMemoryAt(3).patch(monkeypatch)
+    out = tmp_path / "run"
+    opts = options(out, recipe="delayed", steps=5, log_every=5, eval_every=5)
+    with pytest.raises(training.OutOfMemoryError) as e:
+        train(opts, progress=False, say=print)
+    message = str(e.value)
+    assert "out of device memory while running step 3 of tiny (fp8)" in message
+    assert "Out of memory while trying to allocate 40802189312 bytes." in message
+    assert "BufferAssignment" not in message  # XLA's first line only, not its buffer dump
+    for option in ("--batch-size (the run has 8)", "--seq-len (it has 64)",
+                   "--accumulation-steps N", "--remat dots or full", "fsdp"):  # fmt: skip
+        assert option in message
+    assert e.value.exit_code == 1
+    record = json.loads((out / "summary.json").read_text())
+    assert record["status"] == "out_of_memory" and record["error"] == message
+
+
+def test_other_xla_runtime_errors_are_not_called_out_of_memory(tmp_path, monkeypatch):
+    _OutOfMemoryAt(1, "INTERNAL: cuBLASLt failed").patch(monkeypatch)
+    opts = options(tmp_path / "run", recipe="delayed", steps=2, log_every=2, eval_every=2)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: cuBLASLt failed"):
+        train(opts, progress=False, say=print)
+
+
+def test_out_of_memory_while_initializing_names_the_options(tmp_path, monkeypatch):
+    from fp8jax.training import loop
+
+    def no_room(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(XLA_OOM)
+
+    monkeypatch.setattr(loop, "TrainProgram", no_room)
+    opts = options(tmp_path / "run", steps=2, mesh="fsdp=2", remat="full")
+    with pytest.raises(training.OutOfMemoryError) as e:
+        train(opts, progress=False, say=print)
+    message = str(e.value)
+    where = "on the mesh {'dp': 1, 'fsdp': 2}"
+    assert f"while initializing the parameters of tiny (fp8) {where}" in message
+    # The run already uses full remat and fsdp: those are not offered again.
+    assert "--remat" not in message and "a mesh with fsdp" not in message
+    assert "--batch-size (the run has 8)" in message

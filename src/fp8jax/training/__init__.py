@@ -11,6 +11,7 @@ from fp8jax.training.errors import (
     CheckpointError,
     ConfigError,
     DivergedError,
+    OutOfMemoryError,
     RunDirError,
     TrainError,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DivergedError",
+    "OutOfMemoryError",
     "Preset",
     "RunConfig",
     "RunDir",

@@ -25,3 +25,9 @@ class DivergedError(TrainError):
     """The loss became NaN or Inf; the last good checkpoint is kept."""
 
     exit_code = 1
+
+
+class OutOfMemoryError(TrainError):
+    """The step (or the model's state) does not fit in device memory."""
+
+    exit_code = 1

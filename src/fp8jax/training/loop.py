@@ -25,7 +25,7 @@ from fp8jax.ops import fine_grained
 from fp8jax.training import distributed, gemm_count, mfu, summary
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training.config import OLD_RUN_DEFAULTS, RunConfig, TrainOptions, resolve
-from fp8jax.training.errors import ConfigError, DivergedError, RunDirError
+from fp8jax.training.errors import ConfigError, DivergedError, OutOfMemoryError, RunDirError
 from fp8jax.training.profile import StepProfiler
 from fp8jax.training.program import TrainProgram
 from fp8jax.training.progress import Window, postfix, progress_bar, stop_on_ctrl_c
@@ -132,6 +132,8 @@ def train(
       ConfigError, fp8jax.data.DataError, RunDirError, CheckpointError: before
         anything is written, for bad options, data or run directories.
       DivergedError: the loss became NaN/Inf; the last good checkpoint is kept.
+      OutOfMemoryError: XLA ran out of device memory; the message names the
+        options that shrink the step, and ``summary.json`` records it.
     """
     # Several processes meet before anything starts JAX's backends (_check_options does).
     launch = distributed.plan(options.coordinator_address, options.num_processes,
@@ -190,9 +192,12 @@ def train(
         say(f"compile cache: {cache_dir}")
     # Optax's AdamW mixes its int32 step count with f32: standard promotion.
     with jax.numpy_dtype_promotion("standard"):
-        program = TrainProgram(
-            config, mesh, options.attention, unroll_layers=not options.rolled_layers
-        )
+        try:
+            program = TrainProgram(
+                config, mesh, options.attention, unroll_layers=not options.rolled_layers
+            )
+        except jax.errors.JaxRuntimeError as e:
+            raise out_of_memory(e, config, mesh, "initializing the parameters") or e from None
         state = program.initial_state
         if options.resume:
             state = run.restore(start, state)
@@ -417,6 +422,14 @@ class _Loop:
             record = {"error": str(e), "diverged_at": self.diverged_at}
             self.run_dir.write_summary(self.summary("diverged", step) | record)
             raise
+        except jax.errors.JaxRuntimeError as e:
+            error = out_of_memory(e, c, program.mesh, f"running step {step}")
+            if error is None:
+                raise
+            profiler.stop()
+            bar.close()
+            self.run_dir.write_summary(self.summary("out_of_memory", step) | {"error": str(error)})
+            raise error from None
         bar.close()
         result = self.summary(status, step)
         self.run_dir.write_summary(result)
@@ -458,6 +471,39 @@ class _Loop:
             load_balance=self.load_balance,
             dropped=self.dropped,
         )
+
+
+def out_of_memory(
+    error: Exception, config: RunConfig, mesh, during: str
+) -> OutOfMemoryError | None:
+    """An :class:`OutOfMemoryError` that names the options to change, if ``error`` is
+    XLA's out-of-memory error (``RESOURCE_EXHAUSTED``); otherwise None.
+
+    XLA's own message is a traceback from inside the step that names a buffer
+    size but neither the option that sized it nor what to do.
+    """
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else text
+    if len(first) > 300:
+        first = first[:300] + "..."
+    where = "" if mesh is None else f" on the mesh {dict(mesh.shape)}"
+    advice = [
+        f"a smaller --batch-size (the run has {config.batch_size}) or --seq-len "
+        f"(it has {config.seq_len})",
+        "--accumulation-steps N (the same batch as N micro-batches)"
+        if config.accumulation_steps == 1
+        else f"more --accumulation-steps (the run has {config.accumulation_steps})",
+    ]
+    if config.remat != "full":
+        advice.append(f"--remat dots or full (recompute activations; the run has {config.remat})")
+    if mesh is None or mesh.shape.get("fsdp", 1) == 1:
+        advice.append("a mesh with fsdp over several devices (shards parameters and AdamW state)")
+    return OutOfMemoryError(
+        f"out of device memory while {during} of {config.name} ({config.precision}){where}; "
+        f"XLA said: {first} Try " + ", or ".join(advice) + "."
+    )
 
 
 def _poisoned(params):
