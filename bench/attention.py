@@ -116,8 +116,8 @@ FORWARD_BUILDS = {
     ),
     "overlap": ForwardConfig(overlap=True, row_scales=True, registers=240),
     "no_pingpong": ForwardConfig(pingpong=False),
-    # A quarter, three eighths, half or three quarters of the scores' exponentials on the FP32 pipes,
-    # off the MUFU (which may also run P's E4M3 conversions).
+    # A quarter, three eighths, half or three quarters of the scores' exponentials on
+    # the FP32 pipes, off the MUFU (which may also run P's E4M3 conversions).
     "fma_exp2_32": ForwardConfig(fma_exp2=32),
     "fma_exp2_48": ForwardConfig(fma_exp2=48),
     "fma_exp2_64": ForwardConfig(fma_exp2=64),
