@@ -9,6 +9,7 @@ restore shaped like a template you pass in.
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -31,6 +32,12 @@ def save(directory, step: int, tree: Any, *, max_to_keep: int | None = None) -> 
       tree: any pytree of arrays, e.g. a :class:`fp8jax.flax.TrainState`.
       max_to_keep: keep only this many newest checkpoints (None keeps all).
 
+    Raises:
+      TypeError: if ``step`` is not an int.
+      ValueError: if ``step`` is negative, or not after the newest step already
+        in ``directory`` (orbax writes only steps after its newest, and would
+        skip any other without a word).
+
     Example:
       >>> import tempfile, jax.numpy as jnp
       >>> from fp8jax.flax import checkpoint
@@ -39,7 +46,23 @@ def save(directory, step: int, tree: Any, *, max_to_keep: int | None = None) -> 
       >>> checkpoint.restore(d, {"w": jnp.zeros(4)})["w"].tolist()
       [0.0, 1.0, 2.0, 3.0]
     """
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        step = operator.index(step)  # an int, or an integer scalar such as state.step
+    except TypeError:
+        raise TypeError(f"checkpoint.save: step must be an int >= 0, got {step!r}.") from None
+    if step < 0:
+        raise ValueError(f"checkpoint.save: step must be an int >= 0, got {step}.")
     with _manager(directory, max_to_keep) as manager:
+        newest = manager.latest_step()
+        if newest is not None and step <= newest:
+            raise ValueError(
+                f"checkpoint.save: step {step} cannot be written: {str(directory)!r} already "
+                f"holds step {newest}, and orbax writes only steps after its newest (it would "
+                f"skip this save). Save under a step > {newest}, use another directory, or "
+                "delete the newer steps' folders to roll back."
+            )
         manager.save(step, args=ocp.args.StandardSave(tree))
         manager.wait_until_finished()
 
