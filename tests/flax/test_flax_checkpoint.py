@@ -98,3 +98,14 @@ def test_save_refuses_a_step_orbax_would_skip(tmp_path):
 def test_save_names_a_step_that_is_not_an_int_at_least_zero(tmp_path, step, error):
     with pytest.raises(error, match=f"step must be an int >= 0, got {step!r}"):
         checkpoint.save(tmp_path, step, {"w": np.zeros(2, np.float32)})
+
+
+def test_restore_into_a_template_of_other_shapes_names_the_arrays(tmp_path, capfd):
+    # Orbax's error named no array ("Requested shape: (4,) is not compatible with
+    # the stored shape: (3,)") and its reads left in flight printed tracebacks.
+    checkpoint.save(tmp_path, 0, {"w": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)})
+    like = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
+    message = r"1 arrays differ in shape \(w: checkpoint \(3,\), like \(4,\)\)"
+    with pytest.raises(ValueError, match=message):
+        checkpoint.restore(tmp_path, like)
+    assert "Event loop is closed" not in capfd.readouterr().err
