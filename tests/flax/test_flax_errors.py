@@ -1,5 +1,6 @@
 """Misuse fails at construction or init with a message naming the argument (Linen and NNX)."""
 
+import functools
 import re
 
 import flax
@@ -297,6 +298,30 @@ def test_wrong_input_rank():
         linen_init(fnn.TransformerLayer(4, 64), jnp.ones((2, 4, 8, 32)))
     with pytest.raises(ValueError, match=re.escape("DenseGeneral: axis=(1, 2) is out of range")):
         linen_init(fnn.DenseGeneral(8, axis=(1, 2)), jnp.ones((4, 32)))
+
+
+@pytest.mark.parametrize(
+    ("mask", "given"),
+    [
+        # JAX's error was "incompatible shapes for broadcasting", from inside its attention.
+        (jnp.ones((2, 1, 8, 9), bool), "shape (2, 1, 8, 9), dtype bool"),
+        (jnp.ones((2, 1, 8, 8), jnp.float32), "shape (2, 1, 8, 8), dtype float32"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_a_mask_that_does_not_fit_is_named(mask, given):
+    message = (
+        "MultiHeadAttention: mask must be a bool array that broadcasts to (batch, heads, q_len, "
+        f"kv_len) = (2, 4, 8, 8) (True attends), got {given}."
+    )
+    layer = fnn.TransformerLayer(4, 64)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jax.eval_shape(functools.partial(layer.init, mask=mask), jax.random.key(0), X)
+    attn = fnnx.MultiHeadAttention(4, 32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        attn(X, mask=mask)
+    # A mask that broadcasts is taken: one (q, k) mask for every sequence and head.
+    assert attn(X, mask=jnp.tril(jnp.ones((8, 8), bool))).shape == X.shape
 
 
 def test_an_axis_that_is_not_an_int_is_named():
