@@ -376,6 +376,16 @@ def test_train_step_errors():
         TrainState.create({**variables, "batch_stats": {}}, tx)
 
 
+def test_an_optimizer_factory_is_named():
+    # optax.adam, not optax.adam(lr): AttributeError "'function' object has no attribute 'init'".
+    message = "optimizer must be an optax.GradientTransformation (with init and update)"
+    hint = "adam is the function that builds one: call it, e.g. adam(1e-3)."
+    with pytest.raises(TypeError, match=re.escape(message) + ".*" + re.escape(hint)):
+        TrainState.create({"params": {}}, optax.adam)
+    with pytest.raises(TypeError, match="make_train_step: " + re.escape(message)):
+        make_train_step(lambda v, b: 0.0, optax.adam)
+
+
 def test_restore_without_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint for step None"):
         checkpoint.restore(tmp_path / "empty", {"w": jnp.zeros(2)})
