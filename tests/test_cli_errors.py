@@ -286,3 +286,14 @@ def test_compare_skips_metrics_lines_and_files_that_are_not_records(tmp_path, ca
     (run / "summary.json").write_text('"done"')
     assert cli.main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0
     assert "2.5000" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("switch", ["resume", "rolled_layers"])
+def test_a_train_options_switch_that_is_not_a_bool_is_refused(tmp_path, switch):
+    # resume="no" is true: it resumed, or refused for want of a run to resume.
+    from fp8jax.training import ConfigError, TrainOptions, train
+
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=f"^{switch} must be a bool, got 'no'.$"):
+        train(TrainOptions(out=str(out), steps=1, **{switch: "no"}), progress=False)
+    assert not out.exists()

@@ -118,6 +118,17 @@ def test_combine_states_refuses_states_that_do_not_match(bad, error, match):
         fp8jax.combine_states(fp8jax.init_state(recipe), bad, recipe=recipe)
 
 
+def test_combine_states_refuses_a_recipe_of_another_history_length():
+    # make_train_step(recipe=...) merges micro-batch states with the recipe it is
+    # given; another recipe's scales were computed without a word.
+    layer = fp8jax.init_state(fp8jax.DelayedScaling(amax_history_len=4))
+    states = jax.tree.map(lambda s: jnp.stack([s, s]), layer)  # two scanned layers
+    recipe = fp8jax.DelayedScaling(amax_history_len=8)
+    match = r"a\.x\.amax_history has shape \(2, 4\), but the recipe's amax_history_len=8"
+    with pytest.raises(ValueError, match=match):
+        fp8jax.combine_states(states, states, recipe=recipe)
+
+
 def test_stacked_state_updates_each_layer_on_its_own():
     # nn.scan stacks states on a leading layer axis; one layer's amax must not
     # reach another layer's scale.

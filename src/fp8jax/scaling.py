@@ -414,7 +414,8 @@ def combine_states(a, b, *, recipe: DelayedScaling):
     Raises:
       TypeError: for a recipe other than DelayedScaling, or ``a`` and ``b``
         of different structures.
-      ValueError: for states of different shapes (another amax_history_len).
+      ValueError: for states of different shapes (another amax_history_len), or
+        states whose history length is not the recipe's.
 
     Example:
       >>> import jax.numpy as jnp, fp8jax
@@ -433,6 +434,16 @@ def combine_states(a, b, *, recipe: DelayedScaling):
         "combine_states", ("a", a), ("b", b),
         "two new states from one old state, one per micro-batch", hint="",
     )  # fmt: skip
+    n = recipe.amax_history_len
+    is_state = lambda s: isinstance(s, ScaleState)  # noqa: E731
+    for path, s in jax.tree_util.tree_leaves_with_path(a, is_leaf=is_state):
+        if is_state(s) and jnp.shape(s.amax_history)[-1:] != (n,):
+            # The merged scales would come from another recipe's margin and algorithm.
+            raise ValueError(
+                f"combine_states: a{jax.tree_util.keystr(path)}.amax_history has shape "
+                f"{jnp.shape(s.amax_history)}, but the recipe's amax_history_len={n} needs a "
+                "last axis of that length; pass the DelayedScaling the states were made with."
+            )
     return jax.tree.map(lambda x, y: _combine_group(x, y, recipe), a, b, is_leaf=_is_group)
 
 

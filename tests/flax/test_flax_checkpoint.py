@@ -78,3 +78,34 @@ def test_restore_picks_a_step_and_keeps_max_to_keep(tmp_path):
     np.testing.assert_array_equal(checkpoint.restore(tmp_path, tree, step=2)["w"], tree["w"] + 2)
     with pytest.raises(FileNotFoundError, match=r"saved steps: \[2, 3\]"):
         checkpoint.restore(tmp_path, tree, step=0)
+
+
+def test_save_refuses_a_step_orbax_would_skip(tmp_path):
+    # Orbax writes only steps after the newest: saving step 1 again, or step 0
+    # after it, returned without writing, and restore gave the older values.
+    checkpoint.save(tmp_path, 1, {"w": np.zeros(2, np.float32)})
+    for step in (1, 0):
+        with pytest.raises(ValueError, match=f"step {step} cannot be written: .* holds step 1"):
+            checkpoint.save(tmp_path, step, {"w": np.ones(2, np.float32)})
+    np.testing.assert_array_equal(checkpoint.restore(tmp_path, {"w": np.ones(2)})["w"], [0, 0])
+    checkpoint.save(tmp_path, np.int32(2), {"w": np.ones(2, np.float32)})  # an integer scalar
+    assert checkpoint.latest_step(tmp_path) == 2
+
+
+@pytest.mark.parametrize(
+    ("step", "error"), [("3", TypeError), (1.0, TypeError), (True, TypeError), (-1, ValueError)]
+)
+def test_save_names_a_step_that_is_not_an_int_at_least_zero(tmp_path, step, error):
+    with pytest.raises(error, match=f"step must be an int >= 0, got {step!r}"):
+        checkpoint.save(tmp_path, step, {"w": np.zeros(2, np.float32)})
+
+
+def test_restore_into_a_template_of_other_shapes_names_the_arrays(tmp_path, capfd):
+    # Orbax's error named no array ("Requested shape: (4,) is not compatible with
+    # the stored shape: (3,)") and its reads left in flight printed tracebacks.
+    checkpoint.save(tmp_path, 0, {"w": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)})
+    like = {"w": np.zeros(4, np.float32), "b": np.zeros(2, np.float32)}
+    message = r"1 arrays differ in shape \(w: checkpoint \(3,\), like \(4,\)\)"
+    with pytest.raises(ValueError, match=message):
+        checkpoint.restore(tmp_path, like)
+    assert "Event loop is closed" not in capfd.readouterr().err

@@ -1,5 +1,6 @@
 """Misuse fails at construction or init with a message naming the argument (Linen and NNX)."""
 
+import functools
 import re
 
 import flax
@@ -299,6 +300,30 @@ def test_wrong_input_rank():
         linen_init(fnn.DenseGeneral(8, axis=(1, 2)), jnp.ones((4, 32)))
 
 
+@pytest.mark.parametrize(
+    ("mask", "given"),
+    [
+        # JAX's error was "incompatible shapes for broadcasting", from inside its attention.
+        (jnp.ones((2, 1, 8, 9), bool), "shape (2, 1, 8, 9), dtype bool"),
+        (jnp.ones((2, 1, 8, 8), jnp.float32), "shape (2, 1, 8, 8), dtype float32"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_a_mask_that_does_not_fit_is_named(mask, given):
+    message = (
+        "MultiHeadAttention: mask must be a bool array that broadcasts to (batch, heads, q_len, "
+        f"kv_len) = (2, 4, 8, 8) (True attends), got {given}."
+    )
+    layer = fnn.TransformerLayer(4, 64)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jax.eval_shape(functools.partial(layer.init, mask=mask), jax.random.key(0), X)
+    attn = fnnx.MultiHeadAttention(4, 32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        attn(X, mask=mask)
+    # A mask that broadcasts is taken: one (q, k) mask for every sequence and head.
+    assert attn(X, mask=jnp.tril(jnp.ones((8, 8), bool))).shape == X.shape
+
+
 def test_an_axis_that_is_not_an_int_is_named():
     # It failed later as a tuple index ("tuple indices must be integers"), naming no argument.
     message = "DenseGeneral: axis must be an int or a tuple of ints, got (1.5,)"
@@ -349,6 +374,16 @@ def test_train_step_errors():
         make_train_step(loss_fn, tx, accumulation_steps=0)(state, X)
     with pytest.raises(ValueError, match=re.escape("collections ['batch_stats']")):
         TrainState.create({**variables, "batch_stats": {}}, tx)
+
+
+def test_an_optimizer_factory_is_named():
+    # optax.adam, not optax.adam(lr): AttributeError "'function' object has no attribute 'init'".
+    message = "optimizer must be an optax.GradientTransformation (with init and update)"
+    hint = "adam is the function that builds one: call it, e.g. adam(1e-3)."
+    with pytest.raises(TypeError, match=re.escape(message) + ".*" + re.escape(hint)):
+        TrainState.create({"params": {}}, optax.adam)
+    with pytest.raises(TypeError, match="make_train_step: " + re.escape(message)):
+        make_train_step(lambda v, b: 0.0, optax.adam)
 
 
 def test_restore_without_checkpoint(tmp_path):

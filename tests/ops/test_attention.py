@@ -356,6 +356,11 @@ REFUSALS = {
     # Masked scores are -inf before the kernels scale them: at 0, NaN.
     "scale-zero": ((1, 128, 2, 64), (1, 128, 2, 64), {"scale": 0.0}, ValueError,
                    "scale must be None or a finite, nonzero number.*got 0.0"),
+    # float() took these: a str from a config file, and True as 1.0.
+    "scale-str": ((1, 128, 2, 64), (1, 128, 2, 64), {"scale": "0.125"}, TypeError,
+                  "scale must be None or a Python number, got '0.125'."),
+    "scale-bool": ((1, 128, 2, 64), (1, 128, 2, 64), {"scale": True}, TypeError,
+                   "scale must be None or a Python number, got True."),
 }  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp8jax.flax._common import BATCH, HEADS, LENGTH
 from fp8jax.flax.rotary import apply_rotary
@@ -32,6 +33,28 @@ def check_hadamard(owner: str, hadamard, implementation: str | None) -> None:
         )
 
 
+def check_mask(mask, q, k) -> None:
+    """``mask`` is None or a boolean array that broadcasts to ``(batch, heads, q_len, kv_len)``.
+
+    JAX's own errors named no argument: "incompatible shapes for broadcasting"
+    from inside its attention for a mask of the wrong shape.
+    """
+    if mask is None:
+        return
+    expected = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    shape, dtype = getattr(mask, "shape", None), getattr(mask, "dtype", None)
+    try:
+        fits = shape is not None and np.broadcast_shapes(tuple(shape), expected) == expected
+    except ValueError:
+        fits = False
+    if not fits or dtype != jnp.bool_:
+        given = type(mask).__name__ if shape is None else f"shape {tuple(shape)}, dtype {dtype}"
+        raise ValueError(
+            "MultiHeadAttention: mask must be a bool array that broadcasts to (batch, heads, "
+            f"q_len, kv_len) = {expected} (True attends), got {given}."
+        )
+
+
 def attention_core(q, k, v, mask, causal: bool, implementation: str | None,
                    hadamard: bool = False) -> jax.Array:  # fmt: skip
     """``jax.nn.dot_product_attention`` in the inputs' dtype; ``"fp8"``: fp8jax's FP8 attention.
@@ -46,6 +69,7 @@ def attention_core(q, k, v, mask, causal: bool, implementation: str | None,
             )
         return dot_product_attention(q, k, v, causal=causal, hadamard=hadamard)
     check_hadamard("attention", hadamard, implementation)
+    check_mask(mask, q, k)
     # JAX's XLA attention promotes bf16 logits against f32 internally, which a
     # process running strict dtype promotion rejects; that promotion is JAX's.
     with jax.numpy_dtype_promotion("standard"):

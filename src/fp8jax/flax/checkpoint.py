@@ -9,6 +9,7 @@ restore shaped like a template you pass in.
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
@@ -17,9 +18,53 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 
-def _manager(directory, max_to_keep: int | None = None) -> ocp.CheckpointManager:
+def _manager(directory, max_to_keep: int | None = None, **kwargs) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, **kwargs)
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
+    """Each array leaf's shape by its path (``params/kernel``), the same for orbax's metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        "/".join(_key_name(k) for k in path): tuple(leaf.shape)
+        for path, leaf in leaves
+        if hasattr(leaf, "shape")
+    }
+
+
+def _check_shapes(manager: ocp.CheckpointManager, step: int, abstract, directory) -> None:
+    """Raises if an array of checkpoint ``step`` has another shape than ``abstract``'s.
+
+    Orbax's own error names no array, and the reads it left in flight print
+    an "Event loop is closed" traceback each; the metadata is read before any
+    array. A tree that differs in its paths is left to orbax, whose error
+    lists them.
+    """
+    try:
+        stored = _shapes_by_path(manager.item_metadata(step).tree)
+    except Exception:  # unreadable metadata: the restore itself reports it
+        return
+    wanted = _shapes_by_path(abstract)
+    diffs = [
+        f"{path}: checkpoint {stored[path]}, like {shape}"
+        for path, shape in wanted.items()
+        if path in stored and stored[path] != shape
+    ]
+    if diffs:
+        raise ValueError(
+            f"checkpoint.restore: step {step} under {str(directory)!r} does not fit `like`: "
+            f"{len(diffs)} arrays differ in shape ({'; '.join(diffs[:3])}"
+            f"{'; ...' if len(diffs) > 3 else ''}). Pass a template of the model and "
+            "optimizer that were saved."
+        )
 
 
 def save(directory, step: int, tree: Any, *, max_to_keep: int | None = None) -> None:
@@ -31,6 +76,12 @@ def save(directory, step: int, tree: Any, *, max_to_keep: int | None = None) -> 
       tree: any pytree of arrays, e.g. a :class:`fp8jax.flax.TrainState`.
       max_to_keep: keep only this many newest checkpoints (None keeps all).
 
+    Raises:
+      TypeError: if ``step`` is not an int.
+      ValueError: if ``step`` is negative, or not after the newest step already
+        in ``directory`` (orbax writes only steps after its newest, and would
+        skip any other without a word).
+
     Example:
       >>> import tempfile, jax.numpy as jnp
       >>> from fp8jax.flax import checkpoint
@@ -39,7 +90,23 @@ def save(directory, step: int, tree: Any, *, max_to_keep: int | None = None) -> 
       >>> checkpoint.restore(d, {"w": jnp.zeros(4)})["w"].tolist()
       [0.0, 1.0, 2.0, 3.0]
     """
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        step = operator.index(step)  # an int, or an integer scalar such as state.step
+    except TypeError:
+        raise TypeError(f"checkpoint.save: step must be an int >= 0, got {step!r}.") from None
+    if step < 0:
+        raise ValueError(f"checkpoint.save: step must be an int >= 0, got {step}.")
     with _manager(directory, max_to_keep) as manager:
+        newest = manager.latest_step()
+        if newest is not None and step <= newest:
+            raise ValueError(
+                f"checkpoint.save: step {step} cannot be written: {str(directory)!r} already "
+                f"holds step {newest}, and orbax writes only steps after its newest (it would "
+                f"skip this save). Save under a step > {newest}, use another directory, or "
+                "delete the newer steps' folders to roll back."
+            )
         manager.save(step, args=ocp.args.StandardSave(tree))
         manager.wait_until_finished()
 
@@ -65,8 +132,9 @@ def restore(directory, like: Any, step: int | None = None) -> Any:
 
     Raises:
       FileNotFoundError: if ``directory`` holds no checkpoint (or not ``step``).
+      ValueError: if an array of the checkpoint has another shape than in ``like``.
     """
-    with _manager(directory) as manager:
+    with _manager(directory, item_handlers=ocp.StandardCheckpointHandler()) as manager:
         steps = manager.all_steps()
         step = manager.latest_step() if step is None else step
         if step is None or step not in steps:
@@ -74,6 +142,7 @@ def restore(directory, like: Any, step: int | None = None) -> Any:
                 f"no checkpoint for step {step} under {directory!r}; saved steps: {sorted(steps)}."
             )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        _check_shapes(manager, step, abstract, directory)
         return manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
 

@@ -234,6 +234,22 @@ def grads_and_fp8_state(
     return loss_sum / jnp.float32(n), grads, take_new_state(fp8_state, merged), carry
 
 
+def _check_optimizer(owner: str, optimizer) -> None:
+    """``optimizer`` is an optax transformation, not the function that makes one."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    name = getattr(optimizer, "__qualname__", None)
+    hint = (
+        f" {name} is the function that builds one: call it, e.g. {name}(1e-3)."
+        if callable(optimizer) and name
+        else ""
+    )
+    raise TypeError(
+        f"{owner}: optimizer must be an optax.GradientTransformation (with init and update), "
+        f"such as optax.adam(1e-3); got {optimizer!r}.{hint}"
+    )
+
+
 class TrainState(NamedTuple):
     """Everything a Linen train step updates (a pytree; checkpoint it whole).
 
@@ -255,7 +271,9 @@ class TrainState(NamedTuple):
 
         Raises:
           ValueError: if ``variables`` has collections other than params and fp8_state.
+          TypeError: if ``optimizer`` is not an optax transformation.
         """
+        _check_optimizer("TrainState.create", optimizer)
         extra = sorted(set(variables) - {"params", FP8_COLLECTION})
         if extra:
             raise ValueError(
@@ -305,6 +323,8 @@ def make_train_step(
       >>> float(state.fp8_state["scales"].x.scale)
       448.0
     """
+
+    _check_optimizer("make_train_step", optimizer)
 
     def split_loss(params, fp8_state, carry, batch):
         variables = {"params": params}

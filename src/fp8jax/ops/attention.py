@@ -97,7 +97,8 @@ def dot_product_attention(q, k, v, *, causal: bool = False, scale: float | None 
       ValueError: head_dim other than 64 or 128, sequence lengths not a
         multiple of 128, mismatched shapes, causal with ``q_seq != kv_seq``, or a
         non-finite or zero scale.
-      TypeError: a recipe other than None, non-floating inputs, or a traced scale.
+      TypeError: a recipe other than None, non-floating inputs, or a scale that is traced
+        or not a number.
 
     Example:
       >>> import jax, jax.numpy as jnp, fp8jax
@@ -147,7 +148,14 @@ def _static_scale(scale) -> float:
             f"kernels are built for it), got a traced array of shape {scale.shape}; pass it "
             "outside jit's arguments (functools.partial, or static_argnames)."
         )
-    value = float(scale)
+    try:
+        if isinstance(scale, str | bytes | bool | np.bool_):
+            raise TypeError  # float("0.1") and float(True) would be taken
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"dot_product_attention: scale must be None or a Python number, got {scale!r}."
+        ) from None
     if not math.isfinite(value) or value == 0:
         raise ValueError(
             "dot_product_attention: scale must be None or a finite, nonzero number (the "

@@ -72,8 +72,10 @@ def _check_options(options: TrainOptions) -> None:
         isinstance(nan_at, bool) or not isinstance(nan_at, int) or nan_at < 1
     ):
         raise ConfigError(f"--inject-nan-at must be an int >= 1, got {nan_at!r}.")
-    if not isinstance(options.rolled_layers, bool):
-        raise ConfigError(f"rolled_layers must be a bool, got {options.rolled_layers!r}.")
+    # A switch is read for its truth value: resume="no" resumed.
+    for switch in ("rolled_layers", "resume"):
+        if not isinstance(getattr(options, switch), bool):
+            raise ConfigError(f"{switch} must be a bool, got {getattr(options, switch)!r}.")
     if not isinstance(options.compile_cache, str):
         raise ConfigError(
             f"--compile-cache must be 'auto', 'none' or a directory, got {options.compile_cache!r}."
