@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+import numerics
 from fp8jax.kernels import attention as kernel
 from fp8jax.kernels import attention_backward
 from fp8jax.ops import attention as op
@@ -184,6 +185,8 @@ def test_backward_config_refuses_builds_it_has_not():
         attention_backward.BackwardConfig(stages=2.0)
     with pytest.raises(TypeError, match=r"paired=\.\.\.\) must be a bool, got 1"):
         attention_backward.BackwardConfig(paired=1)
+    with pytest.raises(TypeError, match=r"fused=\.\.\.\) must be a bool, got 1"):
+        attention_backward.BackwardConfig(fused=1)
     q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match="backward_config must be None or a"):
         fp8jax.dot_product_attention(q, q, q, backward_config=kernel.ForwardConfig())
@@ -264,6 +267,67 @@ def test_backward_builds_are_bitwise_the_default_in_interpret_mode(build):
     built = _interpreted_backward(dims, causal, tuple(build.items()))
     for name, x, y in zip(("dq", "dk", "dv"), built, default, strict=True):
         np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def _dq_magnitudes(operands, causal, scale):
+    """``scale * |dS| . |K|`` per dQ element, dS as the twin makes it: the magnitude of
+    the f32 sum over keys whose order the fused build changes."""
+    q8, k8, q_scale, k_scale, _, k, v, do, lse2, delta = operands
+    group = q8.shape[2] // k8.shape[2]
+
+    def per_query_head(x):  # (B, T, Hkv, D) -> (B, T, H, D): query head h reads kv head h // group
+        return jnp.repeat(x.astype(jnp.float32), group, axis=2)
+
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q8.astype(jnp.float32), per_query_head(k8))
+    factor = q_scale[..., None] * jnp.repeat(k_scale, group, axis=1)[:, :, None, :]
+    p = jnp.exp2(scores * factor - lse2[..., None])
+    if causal:
+        p = jnp.where(jnp.tril(jnp.ones(p.shape[-2:], bool)), p, 0.0)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), per_query_head(v))
+    ds = (p * (dp - delta[..., None])).astype(jnp.bfloat16).astype(jnp.float32)
+    return scale * jnp.einsum("bhqk,bkhd->bqhd", jnp.abs(ds), jnp.abs(per_query_head(k)))
+
+
+# The twin test's shapes (their default-build results are kept), and at head_dim 128
+# unmasked over two key tiles, whose CTAs add into the same dQ rows.
+@pytest.mark.parametrize(
+    "tq, tk, heads, kv_heads, d, causal",
+    [
+        (128, 128, 1, 1, 64, True),
+        (128, 128, 4, 2, 64, False),
+        (128, 128, 2, 1, 128, True),
+        (256, 256, 2, 1, 64, True),
+        (128, 256, 2, 1, 128, False),
+    ],
+    ids=["causal-one-block", "gqa-two-groups", "d128-causal-gqa", "causal-two-tiles-gqa",
+         "d128-two-tiles-gqa"],
+)  # fmt: skip
+def test_fused_backward_in_interpret_mode_within_dq_order_budget(tq, tk, heads, kv_heads, d,
+                                                                 causal):  # fmt: skip
+    """``BackwardConfig(fused=True)``: dK and dV bitwise the default build's (the same code
+    makes them); dQ the twin's but for the order of its f32 sum over keys.
+
+    dQ's terms are dS x K products of BF16 values, exact in f32; the fused
+    build sums them by 64-key wgmma halves and adds each CTA's 128 keys into
+    f32 dQ in CTA order, the twin by 128-key einsums in key order. Two f32 sums
+    of ``tk`` terms in any orders differ by at most ``2 tk u`` times the sum
+    of the terms' magnitudes (u = 2**-24), the scale's multiply adds ``2 u``
+    of it, and rounding both to BF16 moves each by at most 2**-8 of itself.
+    """
+    dims = (tq, tk, heads, kv_heads, d)
+    operands = _backward_operands(*dims, causal)
+    scale = d**-0.5
+    dq, dk, dv = _interpreted_backward(dims, causal, (("fused", True),))
+    _, want_dk, want_dv = _interpreted_backward(dims, causal)
+    np.testing.assert_array_equal(dk, want_dk, err_msg="dk")
+    np.testing.assert_array_equal(dv, want_dv, err_msg="dv")
+    twin = functools.partial(attention_backward.xla_backward, causal=causal, scale=scale)
+    want_dq = np.asarray(jax.jit(twin)(*operands)[0], np.float32)
+    magnitudes = np.asarray(jax.jit(_dq_magnitudes, static_argnums=(1, 2))(operands, causal, scale))
+    u = 2.0**-24
+    bound = (2 * tk + 2) * u * magnitudes + 2.0**-8 * (np.abs(dq) + np.abs(want_dq))
+    numerics.assert_within(dq, want_dq, bound, "dq")
+    assert np.any(dq != 0), "dq"
 
 
 def test_kernel_takes_whole_blocks_and_its_head_dims():

@@ -385,40 +385,38 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
             """The step's queries' dQ over the CTA's keys, this warpgroup's half of its columns,
             added into ``dq_ref``; ``ds16``: this warpgroup's dSᵀ, its keys by the queries.
 
-            dS's buffer is rewritten only after both warpgroups' products of the
-            previous step have read it, and the staging buffer only after the
-            previous reduce-add has read it.
+            Each step ends when both warpgroups' products have read dS and K,
+            which the next step and the epilogue rewrite; the staging buffer is
+            rewritten once the previous reduce-add has read it.
             """
             stored, read = ds_barriers.at[0], ds_barriers.at[1]
-
-            @pl.when(t > 0)
-            def _previous_read():
-                plgpu.barrier_wait(read)
-
-            ds_s[wg] = ds16
+            # Indices that LLVM cannot see through: the shared-memory addresses
+            # and wgmma descriptors made from them are computed in the step, not
+            # hoisted out of the loop, where ptxas spilled them at head_dim 128
+            # (120-208 bytes a thread).
+            zero, own = lax.optimization_barrier((jnp.zeros((), wg.dtype), wg))
+            columns = pl.ds(own * (d // 2), d // 2)
+            ds_s[own] = ds16
             plgpu.commit_smem()
             plgpu.barrier_arrive(stored)
             plgpu.barrier_wait(stored)
-            terms = [(ds_s.at[j], dk_w.at[j, :, columns]) for j in range(2)]
+            terms = [(ds_s.at[zero + j], dk_w.at[zero + j, :, columns]) for j in range(2)]
             dq = mma_tn(terms, (STEP_ROWS, d // 2))
             plgpu.barrier_arrive(read)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            dq_s[wg] = dq
+            dq_s[own] = dq
             plgpu.commit_smem()
             head, rows = rows_of(t)
             target = dq_ref.at[batch, rows, head, columns]
             if interpreted:  # Mosaic GPU's interpreter has no TMA reduction
-                target[...] = target[...] + dq_s[wg]
+                target[...] = target[...] + dq_s[own]
             else:
-                plgpu.copy_smem_to_gmem(dq_s.at[wg], target, reduction_op="add")
-
-        columns = pl.ds(wg * (d // 2), d // 2)
+                plgpu.copy_smem_to_gmem(dq_s.at[own], target, reduction_op="add")
+            plgpu.barrier_wait(read)
 
         # Every step masked under causality: splitting off the diagonal's steps
         # (each head's first two) spilled registers at d 128 (12-36 bytes).
         dk, dv = lax.fori_loop(0, steps, functools.partial(step, masked=causal), (zeros, zeros))
-        if fused:  # the other warpgroup's last dQ product has read K from dK's buffer
-            plgpu.barrier_wait(ds_barriers.at[1])
         with jax.named_scope("epilogue"):
             dk_w[wg] = (dk * scale).astype(BF16)  # softmax's scale once, not a score at a time
             v_w[wg] = dv.astype(BF16)  # V's buffer is free now: shared memory is short at D 128
