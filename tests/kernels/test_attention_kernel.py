@@ -495,48 +495,67 @@ def test_deviceless_forward_builds_keep_fp8_wgmma_and_registers(d, config, h200_
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize("d, causal", [(64, True), (128, True), (128, False)])
-def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal, h200_with_dumps):
+@pytest.mark.parametrize(
+    "d, causal, fused",
+    [(64, True, False), (128, True, False), (128, False, False),
+     (64, False, True), (128, True, True), (128, False, True)],
+    ids=["d64-causal", "d128-causal", "d128", "fused-d64", "fused-d128-causal", "fused-d128"],
+)  # fmt: skip
+def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(
+    d, causal, fused, h200_with_dumps
+):
     """Forward and backward for the H200: FP8 wgmma for the scores, BF16 for the gradients.
 
-    The report lists the forward as an FP8 GEMM and the two backward kernels as
-    not FP8 (their gradient products take BF16 operands). No kernel spills a
+    The report lists the forward as an FP8 GEMM and the backward kernels as
+    not FP8 (their gradient products take BF16 operands): two, or with
+    ``BackwardConfig(fused=True)`` the dK/dV kernel alone. No kernel spills a
     register to local memory: a spill is a round trip to L1 in the inner loop.
     """
     from fp8jax import verify
+    from fp8jax.kernels.attention_backward import BackwardConfig
 
     q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
 
     def step(q, k, v, g):
-        attention = functools.partial(fp8jax.dot_product_attention, causal=causal)
+        attention = functools.partial(fp8jax.dot_product_attention, causal=causal,
+                                      backward_config=BackwardConfig(fused=fused))  # fmt: skip
         out, vjp = jax.vjp(attention, q, k, v)
         return out, vjp(g)
 
     # Its forward kernel is one that test_deviceless_attention_is_one_fp8_wgmma_kernel
-    # compiles too: another child, which compiles and dumps it again.
-    hlo, dumps = h200_with_dumps(step, q, kv, kv, q, child="backward")
+    # compiles too: another child, which compiles and dumps it again; the fused
+    # builds' forwards are the others', so they have a child of their own.
+    hlo, dumps = h200_with_dumps(step, q, kv, kv, q, child="fused" if fused else "backward")
     report = verify.gemm_report(hlo)
-    assert sorted((g.target, g.backend) for g in report.gemms) == [
-        (attention_backward.DKV_KERNEL, "pallas"),
-        (attention_backward.DQ_KERNEL, "pallas"),
-        (kernel.KERNEL_NAME, "pallas-fp8"),
-    ], str(report)
+    backward = [attention_backward.DKV_KERNEL] + ([] if fused else [attention_backward.DQ_KERNEL])
+    assert sorted((g.target, g.backend) for g in report.gemms) == sorted(
+        [*((name, "pallas") for name in backward), (kernel.KERNEL_NAME, "pallas-fp8")]
+    ), str(report)
     assert re.search(r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", hlo)
     assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", hlo)
-    for name in (kernel.KERNEL_NAME, attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
+    for name in (kernel.KERNEL_NAME, *backward):
         (ptxas,) = [p.read_text() for p in dumps.glob(f"{name}*.ptxas")]
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
         assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
     # P and dS enter dV, dK and dQ's products as wgmma's register operand (the
     # A operand in braces, not a shared-memory descriptor).
     register_a = r"wgmma\.mma_async\S*\.f32\.bf16\.bf16\s*\{[^}]*\},\s*\{"
-    for name in (attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
+    for name in backward:
         (ptx,) = [p.read_text() for p in dumps.glob(f"{name}*.ptx")]
         assert re.search(register_a, ptx), name
         # Each recomputes the scores from the forward's FP8 operands on FP8 tensor
         # cores (the HLO-wide search above is met by the forward kernel alone).
         assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx), name
+    if fused:
+        # dQ's half of the columns a warpgroup (n = d / 2) over the CTA's two
+        # 64-key halves, k16 each: 8 instructions, dS and K both from shared
+        # memory (at d 128 dPᵀ's d / 16 are n64 too); then one TMA reduce-add.
+        (ptx,) = [p.read_text() for p in dumps.glob(f"{attention_backward.DKV_KERNEL}*.ptx")]
+        shared_a = rf"m64n{d // 2}k16\.f32\.bf16\.bf16\s*\{{[^}}]*\}},\s*%rd"
+        assert len(re.findall(shared_a, ptx)) == 8 + (d // 16 if d // 2 == 64 else 0)
+        reduce_add = r"cp\.reduce\.async\.bulk\.tensor\.\w+\.global\.shared::cta\.add\b"
+        assert len(re.findall(reduce_add, ptx)) == 1
 
 
 @pytest.mark.deviceless
