@@ -20,6 +20,11 @@ from shared memory; 16-bit ``wgmma`` also takes MN-major B, which dV, dK
 and dQ use (dO, Q, K as stored), and takes its A operand (P, dS) from
 registers. Every kernel fits its registers without spilling at head_dim 64
 and 128 (the deviceless ptxas report, tests/kernels/test_attention_kernel.py).
+
+A fused build (``BackwardConfig(fused=True)``) drops the dQ kernel, which
+recomputed the scores and dP: the dK/dV kernel takes dQ's products from
+the dS it holds and adds them into an f32 dQ by TMA reduce-add, the atomics
+FlashAttention-2 avoided.
 """
 
 from __future__ import annotations
@@ -71,7 +76,11 @@ class BackwardConfig:
         (zeros, aliased in and out) by a TMA reduce-add; XLA scales and
         rounds it to BF16. The same products; dQ's f32 sum over the key
         blocks runs in the order the CTAs' reduce-adds land in, not one
-        fixed order.
+        fixed order. Within the default's 232 registers without spilling at
+        head_dim 64 and 128; shared memory at 128 is 217,280 bytes (the
+        default's dK/dV kernel 168,096 of the H200's 232,448), which leaves
+        the profiler room for about 35 steps a CTA, and with ``stages=3``
+        it overflows (258,296). With ``paired`` ptxas spills 28 bytes at 128.
     """
 
     stages: int = STAGES
@@ -540,7 +549,9 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
     """The two kernels: dK, dV (one CTA per 128 keys of a kv head), then dQ (per 128 queries).
 
     ``fused``: the dK/dV kernel adds dQ's shares into an f32 dQ and the dQ
-    kernel is not launched (:class:`BackwardConfig`).
+    kernel is not launched (:class:`BackwardConfig`); its named regions add
+    ``dq``, and its shared memory leaves the profiler less room (about 35
+    steps a CTA at head_dim 128).
     ``profile_dir``: as :func:`fp8jax.kernels.attention.mosaic_forward`'s: each
     kernel's named regions (``wait``, ``scores``, ``dp``, ``dv_dk`` or ``dq``,
     ``epilogue``; ``wait_free`` and ``load`` in the memory warpgroup) traced by
