@@ -139,6 +139,8 @@ BACKWARD_BUILDS = {
     # The step's independent products issued together, waited for once.
     "bwd_paired": BackwardConfig(paired=True),
     "bwd_paired_stages3": BackwardConfig(paired=True, stages=3),
+    # dQ's shares added by the dK/dV kernel (TMA reduce-add), no dQ kernel.
+    "bwd_fused": BackwardConfig(fused=True),
 }
 PARTS = ("fwd", "fwd_bwd")
 DRY_ERROR_SHAPE = (1, 128, 2, 1, 128)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import fp8jax
+import numerics
 from fp8jax.kernels import attention as kernel
 from fp8jax.kernels import attention_backward
 from fp8jax.ops import attention as op
@@ -184,6 +185,8 @@ def test_backward_config_refuses_builds_it_has_not():
         attention_backward.BackwardConfig(stages=2.0)
     with pytest.raises(TypeError, match=r"paired=\.\.\.\) must be a bool, got 1"):
         attention_backward.BackwardConfig(paired=1)
+    with pytest.raises(TypeError, match=r"fused=\.\.\.\) must be a bool, got 1"):
+        attention_backward.BackwardConfig(fused=1)
     q = jnp.ones((1, 128, 1, 64), jnp.bfloat16)
     with pytest.raises(TypeError, match="backward_config must be None or a"):
         fp8jax.dot_product_attention(q, q, q, backward_config=kernel.ForwardConfig())
@@ -264,6 +267,67 @@ def test_backward_builds_are_bitwise_the_default_in_interpret_mode(build):
     built = _interpreted_backward(dims, causal, tuple(build.items()))
     for name, x, y in zip(("dq", "dk", "dv"), built, default, strict=True):
         np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def _dq_magnitudes(operands, causal, scale):
+    """``scale * |dS| . |K|`` per dQ element, dS as the twin makes it: the magnitude of
+    the f32 sum over keys whose order the fused build changes."""
+    q8, k8, q_scale, k_scale, _, k, v, do, lse2, delta = operands
+    group = q8.shape[2] // k8.shape[2]
+
+    def per_query_head(x):  # (B, T, Hkv, D) -> (B, T, H, D): query head h reads kv head h // group
+        return jnp.repeat(x.astype(jnp.float32), group, axis=2)
+
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q8.astype(jnp.float32), per_query_head(k8))
+    factor = q_scale[..., None] * jnp.repeat(k_scale, group, axis=1)[:, :, None, :]
+    p = jnp.exp2(scores * factor - lse2[..., None])
+    if causal:
+        p = jnp.where(jnp.tril(jnp.ones(p.shape[-2:], bool)), p, 0.0)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), per_query_head(v))
+    ds = (p * (dp - delta[..., None])).astype(jnp.bfloat16).astype(jnp.float32)
+    return scale * jnp.einsum("bhqk,bkhd->bqhd", jnp.abs(ds), jnp.abs(per_query_head(k)))
+
+
+# The twin test's shapes (their default-build results are kept), and at head_dim 128
+# unmasked over two key tiles, whose CTAs add into the same dQ rows.
+@pytest.mark.parametrize(
+    "tq, tk, heads, kv_heads, d, causal",
+    [
+        (128, 128, 1, 1, 64, True),
+        (128, 128, 4, 2, 64, False),
+        (128, 128, 2, 1, 128, True),
+        (256, 256, 2, 1, 64, True),
+        (128, 256, 2, 1, 128, False),
+    ],
+    ids=["causal-one-block", "gqa-two-groups", "d128-causal-gqa", "causal-two-tiles-gqa",
+         "d128-two-tiles-gqa"],
+)  # fmt: skip
+def test_fused_backward_in_interpret_mode_within_dq_order_budget(tq, tk, heads, kv_heads, d,
+                                                                 causal):  # fmt: skip
+    """``BackwardConfig(fused=True)``: dK and dV bitwise the default build's (the same code
+    makes them); dQ the twin's but for the order of its f32 sum over keys.
+
+    dQ's terms are dS x K products of BF16 values, exact in f32; the fused
+    build sums them by 64-key wgmma halves and adds each CTA's 128 keys into
+    f32 dQ in CTA order, the twin by 128-key einsums in key order. Two f32 sums
+    of ``tk`` terms in any orders differ by at most ``2 tk u`` times the sum
+    of the terms' magnitudes (u = 2**-24), the scale's multiply adds ``2 u``
+    of it, and rounding both to BF16 moves each by at most 2**-8 of itself.
+    """
+    dims = (tq, tk, heads, kv_heads, d)
+    operands = _backward_operands(*dims, causal)
+    scale = d**-0.5
+    dq, dk, dv = _interpreted_backward(dims, causal, (("fused", True),))
+    _, want_dk, want_dv = _interpreted_backward(dims, causal)
+    np.testing.assert_array_equal(dk, want_dk, err_msg="dk")
+    np.testing.assert_array_equal(dv, want_dv, err_msg="dv")
+    twin = functools.partial(attention_backward.xla_backward, causal=causal, scale=scale)
+    want_dq = np.asarray(jax.jit(twin)(*operands)[0], np.float32)
+    magnitudes = np.asarray(jax.jit(_dq_magnitudes, static_argnums=(1, 2))(operands, causal, scale))
+    u = 2.0**-24
+    bound = (2 * tk + 2) * u * magnitudes + 2.0**-8 * (np.abs(dq) + np.abs(want_dq))
+    numerics.assert_within(dq, want_dq, bound, "dq")
+    assert np.any(dq != 0), "dq"
 
 
 def test_kernel_takes_whole_blocks_and_its_head_dims():
@@ -431,48 +495,67 @@ def test_deviceless_forward_builds_keep_fp8_wgmma_and_registers(d, config, h200_
 
 
 @pytest.mark.deviceless
-@pytest.mark.parametrize("d, causal", [(64, True), (128, True), (128, False)])
-def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(d, causal, h200_with_dumps):
+@pytest.mark.parametrize(
+    "d, causal, fused",
+    [(64, True, False), (128, True, False), (128, False, False),
+     (64, False, True), (128, True, True), (128, False, True)],
+    ids=["d64-causal", "d128-causal", "d128", "fused-d64", "fused-d128-causal", "fused-d128"],
+)  # fmt: skip
+def test_deviceless_backward_compiles_to_fp8_scores_and_bf16_gradients(
+    d, causal, fused, h200_with_dumps
+):
     """Forward and backward for the H200: FP8 wgmma for the scores, BF16 for the gradients.
 
-    The report lists the forward as an FP8 GEMM and the two backward kernels as
-    not FP8 (their gradient products take BF16 operands). No kernel spills a
+    The report lists the forward as an FP8 GEMM and the backward kernels as
+    not FP8 (their gradient products take BF16 operands): two, or with
+    ``BackwardConfig(fused=True)`` the dK/dV kernel alone. No kernel spills a
     register to local memory: a spill is a round trip to L1 in the inner loop.
     """
     from fp8jax import verify
+    from fp8jax.kernels.attention_backward import BackwardConfig
 
     q = jax.ShapeDtypeStruct((1, 512, 4, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 512, 2, d), jnp.bfloat16)
 
     def step(q, k, v, g):
-        attention = functools.partial(fp8jax.dot_product_attention, causal=causal)
+        attention = functools.partial(fp8jax.dot_product_attention, causal=causal,
+                                      backward_config=BackwardConfig(fused=fused))  # fmt: skip
         out, vjp = jax.vjp(attention, q, k, v)
         return out, vjp(g)
 
     # Its forward kernel is one that test_deviceless_attention_is_one_fp8_wgmma_kernel
-    # compiles too: another child, which compiles and dumps it again.
-    hlo, dumps = h200_with_dumps(step, q, kv, kv, q, child="backward")
+    # compiles too: another child, which compiles and dumps it again; the fused
+    # builds' forwards are the others', so they have a child of their own.
+    hlo, dumps = h200_with_dumps(step, q, kv, kv, q, child="fused" if fused else "backward")
     report = verify.gemm_report(hlo)
-    assert sorted((g.target, g.backend) for g in report.gemms) == [
-        (attention_backward.DKV_KERNEL, "pallas"),
-        (attention_backward.DQ_KERNEL, "pallas"),
-        (kernel.KERNEL_NAME, "pallas-fp8"),
-    ], str(report)
+    backward = [attention_backward.DKV_KERNEL] + ([] if fused else [attention_backward.DQ_KERNEL])
+    assert sorted((g.target, g.backend) for g in report.gemms) == sorted(
+        [*((name, "pallas") for name in backward), (kernel.KERNEL_NAME, "pallas-fp8")]
+    ), str(report)
     assert re.search(r"wgmma\.mma_async\S*\.f32\.bf16\.bf16", hlo)
     assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", hlo)
-    for name in (kernel.KERNEL_NAME, attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
+    for name in (kernel.KERNEL_NAME, *backward):
         (ptxas,) = [p.read_text() for p in dumps.glob(f"{name}*.ptxas")]
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in ptxas, ptxas
         assert int(re.search(r"Used (\d+) registers", ptxas).group(1)) <= 232, ptxas
     # P and dS enter dV, dK and dQ's products as wgmma's register operand (the
     # A operand in braces, not a shared-memory descriptor).
     register_a = r"wgmma\.mma_async\S*\.f32\.bf16\.bf16\s*\{[^}]*\},\s*\{"
-    for name in (attention_backward.DKV_KERNEL, attention_backward.DQ_KERNEL):
+    for name in backward:
         (ptx,) = [p.read_text() for p in dumps.glob(f"{name}*.ptx")]
         assert re.search(register_a, ptx), name
         # Each recomputes the scores from the forward's FP8 operands on FP8 tensor
         # cores (the HLO-wide search above is met by the forward kernel alone).
         assert re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", ptx), name
+    if fused:
+        # dQ's half of the columns a warpgroup (n = d / 2) over the CTA's two
+        # 64-key halves, k16 each: 8 instructions, dS and K both from shared
+        # memory (at d 128 dPᵀ's d / 16 are n64 too); then one TMA reduce-add.
+        (ptx,) = [p.read_text() for p in dumps.glob(f"{attention_backward.DKV_KERNEL}*.ptx")]
+        shared_a = rf"m64n{d // 2}k16\.f32\.bf16\.bf16\s*\{{[^}}]*\}},\s*%rd"
+        assert len(re.findall(shared_a, ptx)) == 8 + (d // 16 if d // 2 == 64 else 0)
+        reduce_add = r"cp\.reduce\.async\.bulk\.tensor\.\w+\.global\.shared::cta\.add\b"
+        assert len(re.findall(reduce_add, ptx)) == 1
 
 
 @pytest.mark.deviceless

@@ -406,6 +406,41 @@ def test_kernels_on_the_gpu_within_derived_budgets(shape, kv_heads, causal):
         assert np.linalg.norm(got - want) <= 2.0**-6 * np.linalg.norm(want), name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape, kv_heads, causal", [((2, 512, 8, 128), 2, True), ((1, 512, 4, 64), 4, False)]
+)
+def test_fused_backward_on_the_gpu_within_budget_and_near_the_default(shape, kv_heads, causal):
+    """``BackwardConfig(fused=True)`` on an H100/H200: the derived budgets; dK and dV the
+    default's bitwise (the same products, issued alike); dQ the default's but for the
+    order of its f32 sum over keys, which the CTAs' reduce-adds set.
+
+    An f32 sum in another order moves dQ by far less than a BF16 step, so each
+    element is the default's or about one BF16 step (2**-7 relative at most)
+    away: norm-wise, which a sum cancelling to near zero does not upset.
+    """
+    from fp8jax.kernels.attention_backward import BackwardConfig
+
+    q, k, v, g = inputs(shape, kv_heads, case="outliers")
+
+    def grads(config):
+        def f(q, k, v):
+            return fp8jax.dot_product_attention(q, k, v, causal=causal, backward_config=config)
+
+        _, vjp = jax.vjp(f, q, k, v)
+        return dict(zip(("dq", "dk", "dv"), vjp(g), strict=True))
+
+    fused = jax.jit(functools.partial(grads, BackwardConfig(fused=True)))()
+    default = jax.jit(functools.partial(grads, None))()
+    _, _, ref_grads, budgets = reference(q, k, v, g, causal)
+    for name in ("dq", "dk", "dv"):
+        assert_within(name, fused[name], ref_grads[name], budgets[name])
+    for name in ("dk", "dv"):
+        np.testing.assert_array_equal(fused[name], default[name], err_msg=name)
+    dq, want = (np.asarray(x, np.float64) for x in (fused["dq"], default["dq"]))
+    assert np.linalg.norm(dq - want) <= 2.0**-7 * np.linalg.norm(want), "dq"
+
+
 # The forward kernel's builds (bench/attention.py --builds times them): the
 # pipelines of issue 60, each with ping-pong, and FlashAttention-3's whole set.
 GPU_BUILDS = {

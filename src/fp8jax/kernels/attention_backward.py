@@ -20,6 +20,11 @@ from shared memory; 16-bit ``wgmma`` also takes MN-major B, which dV, dK
 and dQ use (dO, Q, K as stored), and takes its A operand (P, dS) from
 registers. Every kernel fits its registers without spilling at head_dim 64
 and 128 (the deviceless ptxas report, tests/kernels/test_attention_kernel.py).
+
+A fused build (``BackwardConfig(fused=True)``) drops the dQ kernel, which
+recomputed the scores and dP: the dK/dV kernel takes dQ's products from
+the dS it holds and adds them into an f32 dQ by TMA reduce-add, the atomics
+FlashAttention-2 avoided.
 """
 
 from __future__ import annotations
@@ -60,10 +65,27 @@ class BackwardConfig:
         operands arrive together, and in the dK/dV kernel dV and dK. Two
         waits a step instead of four (three for dQ's two): the tensor cores'
         queue does not drain between them. The same products and sums.
+      fused: the dK/dV kernel also takes dQ's share of its keys, and the dQ
+        kernel, which recomputed the scores and dP for it, is not launched.
+        After a step's dV and dK, both warpgroups store their dSᵀ halves to
+        shared memory, and each takes one half of dQ's columns for the step's
+        64 queries over the CTA's 128 keys (dS from shared memory, MN-major,
+        by K as loaded into dK's buffer, which the epilogue reuses): 32 f32
+        registers a thread, allocated when Sᵀ and dPᵀ are dead. The product
+        goes to shared memory and is added into an f32 dQ in global memory
+        (zeros, aliased in and out) by a TMA reduce-add; XLA scales and
+        rounds it to BF16. The same products; dQ's f32 sum over the key
+        blocks runs in the order the CTAs' reduce-adds land in, not one
+        fixed order. Within the default's 232 registers without spilling at
+        head_dim 64 and 128; shared memory at 128 is 217,280 bytes (the
+        default's dK/dV kernel 168,096 of the H200's 232,448), which leaves
+        the profiler room for about 35 steps a CTA, and with ``stages=3``
+        it overflows (258,296). With ``paired`` ptxas spills 28 bytes at 128.
     """
 
     stages: int = STAGES
     paired: bool = False
+    fused: bool = False
 
     def __post_init__(self):
         if isinstance(self.stages, bool) or not isinstance(self.stages, int):
@@ -74,6 +96,8 @@ class BackwardConfig:
             )
         if not isinstance(self.paired, bool):
             raise TypeError(f"BackwardConfig(paired=...) must be a bool, got {self.paired!r}.")
+        if not isinstance(self.fused, bool):
+            raise TypeError(f"BackwardConfig(fused=...) must be a bool, got {self.fused!r}.")
 
 
 DEFAULT_CONFIG = BackwardConfig()
@@ -95,7 +119,7 @@ def backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal: bool
     if not placement.kernel:
         return xla(*operands)
     pallas = functools.partial(mosaic_backward, causal=causal, scale=scale, stages=config.stages,
-                               paired=config.paired)  # fmt: skip
+                               paired=config.paired, fused=config.fused)  # fmt: skip
     layouts = ("rows", "rows", "rows")  # all lead with the batch, split by data parallelism
     return dispatch.on_each_device(
         pallas, xla, operands, len(operands), layouts, placement.row_axes
@@ -224,11 +248,32 @@ def _helpers(interpreted: bool):
 
         return pl.run_state(products)(tuple(plgpu.ACC.init(acc) for acc, _, _ in (first, second)))
 
-    return pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, mma_add_both
+    def mma_tn(terms, shape):
+        """``Σ aᵀ . b`` over ``(at_smem, b_smem)`` terms into a fresh f32 accumulator.
+
+        ``at_smem`` stores A transposed (K, M): 16-bit wgmma reads it MN-major
+        from shared memory, as it reads ``b_smem`` (K, N).
+        """
+        if interpreted:
+            dims = (((0,), (0,)), ((), ()))
+            products = [lax.dot_general(at[...], b[...], dims, preferred_element_type=jnp.float32)
+                        for at, b in terms]  # fmt: skip
+            return functools.reduce(jnp.add, products)
+
+        def product(ref):
+            for at_smem, b_smem in terms:
+                plgpu.wgmma(ref, plgpu.transpose_ref(at_smem, (1, 0)), b_smem)
+            return ref[...]
+
+        return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+    return pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, mma_add_both, mma_tn
 
 
-def _smem(plgpu, shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, shape[-1], dtype))
+def _smem(plgpu, shape, dtype, columns=None):
+    """Swizzled for rows of ``columns`` (the last dimension unless given): its tiles."""
+    columns = shape[-1] if columns is None else columns
+    return plgpu.SMEM(shape, dtype, transforms=fwd._smem_transforms(plgpu, columns, dtype))
 
 
 def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted):
@@ -259,13 +304,13 @@ def _stream(plgpu, pl, steps, stages, sources, rings, loaded, done, interpreted)
 
 
 def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *scoped, causal, scale, group, stages, paired,
-                interpreted):  # fmt: skip
-    del k_ref
-    pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, mma_add_both = _helpers(
+                *refs, causal, scale, group, stages, paired, fused, interpreted):  # fmt: skip
+    pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, mma_add_both, mma_tn = _helpers(
         interpreted
     )
-    (k8_w, v_w, ks_w, dk_w, q8_r, q_r, do_r, qs_r, lse_r, dl_r, own, loaded, done) = scoped
+    dq_ref, *refs = refs if fused else (None, *refs)
+    (dk_ref, dv_ref, k8_w, v_w, ks_w, dk_w, q8_r, q_r, do_r, qs_r, lse_r, dl_r, *rest) = refs
+    ds_s, dq_s, own, loaded, done, ds_barriers = rest if fused else (None, None, *rest, None)
     d = q8_ref.shape[-1]
     n_rows = q8_ref.shape[1] // STEP_ROWS
     batch, kv_head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k")
@@ -289,6 +334,10 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
         plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, keys], ks_w.at[wg], own.at[4 + wg])
         for i in (0, 2, 4):
             plgpu.barrier_wait(own.at[i + wg])
+        if fused:  # dQ's B operand: both warpgroups' keys, in dK's buffer until the epilogue
+            plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], dk_w.at[wg], own.at[6 + wg])
+            for i in (6, 7):
+                plgpu.barrier_wait(own.at[i])
         shape = (fwd.WG_ROWS, STEP_ROWS)
         column = plgpu.Layout.WGMMA.reduce(0)
         zeros = laid_out(jnp.zeros((fwd.WG_ROWS, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -329,13 +378,50 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
             wgmma_layout = plgpu.Layout.WGMMA
             with jax.named_scope("dv_dk"):
                 dv_term = (dv, laid_out(pt.astype(BF16), wgmma_layout), do_r.at[slot])
-                dk_term = (dk, laid_out(dst.astype(BF16), wgmma_layout), q_r.at[slot])
+                ds16 = laid_out(dst.astype(BF16), wgmma_layout)
+                dk_term = (dk, ds16, q_r.at[slot])
                 if paired:
                     dv, dk = mma_add_both(dv_term, dk_term)
                 else:
                     dv, dk = mma_add(*dv_term), mma_add(*dk_term)
             plgpu.barrier_arrive(done.at[slot])
+            if fused:
+                with jax.named_scope("dq"):
+                    dq_share(t, ds16)
             return dk, dv
+
+        def dq_share(t, ds16):
+            """The step's queries' dQ over the CTA's keys, this warpgroup's half of its columns,
+            added into ``dq_ref``; ``ds16``: this warpgroup's dSᵀ, its keys by the queries.
+
+            Each step ends when both warpgroups' products have read dS and K,
+            which the next step and the epilogue rewrite; the staging buffer is
+            rewritten once the previous reduce-add has read it.
+            """
+            stored, read = ds_barriers.at[0], ds_barriers.at[1]
+            # Indices that LLVM cannot see through: the shared-memory addresses
+            # and wgmma descriptors made from them are computed in the step, not
+            # hoisted out of the loop, where ptxas spilled them at head_dim 128
+            # (120-208 bytes a thread).
+            zero, own = lax.optimization_barrier((jnp.zeros((), wg.dtype), wg))
+            columns = pl.ds(own * (d // 2), d // 2)
+            ds_s[own] = ds16
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(stored)
+            plgpu.barrier_wait(stored)
+            terms = [(ds_s.at[zero + j], dk_w.at[zero + j, :, columns]) for j in range(2)]
+            dq = mma_tn(terms, (STEP_ROWS, d // 2))
+            plgpu.barrier_arrive(read)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            dq_s[own] = dq
+            plgpu.commit_smem()
+            head, rows = rows_of(t)
+            target = dq_ref.at[batch, rows, head, columns]
+            if interpreted:  # Mosaic GPU's interpreter has no TMA reduction
+                target[...] = target[...] + dq_s[own]
+            else:
+                plgpu.copy_smem_to_gmem(dq_s.at[own], target, reduction_op="add")
+            plgpu.barrier_wait(read)
 
         # Every step masked under causality: splitting off the diagonal's steps
         # (each head's first two) spilled registers at d 128 (12-36 bytes).
@@ -375,7 +461,7 @@ def _dkv_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse
 def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                dq_ref, *scoped, causal, scale, group, stages, paired, interpreted):  # fmt: skip
     del q_ref
-    pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, _ = _helpers(interpreted)
+    pl, plgpu, load, laid_out, iota, mma_t, mma_add, mma_t_both, *_ = _helpers(interpreted)
     (q8_w, do_w, qs_w, lse_w, dl_w, dq_w, k8_r, k_r, v_r, ks_r, own, loaded, done) = scoped
     d = q8_ref.shape[-1]
     batch, head, tile = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
@@ -458,10 +544,14 @@ def _dq_kernel(q8_ref, k8_ref, qs_ref, ks_ref, q_ref, k_ref, v_ref, do_ref, lse_
 
 
 def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causal, scale,
-                    stages=STAGES, paired=False, interpret=None,
+                    stages=STAGES, paired=False, fused=False, interpret=None,
                     profile_dir: str | None = None):  # fmt: skip
     """The two kernels: dK, dV (one CTA per 128 keys of a kv head), then dQ (per 128 queries).
 
+    ``fused``: the dK/dV kernel adds dQ's shares into an f32 dQ and the dQ
+    kernel is not launched (:class:`BackwardConfig`); its named regions add
+    ``dq``, and its shared memory leaves the profiler less room (about 35
+    steps a CTA at head_dim 128).
     ``profile_dir``: as :func:`fp8jax.kernels.attention.mosaic_forward`'s: each
     kernel's named regions (``wait``, ``scores``, ``dp``, ``dv_dk`` or ``dq``,
     ``epilogue``; ``wait_free`` and ``load`` in the memory warpgroup) traced by
@@ -481,32 +571,59 @@ def mosaic_backward(q8, k8, q_scale, k_scale, q, k, v, do, lse2, delta, *, causa
     options = dict(causal=causal, scale=scale, group=group, stages=stages, paired=paired,
                    interpreted=interpret is not None)  # fmt: skip
 
-    def launch(body, name, grid, grid_names, out_type, scratch, barriers, steps):
+    def launch(body, name, grid, grid_names, out_type, scratch, barriers, steps, initial=None):
+        """The kernel's outputs; ``initial``: their values before it runs (arrays), when the
+        kernel adds into them, else the outputs are ``out_type``'s, written by the kernel."""
+
         def entry(*refs):
             pl.run_scoped(lambda *scoped: body(*refs, *scoped), *scratch, *barriers,
                           collective_axes="wg")  # fmt: skip
 
-        return plgpu.kernel(
-            entry, out_type=out_type, grid=grid, grid_names=grid_names,
-            num_threads=3, thread_name="wg",
-            compiler_params=plgpu.CompilerParams(
-                approx_math=True, **fwd.profiling(profile_dir, steps, per_step=8)),
-            kernel_name=name, interpret=interpret,
-        )(*operands)  # fmt: skip
+        params = dict(compiler_params=plgpu.CompilerParams(
+            approx_math=True, **fwd.profiling(profile_dir, steps, per_step=8)),
+            interpret=interpret)  # fmt: skip
+        mesh = dict(grid=grid, grid_names=grid_names, num_threads=3, thread_name="wg",
+                    kernel_name=name)  # fmt: skip
+        if initial is None:
+            return plgpu.kernel(entry, out_type=out_type, **mesh, **params)(*operands)
+
+        # Outputs that start as given are refs aliased in and out: run_state's,
+        # mapped over the mesh by core_map, which keeps the kernel's name (a Ref
+        # operand of plgpu.kernel does not pass its custom_vmap, and pl.kernel's
+        # aliasing of one renames the kernel).
+        def stateful(refs):
+            @pl.core_map(plgpu.Mesh(**mesh), name=name, **params)
+            def _kernel():
+                entry(*refs)
+
+        return pl.run_state(stateful)((*operands, *initial))[len(operands) :]
 
     kv_struct = jax.ShapeDtypeStruct(k8.shape, BF16)
-    dk, dv = launch(
-        functools.partial(_dkv_kernel, **options), DKV_KERNEL,
+    # Fused, dK's buffer also holds K, whose halves of columns are dQ's B operands.
+    dk_buffer = _smem(plgpu, (2, rows, d), BF16, d // 2 if fused else d)
+    scratch = [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
+               plgpu.SMEM((2, rows), jnp.float32), dk_buffer,
+               _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
+               _smem(plgpu, (stages, step, d), BF16),
+               *[plgpu.SMEM((stages, step), jnp.float32)] * 3]  # fmt: skip
+    barriers = [plgpu.Barrier(num_barriers=8 if fused else 6),
+                [plgpu.Barrier(num_barriers=stages)] * 6,
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages)]  # fmt: skip
+    dkv = functools.partial(
+        launch, functools.partial(_dkv_kernel, fused=fused, **options), DKV_KERNEL,
         (kv_heads, tk // fwd.CTA_ROWS, batch), ("heads", "k", "batch"), (kv_struct, kv_struct),
-        [_smem(plgpu, (2, rows, d), f8), _smem(plgpu, (2, rows, d), BF16),
-         plgpu.SMEM((2, rows), jnp.float32), _smem(plgpu, (2, rows, d), BF16),
-         _smem(plgpu, (stages, step, d), f8), _smem(plgpu, (stages, step, d), BF16),
-         _smem(plgpu, (stages, step, d), BF16),
-         *[plgpu.SMEM((stages, step), jnp.float32)] * 3],
-        [plgpu.Barrier(num_barriers=6), [plgpu.Barrier(num_barriers=stages)] * 6,
-         plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
-        group * tq // step,
     )  # fmt: skip
+    if fused:
+        # dSᵀ by warpgroup (keys by queries), swizzled as K's column halves: the
+        # product's two shared-memory operands share a swizzle. dQ's staging.
+        scratch += [_smem(plgpu, (2, rows, step), BF16, d // 2),
+                    _smem(plgpu, (2, step, d // 2), jnp.float32)]  # fmt: skip
+        barriers.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))  # dS stored, dS read
+        initial = (jnp.zeros(q8.shape, jnp.float32), *[jnp.zeros(k8.shape, BF16)] * 2)
+        dq_sum, dk, dv = dkv(scratch, barriers, group * tq // step, initial)
+        dq = (dq_sum * scale).astype(BF16)
+        return dispatch.varying_like((dq, dk, dv), operands)
+    dk, dv = dkv(scratch, barriers, group * tq // step)
     (dq,) = launch(
         functools.partial(_dq_kernel, **options), DQ_KERNEL,
         (heads, tq // fwd.CTA_ROWS, batch), ("heads", "q", "batch"),
