@@ -41,6 +41,7 @@ from harness import (
 import fp8jax
 from fp8jax import data
 from fp8jax.kernels import attention as attention_kernel
+from fp8jax.kernels import attention_backward
 from fp8jax.training import mesh as mesh_lib
 from fp8jax.training import mfu
 from fp8jax.training.config import TrainOptions, resolve
@@ -115,29 +116,44 @@ def step_gradients(program: TrainProgram):
 
 
 def forward_build(name: str | None):
-    """bench/attention.py's FP8 attention forward build ``name`` (None: the library's default)."""
+    """bench/attention.py's FP8 attention builds named in ``name`` (None: the library's
+    defaults): comma-separated, at most one of FORWARD_BUILDS and one of BACKWARD_BUILDS,
+    as a ``(ForwardConfig or None, BackwardConfig or None)`` pair."""
     if name is None:
         return None
-    from attention import FORWARD_BUILDS
+    from attention import BACKWARD_BUILDS, FORWARD_BUILDS
 
-    if name not in FORWARD_BUILDS:
-        raise SystemExit(f"--attention-build must be one of {sorted(FORWARD_BUILDS)}, got {name!r}")
-    return FORWARD_BUILDS[name]
+    forward = backward = None
+    for part in name.split(","):
+        if part in FORWARD_BUILDS and forward is None:
+            forward = FORWARD_BUILDS[part]
+        elif part in BACKWARD_BUILDS and backward is None:
+            backward = BACKWARD_BUILDS[part]
+        else:
+            raise SystemExit(
+                "--attention-build takes at most one forward build of "
+                f"{sorted(FORWARD_BUILDS)} and one backward build of {sorted(BACKWARD_BUILDS)}, "
+                f"comma-separated; got {name!r}"
+            )
+    return forward, backward
 
 
 @contextlib.contextmanager
-def attention_built_as(config):
-    """FP8 attention's forward kernel built as ``config`` while a step is traced (None: as the
-    library builds it): the A/B of a build that beat the default in bench/attention.py."""
-    if config is None:
-        yield
-        return
-    default = attention_kernel.DEFAULT_CONFIG
-    attention_kernel.DEFAULT_CONFIG = config  # fp8jax.dot_product_attention reads it when traced
+def attention_built_as(builds):
+    """FP8 attention's kernels built as ``builds`` (:func:`forward_build`'s pair; None: as
+    the library builds them) while a step is traced: the A/B of builds that beat the
+    defaults in bench/attention.py."""
+    forward, backward = builds or (None, None)
+    saved = attention_kernel.DEFAULT_CONFIG, attention_backward.DEFAULT_CONFIG
+    # fp8jax.dot_product_attention reads both defaults when it is traced.
+    if forward is not None:
+        attention_kernel.DEFAULT_CONFIG = forward
+    if backward is not None:
+        attention_backward.DEFAULT_CONFIG = backward
     try:
         yield
     finally:
-        attention_kernel.DEFAULT_CONFIG = default
+        attention_kernel.DEFAULT_CONFIG, attention_backward.DEFAULT_CONFIG = saved
 
 
 def row_rates(row: dict, program: TrainProgram, tokens: int, devices: int) -> None:
@@ -183,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--attention-build", default=None,
-        help="FP8 attention rows with the forward kernel built as this bench/attention.py "
-        "build (FORWARD_BUILDS), not the library's default; recorded in the output",
+        help="FP8 attention rows with the kernels built as these bench/attention.py builds "
+        "(one of FORWARD_BUILDS, one of BACKWARD_BUILDS, comma-separated), not the library's "
+        "defaults; recorded in the output",
     )  # fmt: skip
     parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS)
     parser.add_argument("--iters", type=int, default=20)

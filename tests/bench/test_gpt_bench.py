@@ -68,6 +68,7 @@ def test_an_attention_build_reaches_the_fp8_attention_the_step_traces(monkeypatc
 
     monkeypatch.setattr(kernel, "forward", spy)
     build = gpt_bench.forward_build("longest_first")
+    assert build[1] is None  # no backward build named: the library's
     q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
 
     def trace():
@@ -76,7 +77,37 @@ def test_an_attention_build_reaches_the_fp8_attention_the_step_traces(monkeypatc
     with gpt_bench.attention_built_as(build):
         trace()
     trace()  # the library's own build again afterwards
-    assert build != kernel.DEFAULT_CONFIG and seen == [build, kernel.DEFAULT_CONFIG]
+    assert build[0] != kernel.DEFAULT_CONFIG and seen == [build[0], kernel.DEFAULT_CONFIG]
     assert gpt_bench.forward_build(None) is None
     with pytest.raises(SystemExit, match="longest_first.*got 'fastest'"):
         gpt_bench.forward_build("fastest")
+    with pytest.raises(SystemExit, match="at most one forward build"):
+        gpt_bench.forward_build("fa3,stages3")
+
+
+def test_a_backward_attention_build_reaches_the_backward_the_step_traces(monkeypatch):
+    import jax.numpy as jnp
+
+    import fp8jax
+    from fp8jax.kernels import attention_backward as kernels
+
+    seen = []
+    backward = kernels.backward
+
+    def spy(*args, config, **kwargs):
+        seen.append(config)
+        return backward(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(kernels, "backward", spy)
+    build = gpt_bench.forward_build("longest_first,bwd_fused")
+    q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+
+    def trace():
+        loss = lambda x: fp8jax.dot_product_attention(x, x, x, causal=True).astype(float).sum()  # noqa: E731
+        jax.make_jaxpr(jax.grad(loss))(q)
+
+    with gpt_bench.attention_built_as(build):
+        trace()
+    trace()
+    assert build[1].fused and seen == [build[1], kernels.DEFAULT_CONFIG]
+    assert not kernels.DEFAULT_CONFIG.fused
