@@ -35,6 +35,7 @@ references, by quantization group, in ``fine_references.py``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -265,10 +266,38 @@ def gemm_vjp(a, b, dims, g):
 
     ``dims`` may also be a function of two arrays (an einsum), bilinear in them.
     """
-    f = dims if callable(dims) else lambda p, q: gemm(p, q, dims)
-    y, vjp = jax.vjp(f, jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    f = dims if callable(dims) else _gemm_of(dims)
+    y, vjp = jitted_vjp(f, jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     da, db = vjp(jnp.asarray(g, jnp.float32))
     return tuple(np.asarray(t, np.float64) for t in (y, da, db))
+
+
+@functools.cache
+def _gemm_of(dims):
+    """:func:`gemm` over ``dims``, one function per ``dims``: jitted_vjp compiles it once."""
+    return lambda p, q: gemm(p, q, dims)
+
+
+def jitted_vjp(f, *primals):
+    """``jax.vjp(f, *primals)``, the value and the pullback each one jitted program.
+
+    Eagerly every primitive of ``f`` and of its transpose compiles on its own.
+    Only f32 math goes through here (a GEMM, a norm, an activation): XLA may
+    fuse and reorder it, within the f32 roundoff the budgets allow, but has no
+    low-precision rounding to drop. ``f`` is the jit cache's key: pass the same
+    function for the same math (:func:`_gemm_of`, :func:`_norm_of`).
+    """
+    return _value(f, *primals), functools.partial(_pullback, f, primals)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _value(f, *primals):
+    return f(*primals)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pullback(f, primals, cotangent):
+    return jax.vjp(f, *primals)[1](cotangent)
 
 
 def epilogue(raw, scale_inv_a, scale_inv_b, dtype) -> np.ndarray:
@@ -353,6 +382,18 @@ ACTIVATIONS = {
 }
 
 
+@functools.cache
+def _norm_of(norm_type, zero_centered, epsilon):
+    """:func:`norm` of ``(x, gamma, beta)`` with these options, one function per options."""
+    return lambda x, g, b: norm(x, g, b, norm_type, zero_centered, epsilon)
+
+
+@functools.cache
+def _activation_of(activations):
+    """:func:`activation` of ``pre`` for these activations, one function per activations."""
+    return lambda p: activation(p, activations)
+
+
 def activation(pre, activations):
     """``pre`` (..., n, ffn): the product of each branch's activation, in f32."""
     pre = jnp.asarray(pre, jnp.float32)
@@ -389,9 +430,9 @@ def layernorm_dense(x, gamma, beta, kernel, bias, cotangent, rec, *, norm_type="
                     zero_centered=False, epsilon=1e-6):  # fmt: skip
     """Forward and gradients of norm -> FP8 dense: ``(y, {"x": dx, "gamma": ..., ...})``."""
     dtype = jnp.dtype(x.dtype)
-    n, norm_vjp = jax.vjp(lambda x, g, b: norm(x, g, b, norm_type, zero_centered, epsilon),
-                          x.astype(jnp.float32), gamma.astype(jnp.float32),
-                          None if beta is None else beta.astype(jnp.float32))  # fmt: skip
+    n, norm_vjp = jitted_vjp(_norm_of(norm_type, zero_centered, epsilon),
+                             x.astype(jnp.float32), gamma.astype(jnp.float32),
+                             None if beta is None else beta.astype(jnp.float32))  # fmt: skip
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     nq = rec.quantize("x", "x", n)
     kq = rec.quantize("kernel", "kernel", kernel)
@@ -417,15 +458,15 @@ def layernorm_mlp(x, gamma, beta, k1, k2, b1, b2, cotangent, rec, *, activations
     intermediates)``, ``intermediates`` the f32 pre-activation and activation.
     """
     dtype = jnp.dtype(x.dtype)
-    n, norm_vjp = jax.vjp(lambda x, g, b: norm(x, g, b, norm_type, zero_centered, epsilon),
-                          x.astype(jnp.float32), gamma.astype(jnp.float32),
-                          None if beta is None else beta.astype(jnp.float32))  # fmt: skip
+    n, norm_vjp = jitted_vjp(_norm_of(norm_type, zero_centered, epsilon),
+                             x.astype(jnp.float32), gamma.astype(jnp.float32),
+                             None if beta is None else beta.astype(jnp.float32))  # fmt: skip
     dims1 = (((x.ndim - 1,), (0,)), ((), ()))
     nq = rec.quantize("fc1.x", "x", n)
     k1q = rec.quantize("fc1.kernel", "kernel", k1)
     pre = epilogue(gemm(nq.values, k1q.values, dims1), nq.scale_inv, k1q.scale_inv, dtype)
     biased = pre if b1 is None else pre + np.asarray(b1, np.float32)[None]
-    h32, act_vjp = jax.vjp(lambda p: activation(p, activations), jnp.asarray(biased))
+    h32, act_vjp = jitted_vjp(_activation_of(tuple(activations)), jnp.asarray(biased))
     h = rounded(h32, dtype)
     hq = rec.quantize("fc2.x", "x", h)
     k2q = rec.quantize("fc2.kernel", "kernel", k2)

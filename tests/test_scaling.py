@@ -73,8 +73,8 @@ def test_unused_state_is_kept_by_take_new_state():
     def loss(states):
         return fp8jax.dense(x, w, recipe=recipe, state=states[0]).sum()
 
-    grads = jax.grad(loss)((used, unused))
-    new_used, new_unused = fp8jax.take_new_state((used, unused), grads)
+    grads = jax.jit(jax.grad(loss))((used, unused))  # one program, not one per op
+    new_used, new_unused = jax.jit(fp8jax.take_new_state)((used, unused), grads)
     assert float(new_unused.x.scale) == 5.0  # a zero cotangent must not zero the state
     assert float(new_used.x.amax_history[0]) == 1.0
 
@@ -86,11 +86,14 @@ def test_combine_states_equals_one_big_batch():
     x = jax.random.normal(jax.random.key(1), (2, 8, 16)) * jnp.array([1.0, 3.0])[:, None, None]
     r = jax.random.normal(jax.random.key(2), (2, 8, 8)) * jnp.array([5.0, 0.5])[:, None, None]
 
+    # Both sides jitted, one program per step: eagerly every step compiled on its own.
+    @jax.jit
     def new_state(x, r):
         g = jax.grad(lambda s: jnp.sum(fp8jax.dense(x, w, recipe=recipe, state=s) * r))(state)
         return fp8jax.take_new_state(state, g)
 
-    combined = fp8jax.combine_states(new_state(x[0], r[0]), new_state(x[1], r[1]), recipe=recipe)
+    combine = jax.jit(lambda a, b: fp8jax.combine_states(a, b, recipe=recipe))
+    combined = combine(new_state(x[0], r[0]), new_state(x[1], r[1]))
     whole = new_state(x.reshape(16, 16), r.reshape(16, 8))
     for a, b in zip(jax.tree.leaves(combined), jax.tree.leaves(whole), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -190,10 +193,11 @@ def test_update_group_updates_stacked_layers_and_unequal_histories():
     one = _group_with_history(recipe, fp8jax.DotScaleState, seed=1)
     layers = jax.tree.map(lambda a: jnp.stack([a, 2 * a]), one)
     amaxes = (jnp.array([1.0, 2.0]), jnp.array([4.0, 0.0]), jnp.array([8.0, 16.0]))
-    got = update_group(layers, amaxes, recipe)
+    update = jax.jit(lambda group, amaxes: update_group(group, amaxes, recipe))  # both sides
+    got = update(layers, amaxes)
     for layer in range(2):
-        want = update_group(jax.tree.map(lambda a, i=layer: a[i], layers),
-                            tuple(a[layer] for a in amaxes), recipe)  # fmt: skip
+        want = update(jax.tree.map(lambda a, i=layer: a[i], layers),
+                      tuple(a[layer] for a in amaxes))  # fmt: skip
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a[layer], b)
     mixed = one._replace(grad=ScaleState(jnp.ones(5), jnp.float32(2.0)))

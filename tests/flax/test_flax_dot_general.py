@@ -17,8 +17,9 @@ def test_linen_dense_is_fp8_and_within_bound():
     x = jax.random.normal(jax.random.key(0), (16, 32))
     layer = nn.Dense(24, dot_general=fp8_dot_general)
     variables = layer.init(jax.random.key(1), x)
-    y = layer.apply(variables, x)
-    want = nn.Dense(24).apply(variables, x)
+    # Jitted, one program each: eagerly every step compiled on its own.
+    y = jax.jit(layer.apply)(variables, x)
+    want = jax.jit(nn.Dense(24).apply)(variables, x)
     xs, ks = np.asarray(x, np.float64), np.asarray(variables["params"]["kernel"], np.float64)
     bound = gemm_error_bound(
         xs, ks, "e4m3", "e4m3", current_scale(xs, "e4m3"), current_scale(ks, "e4m3"),
@@ -39,7 +40,7 @@ def test_linen_attention_projections_are_fp8():
     attn = nn.MultiHeadDotProductAttention(
         num_heads=4, qkv_dot_general=fp8_dot_general, out_dot_general=fp8_dot_general
     )
-    variables = attn.init(jax.random.key(0), x)
+    variables = jax.jit(attn.init)(jax.random.key(0), x)  # only traced below: values unused
     dots = jaxpr_dots(lambda v: attn.apply(v, x), variables)
     assert sum(d.is_fp8 for d in dots) == 4  # query, key, value, out; the core stays high
 

@@ -137,6 +137,12 @@ def inputs(shape_q, kv_heads, *, seed=0, case="normal"):
     return cast(q), cast(k), cast(v), cast(g)
 
 
+def _value_and_vjp(f, primals, cotangent):
+    """``f(*primals)`` and its VJP of ``cotangent``; jitted, one program, not one per op."""
+    out, vjp = jax.vjp(f, *primals)
+    return out, vjp(cotangent)
+
+
 def run(q, k, v, g, causal, implementation=None):
     def f(q, k, v):
         return fp8jax.dot_product_attention(q, k, v, causal=causal, implementation=implementation)
@@ -186,10 +192,10 @@ def test_a_negative_scale_is_within_the_derived_budgets(causal):
     def f(q, k, v):
         return fp8jax.dot_product_attention(q, k, v, causal=causal, scale=-0.125)
 
-    out, vjp = jax.vjp(f, q, k, v)
+    out, grads = jax.jit(_value_and_vjp, static_argnums=0)(f, (q, k, v), g)
     ref, budget, ref_grads, budgets = reference(q, k, v, g, causal, scale=-0.125)
     assert_within("out", out, ref, budget)
-    for name, grad in zip(("dq", "dk", "dv"), vjp(g), strict=True):
+    for name, grad in zip(("dq", "dk", "dv"), grads, strict=True):
         assert_within(name, grad, ref_grads[name], budgets[name])
 
 
@@ -198,7 +204,7 @@ def test_logits_up_to_half_a_million_are_within_the_derived_budgets():
     keeps P's 2**8 while the max's f32 unit is small beside it (past about 10**7 not)."""
     q, k, v, g = inputs((1, 256, 2, 64), 2)
     q = (np.asarray(q, np.float32) * 1e5).astype(jnp.bfloat16)  # |logits| up to 4.9e5
-    out = fp8jax.dot_product_attention(q, k, v)
+    out = jax.jit(fp8jax.dot_product_attention)(q, k, v)
     ref, budget, _, _ = reference(q, k, v, g, False)
     assert_within("out", out, ref, budget)
 
@@ -206,14 +212,16 @@ def test_logits_up_to_half_a_million_are_within_the_derived_budgets():
 def test_first_rows_under_causality_see_only_the_past():
     """Row 0 attends to key 0 alone: its output is v[0] up to V's E4M3 rounding and P's."""
     q, k, v, _ = inputs((1, 256, 2, 64), 1)
-    out = fp8jax.dot_product_attention(q, k, v, causal=True)
+    # One jitted program for both calls (eagerly every op compiled on its own).
+    attention = jax.jit(lambda q, k, v: fp8jax.dot_product_attention(q, k, v, causal=True))
+    out = attention(q, k, v)
     v0 = fake_quant(v)[0, 0, 0]
     # p = 1 exactly: 256 is a power of two in E4M3, so only the BF16 output rounds.
     np.testing.assert_allclose(np.asarray(out[0, 0], np.float32), np.stack([v0, v0]),
                                rtol=U16, atol=0)  # fmt: skip
     # Changing a later key moves no earlier row.
     k2 = k.at[0, 200].multiply(-3.0)
-    out2 = fp8jax.dot_product_attention(q, k2, v, causal=True)
+    out2 = attention(q, k2, v)
     np.testing.assert_array_equal(out[:, :128], out2[:, :128])
 
 
@@ -235,10 +243,11 @@ def test_the_budget_catches_an_unscaled_p(monkeypatch):
     v[0, 0] = 0.0
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     ref, budget, _, _ = reference(q, k, v, jnp.zeros_like(q), False)
-    out = fp8jax.dot_product_attention(q, k, v)
+    # Jitted, each call a function of its own, so that the second traces the patched P_SCALE.
+    out = jax.jit(lambda q, k, v: fp8jax.dot_product_attention(q, k, v))(q, k, v)
     assert_within("out", out, ref, budget)
     monkeypatch.setattr(kernel, "P_SCALE", 1.0)
-    out = fp8jax.dot_product_attention(q, k, v)
+    out = jax.jit(lambda q, k, v: fp8jax.dot_product_attention(q, k, v))(q, k, v)
     assert np.any(np.abs(np.asarray(out, np.float64) - ref) > budget)
 
 
@@ -246,7 +255,7 @@ def test_the_budget_catches_a_wrong_gqa_mapping():
     """Query head h reading kv head h % kv_heads instead of h // group breaks the budget."""
     q, k, v, g = inputs((1, 256, 4, 64), 2)
     ref, budget, _, _ = reference(q, k, v, g, False)
-    swapped = fp8jax.dot_product_attention(q[:, :, jnp.array([0, 2, 1, 3])], k, v)
+    swapped = jax.jit(fp8jax.dot_product_attention)(q[:, :, jnp.array([0, 2, 1, 3])], k, v)
     assert np.any(np.abs(np.asarray(swapped, np.float64)[:, :, [0, 2, 1, 3]] - ref) > budget)
 
 
@@ -292,8 +301,8 @@ def test_hadamard_forward_and_backward_within_the_rotated_inputs_budgets(causal)
     def f(q, k, v):
         return fp8jax.dot_product_attention(q, k, v, causal=causal, hadamard=True)
 
-    out, vjp = jax.vjp(f, q, k, v)
-    grads = dict(zip(("dq", "dk", "dv"), vjp(g), strict=True))
+    out, grads = jax.jit(_value_and_vjp, static_argnums=0)(f, (q, k, v), g)
+    grads = dict(zip(("dq", "dk", "dv"), grads, strict=True))
     assert_within("out", out, ref, budget)
     assert_within("dv", grads["dv"], ref_grads["dv"], budgets["dv"])
     signed, q_factor, k_factor = op.hadamard_rotation(shape[-1])
@@ -322,8 +331,8 @@ def test_hadamard_rotation_cuts_the_fp8_error_where_channels_carry_outliers(monk
             def f(q, k, v, hadamard=hadamard):
                 return fp8jax.dot_product_attention(q, k, v, causal=True, hadamard=hadamard)
 
-            out, vjp = jax.vjp(f, q, k, v)
-            got = dict(zip(("out", "dq", "dk", "dv"), (out, *vjp(g)), strict=True))
+            out, grads = jax.jit(_value_and_vjp, static_argnums=0)(f, (q, k, v), g)
+            got = dict(zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True))
             errors[hadamard] = {
                 name: np.linalg.norm(np.asarray(x, np.float64) - w) / np.linalg.norm(w)
                 for name, x, w in zip(got, got.values(),

@@ -37,8 +37,9 @@ def test_dense_forward_and_gradients_within_fp8_bound(dtype, x_shape):
     def loss(x, w):
         return jnp.sum((fp8jax.dense(x, w) * r).astype(jnp.float32))
 
-    y = fp8jax.dense(x, w)
-    dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+    # One jitted program each: eagerly every step of the op compiled on its own.
+    y = jax.jit(fp8jax.dense)(x, w)
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     assert y.dtype == dx.dtype == dw.dtype == dtype
 
     xs, ws, gs = (np.asarray(v, np.float64) for v in (x, w, r))
@@ -79,7 +80,7 @@ TYPICAL_E4M3_DOT_ERROR = 0.045
 
 def test_dense_is_not_merely_bounded_but_close():
     x, w, _ = _inputs((256, 64), jnp.float32)
-    y = np.asarray(fp8jax.dense(x, w), np.float64)
+    y = np.asarray(jax.jit(fp8jax.dense)(x, w), np.float64)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < TYPICAL_E4M3_DOT_ERROR
 
@@ -101,14 +102,14 @@ def test_delayed_scaling_uses_state_scales_within_bound():
     def loss(x, w, state):
         return jnp.sum(fp8jax.dense(x, w, recipe=recipe, state=state) * r)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(x, w, state)
-    state = fp8jax.take_new_state(state, grads[2])
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, state)  # one program, not per op
+    state = jax.jit(fp8jax.take_new_state)(state, grads[2])
     xs, ws = np.asarray(x, np.float64), np.asarray(w, np.float64)
     assert float(state.x.scale) == pytest.approx(448.0 / np.abs(xs).max(), rel=1e-6)
     assert float(state.kernel.scale) == pytest.approx(448.0 / np.abs(ws).max(), rel=1e-6)
     # Second step: quantizes with the scales learned from step one.
     x2, w2 = 0.6 * x, 0.7 * w
-    y = fp8jax.dense(x2, w2, recipe=recipe, state=state)
+    y = jax.jit(lambda x, w, s: fp8jax.dense(x, w, recipe=recipe, state=s))(x2, w2, state)
     xq = ref.fake_quant(x2, "e4m3", np.float32(state.x.scale)).astype(np.float64)
     wq = ref.fake_quant(w2, "e4m3", np.float32(state.kernel.scale)).astype(np.float64)
     slack = ref.gemm_slack(np.abs(xq) @ np.abs(wq), 64)
@@ -200,9 +201,11 @@ def test_precision_follows_recipe():
 def test_bias_and_its_gradient():
     x, w, _ = _inputs((8, 64), jnp.float32)
     bias = jnp.arange(48, dtype=jnp.float32)
-    no_bias = fp8jax.dense(x, w)
-    np.testing.assert_array_equal(fp8jax.dense(x, w, bias), no_bias + bias[None, :])
-    db = jax.grad(lambda b: fp8jax.dense(x, w, b).sum())(bias)
+    # Both sides in one jitted program, so that they round alike.
+    both = jax.jit(lambda x, w, b: (fp8jax.dense(x, w, b), fp8jax.dense(x, w) + b[None, :]))
+    biased, unbiased_plus_bias = both(x, w, bias)
+    np.testing.assert_array_equal(biased, unbiased_plus_bias)
+    db = jax.jit(jax.grad(lambda b: fp8jax.dense(x, w, b).sum()))(bias)
     np.testing.assert_array_equal(db, jnp.full((48,), 8.0))
 
 
@@ -243,7 +246,7 @@ def test_bias_gradient_is_summed_in_f32(op, delayed):
         y = _biased_op(op, x, bias, recipe, state)
         return jnp.vdot(y.astype(jnp.float32), c.astype(jnp.float32))
 
-    db = np.asarray(jax.grad(loss)(bias), np.float64)
+    db = np.asarray(jax.jit(jax.grad(loss))(bias), np.float64)  # one program, not per op
     exact = np.asarray(c, np.float64).sum(axis=0)
     np.testing.assert_array_less(np.abs(db - exact), tokens * 2.0**-24 * exact)
 
@@ -251,9 +254,8 @@ def test_bias_gradient_is_summed_in_f32(op, delayed):
 def test_mixed_dtypes_give_cotangents_in_primal_dtypes():
     x, w, _ = _inputs((8, 64), jnp.bfloat16)
     w32 = w.astype(jnp.float32)
-    dx, dw = jax.grad(lambda x, w: fp8jax.dense(x, w).astype(jnp.float32).sum(), argnums=(0, 1))(
-        x, w32
-    )
+    grad = jax.grad(lambda x, w: fp8jax.dense(x, w).astype(jnp.float32).sum(), argnums=(0, 1))
+    dx, dw = jax.jit(grad)(x, w32)
     assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.float32)
 
 
@@ -263,11 +265,12 @@ def test_batched_dot_general_values_match_reference_and_gradients_keep_the_shape
     x = jax.random.normal(kx, (3, 16, 32))
     w = jax.random.normal(kw, (32, 3, 8))
     dims = (((2,), (0,)), ((0,), (1,)))
-    y = fp8jax.dot_general(x, w, dims)
+    y = jax.jit(fp8jax.dot_general, static_argnums=2)(x, w, dims)
     ref = jnp.einsum("bsk,kbn->bsn", x, w, precision="highest")
     assert y.shape == ref.shape
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < TYPICAL_E4M3_DOT_ERROR
-    dx, dw = jax.grad(lambda x, w: fp8jax.dot_general(x, w, dims).sum(), argnums=(0, 1))(x, w)
+    grad = jax.grad(lambda x, w: fp8jax.dot_general(x, w, dims).sum(), argnums=(0, 1))
+    dx, dw = jax.jit(grad)(x, w)
     assert dx.shape == x.shape and dw.shape == w.shape
 
 
@@ -308,14 +311,14 @@ def test_overflowing_input_saturates_instead_of_nan():
     state = fp8jax.init_state(recipe)  # scale 1: 1e4 is far past E4M3's 448
     x = jnp.full((4, 16), 1e4, jnp.float32)
     w = jnp.full((16, 4), 1.0, jnp.float32)
-    y = fp8jax.dense(x, w, recipe=recipe, state=state)
+    y = jax.jit(lambda x, w, s: fp8jax.dense(x, w, recipe=recipe, state=s))(x, w, state)
     np.testing.assert_array_equal(y, jnp.full((4, 4), 448.0 * 16))
 
 
 def test_inf_in_input_does_not_poison_current_scale():
     x = jnp.ones((4, 16), jnp.float32).at[0, 0].set(jnp.inf)
     w = jnp.ones((16, 4), jnp.float32)
-    y = fp8jax.dense(x, w)
+    y = jax.jit(fp8jax.dense)(x, w)
     # The other rows quantize under the fallback scale 1. w's scale_inv,
     # 1/448, is inexact in f32: allow its rounding (2**-24) and no more. The
     # Inf's own row stays non-finite (docs of fp8jax.quantize), so NaN/Inf

@@ -68,10 +68,14 @@ def test_rank1_operands_have_fp8_gradients_within_the_bound(case):
     x, w = _normal(0, lhs_shape), _normal(1, rhs_shape)
     out_labels = spec.split("->")[1]
     lhs_labels, rhs_labels = spec.split("->")[0].split(",")
-    cot = _normal(2, op(x, w).shape)
+    cot = _normal(2, jax.eval_shape(op, x, w).shape)
 
-    y, vjp = jax.vjp(op, x, w)
-    d_x, d_w = vjp(cot)
+    def value_and_vjp(x, w, cot):
+        y, vjp = jax.vjp(op, x, w)
+        return y, *vjp(cot)
+
+    # One jitted program: eagerly every step of the op and its VJP compiled on its own.
+    y, d_x, d_w = jax.jit(value_and_vjp)(x, w, cot)
     # Forward: E4M3 x E4M3. dgrad: g (E5M2) with the kernel (E4M3);
     # wgrad: the input (E4M3) with g (E5M2), each an einsum of the spec's labels.
     _check_gemm(y, x, w, spec, "e4m3", "e4m3", "forward")
@@ -88,7 +92,9 @@ def test_rank1_operands_update_the_delayed_state(case):
     def loss(x, w, state):
         return jnp.sum(op(x, w, recipe=DELAYED, state=state))
 
-    new = fp8jax.take_new_state(state, jax.grad(loss, argnums=2)(x, w, state))
+    # Jitted, one program each: eagerly every step of the op compiled on its own.
+    grad = jax.jit(jax.grad(loss, argnums=2))(x, w, state)
+    new = jax.jit(fp8jax.take_new_state)(state, grad)
     assert float(new.x.amax_history[0]) == float(jnp.max(jnp.abs(x)))
     assert float(new.kernel.amax_history[0]) == float(jnp.max(jnp.abs(w)))
     assert float(new.grad.amax_history[0]) == 1.0  # d sum / d y
@@ -150,10 +156,12 @@ def test_zero_size_axes_give_what_jnp_gives(case, recipe):
     ref_op = {"dense": lambda x, w: jnp.tensordot(x, w, 1)}.get(case.split("_")[0])
     if ref_op is None:
         ref_op = lambda x, w: jnp.einsum("gtd,gdf->gtf", x, w)  # noqa: E731
-    (_, want), want_grads = jax.value_and_grad(
+    # Both jitted, one program each: eagerly every step compiled on its own.
+    (_, want), want_grads = jax.jit(jax.value_and_grad(
         lambda x, w: (jnp.sum(ref_op(x, w) ** 2), ref_op(x, w)), argnums=(0, 1), has_aux=True
-    )(x, w)
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, state, True)
+    ))(x, w)  # fmt: skip
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, y), grads = jax.jit(step, static_argnums=3)(x, w, state, True)
     # Every value is either empty or exactly zero (a sum of no terms).
     assert y.shape == want.shape and y.dtype == want.dtype
     np.testing.assert_array_equal(y, want)
@@ -163,7 +171,7 @@ def test_zero_size_axes_give_what_jnp_gives(case, recipe):
     if state is not None:
         # An empty tensor observed nothing: its amax is recorded as 0 and the
         # scale kept; a non-empty one records its amax.
-        new = fp8jax.take_new_state(state, grads[2])
+        new = jax.jit(fp8jax.take_new_state)(state, grads[2])
         for role, tensor in zip(new, (x, w, y), strict=True):
             want_amax = float(jnp.max(jnp.abs(tensor))) if tensor.size else 0.0
             if role is new.grad and tensor.size:
@@ -181,7 +189,7 @@ def test_zero_size_dense_with_bias(recipe):
     def loss(x, w, b):
         return jnp.sum(fp8jax.dense(x, w, b, recipe=recipe, state=state))
 
-    d_x, d_w, d_b = jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
+    d_x, d_w, d_b = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, b)  # one program, not per op
     assert d_x.shape == (0, 8)
     np.testing.assert_array_equal(d_w, jnp.zeros((8, 3)))
     np.testing.assert_array_equal(d_b, jnp.zeros((3,)))
@@ -235,9 +243,9 @@ def test_zero_size_fused_ops_give_what_jnp_gives(recipe, x_shape, k1_shape, k2_s
 
 
 def test_zero_size_quantize_and_layernorm():
-    q, amax = fp8jax.quantize(jnp.zeros((0, 4)), fp8jax.E4M3)
+    q, amax = jax.jit(lambda x: fp8jax.quantize(x, fp8jax.E4M3))(jnp.zeros((0, 4)))
     assert q.shape == (0, 4) and float(amax) == 0.0 and float(q.scale_inv) == 1.0
-    y = fp8jax.layernorm(jnp.zeros((0, 4)), jnp.ones((4,)))
+    y = jax.jit(fp8jax.layernorm)(jnp.zeros((0, 4)), jnp.ones((4,)))
     assert y.shape == (0, 4)
 
 
@@ -247,14 +255,15 @@ def test_zero_size_quantize_and_layernorm():
 @pytest.mark.parametrize("fmt", [fp8jax.E4M3, fp8jax.E5M2], ids=lambda f: f.name)
 def test_quantize_saturates_finite_overflow_and_propagates_non_finite(fmt):
     x = jnp.array([1.0, 1e6, -1e6, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
-    q, _ = fp8jax.quantize(x, fmt, jnp.float32(1.0))
+    quantize = jax.jit(fp8jax.quantize, static_argnums=1)  # one program, not per op
+    q, _ = quantize(x, fmt, jnp.float32(1.0))
     v = q.data.astype(jnp.float32)
     assert v[:3].tolist() == [1.0, fmt.max, -fmt.max]
     # Inf and NaN both come out NaN: the GPU's FP8 conversion saturates an
     # Inf, so only a NaN survives it on every backend.
     assert bool(jnp.all(jnp.isnan(v[3:])))
     # Current scaling: a non-finite amax gives scale 1 and the Inf still passes.
-    q, _ = fp8jax.quantize(x, fmt)
+    q, _ = quantize(x, fmt)
     assert float(q.scale_inv) == 1.0
     assert not bool(jnp.any(jnp.isfinite(q.data[3:].astype(jnp.float32))))
 
@@ -284,10 +293,14 @@ def test_non_finite_input_reaches_the_rows_it_touches(recipe, bad):
     x, w = _normal(0, (4, 8)), _normal(1, (8, 3))
     x = x.at[1, 2].set(bad)
     state = fp8jax.init_state(recipe)
-    y = fp8jax.dense(x, w, recipe=recipe, state=state)
+    # Jitted, one program each: eagerly every step of the op compiled on its own.
+    y = jax.jit(lambda x, w, s: fp8jax.dense(x, w, recipe=recipe, state=s))(x, w, state)
     assert not bool(jnp.any(jnp.isfinite(y[1])))
     assert bool(jnp.all(jnp.isfinite(y[jnp.array([0, 2, 3])])))
-    y = fp8jax.layernorm_dense(x, jnp.ones((8,)), None, w, recipe=recipe, state=state)
+    layernorm_dense = lambda x, w, s: fp8jax.layernorm_dense(  # noqa: E731
+        x, jnp.ones((8,)), None, w, recipe=recipe, state=s
+    )
+    y = jax.jit(layernorm_dense)(x, w, state)
     assert not bool(jnp.any(jnp.isfinite(y[1])))
 
 
@@ -296,8 +309,12 @@ def test_non_finite_gradient_reaches_the_gradients(recipe):
     x, w = _normal(0, (4, 8)), _normal(1, (8, 3))
     state = fp8jax.init_state(recipe)
     cot = jnp.ones((4, 3)).at[2, 1].set(jnp.inf)
-    _, vjp = jax.vjp(lambda x, w: fp8jax.dense(x, w, recipe=recipe, state=state), x, w)
-    d_x, d_w = vjp(cot)
+
+    def cotangents(x, w, cot):
+        _, vjp = jax.vjp(lambda x, w: fp8jax.dense(x, w, recipe=recipe, state=state), x, w)
+        return vjp(cot)
+
+    d_x, d_w = jax.jit(cotangents)(x, w, cot)  # one program, not per op
     assert not bool(jnp.any(jnp.isfinite(d_x[2])))  # the row the Inf's token reaches
     assert not bool(jnp.any(jnp.isfinite(d_w[:, 1])))  # the column of its feature
 
@@ -308,5 +325,7 @@ def test_finite_overflow_still_saturates_in_an_op():
     recipe = DELAYED
     state = fp8jax.init_state(recipe)
     x = jnp.full((4, 8), 1e4, jnp.float32)  # 1e4 * scale 1 > 448
-    y = fp8jax.dense(x, jnp.ones((8, 2)), recipe=recipe, state=state)
+    y = jax.jit(lambda x, w, s: fp8jax.dense(x, w, recipe=recipe, state=s))(
+        x, jnp.ones((8, 2)), state
+    )
     np.testing.assert_array_equal(y, jnp.full((4, 2), 8 * 448.0))

@@ -32,8 +32,13 @@ def _identity_case(first_row):
 def _dx(recipe, cotangent_row):
     x, w = _identity_case([1.0])
     g = jnp.zeros((N, N), jnp.float32).at[0, : len(cotangent_row)].set(jnp.asarray(cotangent_row))
-    _, vjp = jax.vjp(lambda x: fp8jax.dense(x, w, recipe=recipe), x)
-    return np.asarray(vjp(g)[0])
+
+    @jax.jit  # one program: eagerly every step of the op compiled on its own
+    def dx(x, g):
+        _, vjp = jax.vjp(lambda x: fp8jax.dense(x, w, recipe=recipe), x)
+        return vjp(g)[0]
+
+    return np.asarray(dx(x, g))
 
 
 @pytest.mark.parametrize(
@@ -112,8 +117,13 @@ def test_delayed_scaling_margin_halves_every_new_scale():
     def new_state(margin):
         recipe = fp8jax.DelayedScaling(amax_history_len=4, margin=margin)
         state = fp8jax.init_state(recipe, fp8jax.DotScaleState)
-        _, vjp = jax.vjp(lambda s: fp8jax.dense(x, w, recipe=recipe, state=s), state)
-        return vjp(g)[0]
+
+        @jax.jit  # one program: eagerly every step of the op compiled on its own
+        def grad(state):
+            _, vjp = jax.vjp(lambda s: fp8jax.dense(x, w, recipe=recipe, state=s), state)
+            return vjp(g)[0]
+
+        return grad(state)
 
     zero, one = new_state(0), new_state(1)
     for role in ("x", "kernel", "grad"):

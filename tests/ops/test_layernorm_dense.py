@@ -42,18 +42,26 @@ def test_layernorm_dense_matches_f32_within_fp8_bound(norm_type, zero_centered, 
         y = fp8jax.layernorm_dense(x, gamma, beta, kernel, **kw)
         return jnp.sum((y * g).astype(jnp.float32))
 
-    y = fp8jax.layernorm_dense(x, gamma, beta, kernel, **kw)
-    grads = jax.grad(loss, argnums=(0, 1, 2, 3) if beta is not None else (0, 1, 3))(
+    # The op, its gradients and the reference norm's each one jitted program: eagerly
+    # every step compiled on its own.
+    y = jax.jit(lambda *a: fp8jax.layernorm_dense(*a, **kw))(x, gamma, beta, kernel)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if beta is not None else (0, 1, 3)))(
         x, gamma, beta, kernel
     )
     dx, dgamma, dkernel = grads[0], grads[1], grads[-1]
 
     # References: exact normalized input n (f32 jnp, autodiff for the norm),
     # exact GEMMs in f64.
-    n, norm_vjp = jax.vjp(lambda x, gm: ref_norm(x, gm, beta, norm_type, zero_centered), x, gamma)
+    def reference(x, gm):
+        return ref_norm(x, gm, beta, norm_type, zero_centered)
+
+    def reference_vjp(x, gm, dn):
+        return jax.vjp(reference, x, gm)[1](dn)
+
+    n = jax.jit(reference)(x, gamma)
     ns, ks, gs = (np.asarray(v, np.float64) for v in (n, kernel, g))
     dn_exact = gs @ ks.T
-    ref_dx, ref_dgamma = norm_vjp(jnp.asarray(dn_exact, jnp.float32))
+    ref_dx, ref_dgamma = jax.jit(reference_vjp)(x, gamma, jnp.asarray(dn_exact, jnp.float32))
     u_out = OUTPUT_UNIT_ROUNDOFF[jnp.dtype(dtype)]
     # The f32 norm arithmetic (a handful of roundings, 2**-24 each) is allowed
     # 2**-18 of the magnitudes it feeds.
@@ -87,7 +95,10 @@ def test_layernorm_dense_matches_f32_within_fp8_bound(norm_type, zero_centered, 
 def test_layernorm_dense_returns_normalized_and_its_gradient_flows():
     x, gamma, beta = _params("layernorm", 32, jnp.float32)
     kernel = 0.1 * jax.random.normal(jax.random.key(3), (32, 3, 8))
-    y, normalized = fp8jax.layernorm_dense(x, gamma, beta, kernel, return_normalized=True)
+    # Jitted, one program each: eagerly every step of the op compiled on its own.
+    y, normalized = jax.jit(
+        lambda *a: fp8jax.layernorm_dense(*a, return_normalized=True)
+    )(x, gamma, beta, kernel)  # fmt: skip
     assert y.shape == (48, 3, 8)
     np.testing.assert_allclose(
         normalized, ref_norm(x, gamma, beta, "layernorm", False), rtol=1e-5, atol=1e-5
@@ -97,8 +108,9 @@ def test_layernorm_dense_returns_normalized_and_its_gradient_flows():
     def through_normalized(x):
         return jnp.sum(fp8jax.layernorm_dense(x, gamma, beta, kernel, return_normalized=True)[1])
 
-    want = jax.grad(lambda x: jnp.sum(ref_norm(x, gamma, beta, "layernorm", False)))(x)
-    np.testing.assert_allclose(jax.grad(through_normalized)(x), want, rtol=1e-4, atol=1e-4)
+    want = jax.jit(jax.grad(lambda x: jnp.sum(ref_norm(x, gamma, beta, "layernorm", False))))(x)
+    got = jax.jit(jax.grad(through_normalized))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _residual_step(op, passed: bool, recipe):

@@ -146,13 +146,13 @@ def test_sigmoid_gating_of_very_negative_logits_is_finite():
         y, stats = fp8jax.moe_mlp(x, logits, wi, wo, top_k=K, gating="sigmoid", fp8=False)
         return jnp.sum(y) + stats.aux_loss, (y, stats)
 
-    d_logits, (y, stats) = jax.grad(loss, has_aux=True)(logits)
+    d_logits, (y, stats) = jax.jit(jax.grad(loss, has_aux=True))(logits)  # one program, not per op
     for value in (y, stats.aux_loss, d_logits):
         assert np.isfinite(np.asarray(value)).all()
     # f64: sigmoid(l) = 1 / (1 + exp(-l)), with no underflow at these logits.
     scores = 1 / (1 + np.exp(-np.asarray(logits[:2], np.float64)))
     probs = scores / scores.sum(-1, keepdims=True)
-    gates, experts, _ = moe_ops.route(logits[:2], K, "sigmoid")
+    gates, experts, _ = jax.jit(moe_ops.route, static_argnums=(1, 2))(logits[:2], K, "sigmoid")
     want = -np.sort(-probs, axis=-1)[:, :K]
     np.testing.assert_allclose(gates, want / want.sum(-1, keepdims=True), rtol=1e-6)
     np.testing.assert_array_equal(experts[1], [0, 1])
@@ -168,8 +168,11 @@ def test_any_finite_capacity_factor_runs(factor, same_as):
     x, logits, wi, wo = _inputs(skew=3.0)
 
     def run(capacity_factor):
-        return fp8jax.moe_mlp(x, logits, wi, wo, top_k=K, fp8=False,
-                              capacity_factor=capacity_factor)  # fmt: skip
+        # Jitted (eagerly every step compiled on its own), a function per call: a jit
+        # cache keyed on the factor would take np.float32(1.25) and 1.25 for one.
+        return jax.jit(lambda *a: fp8jax.moe_mlp(*a, top_k=K, fp8=False,
+                                                 capacity_factor=capacity_factor))(
+            x, logits, wi, wo)  # fmt: skip
 
     (y, stats), (want, want_stats) = run(factor), run(same_as)
     np.testing.assert_array_equal(y, want)

@@ -27,7 +27,8 @@ def test_values_match_reference(norm_type, zero_centered):
     x = jax.random.normal(jax.random.key(0), (4, 8, 32)) * 3.0 + 1.0
     gamma = jax.random.normal(jax.random.key(1), (32,))
     beta = jax.random.normal(jax.random.key(2), (32,)) if norm_type == "layernorm" else None
-    y = fp8jax.layernorm(x, gamma, beta, norm_type=norm_type, zero_centered_gamma=zero_centered)
+    kw = {"norm_type": norm_type, "zero_centered_gamma": zero_centered}
+    y = jax.jit(lambda *a: fp8jax.layernorm(*a, **kw))(x, gamma, beta)  # one program, not per op
     want = reference_norm(x, gamma, beta, norm_type, zero_centered, 1e-6)
     # f32 arithmetic throughout: a few ulps of 2**-24 per op on O(1) values.
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
@@ -35,7 +36,7 @@ def test_values_match_reference(norm_type, zero_centered):
 
 def test_bf16_output_dtype_and_precision():
     x = jax.random.normal(jax.random.key(0), (16, 64)).astype(jnp.bfloat16)
-    y = fp8jax.layernorm(x, jnp.ones(64, jnp.bfloat16), jnp.zeros(64, jnp.bfloat16))
+    y = jax.jit(fp8jax.layernorm)(x, jnp.ones(64, jnp.bfloat16), jnp.zeros(64, jnp.bfloat16))
     assert y.dtype == jnp.bfloat16
     want = reference_norm(x, np.ones(64), np.zeros(64), "layernorm", False, 1e-6)
     # Computed in f32, rounded once to bf16: relative 2**-8.
@@ -100,8 +101,9 @@ def test_gradients_match_autodiff_of_the_same_math(norm_type, zero_centered):
     def reference(x, gamma, beta):
         return jnp.sum(_autodiff_norm(x, gamma, beta, norm_type, zero_centered) * w)
 
-    got = jax.grad(ours, argnums=(0, 1, 2))(x, gamma, beta)
-    want = jax.grad(reference, argnums=(0, 1, 2))(x, gamma, beta)
+    # Both jitted, one program each: eagerly every step compiled on its own.
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(x, gamma, beta)
+    want = jax.jit(jax.grad(reference, argnums=(0, 1, 2)))(x, gamma, beta)
     # Two f32 evaluations of one formula in different orders: a few ulps of 2**-24
     # on O(1) values, summed over 32 rows for gamma and beta.
     for g, r in zip(got, want, strict=True):
@@ -144,7 +146,7 @@ def test_gamma_gradient_is_summed_over_the_data_axis_inside_shard_map():
         return jax.grad(loss, argnums=(0, 1, 2))(x, gamma, beta)
 
     got = sharded_grads(*placed)
-    want = jax.grad(loss, argnums=(0, 1, 2))(x, gamma, beta)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, gamma, beta)
     for g, r in zip(got, want, strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
@@ -160,7 +162,7 @@ def test_layernorm_is_accurate_on_rows_far_from_zero():
     x = 1000.0 + jax.random.normal(jax.random.key(0), (8, 256))
     gamma, beta = jnp.ones(256), jnp.zeros(256)
     want = reference_norm(x, gamma, beta, "layernorm", False, 1e-6)
-    y = fp8jax.layernorm(x, gamma, beta)
+    y = jax.jit(fp8jax.layernorm)(x, gamma, beta)
     np.testing.assert_allclose(y, want, atol=4 * 2.0**-14)
     # The check can fail: E[x^2] - E[x]^2 in f32 misses the unit variance by
     # far more here (E[x^2] ~ 1e6 has an ulp of 0.06).

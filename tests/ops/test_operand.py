@@ -23,8 +23,13 @@ def test_the_cast_kernel_writes_the_transposed_copy_of_the_same_bytes():
     # 256 x 128 fills the cast kernel's tiles; on the CPU its XLA twin runs.
     recipe = fp8jax.CurrentScaling()
     value = _value((2, 128, 128))
-    both = quantize_operand(value, fp8jax.E4M3, None, recipe, rows_ndim=2, transpose=True)
-    plain = quantize_operand(value, fp8jax.E4M3, None, recipe)
+
+    @jax.jit  # both passes in one program: eagerly every step compiled on its own
+    def quantize_both(value):
+        return (quantize_operand(value, fp8jax.E4M3, None, recipe, rows_ndim=2, transpose=True),
+                quantize_operand(value, fp8jax.E4M3, None, recipe))  # fmt: skip
+
+    both, plain = quantize_both(value)
     assert both.has_transposed and not plain.has_transposed
     np.testing.assert_array_equal(_bytes(both.fp8.data), _bytes(plain.fp8.data))
     np.testing.assert_array_equal(_bytes(both.transposed.data),
@@ -40,8 +45,9 @@ def test_without_the_kernel_the_operand_has_no_transposed_copy(case):
     recipe = fp8jax.CurrentScaling()
     value = _value((96, 80) if case == "shape outside whole tiles" else (256, 128))
     with fp8jax.kernels.use_pallas(case != "kernels switched off"):
-        q = quantize_operand(value, fp8jax.E5M2, None, recipe, rows_ndim=1, transpose=True,
-                             column_sums=True)  # fmt: skip
+        kw = {"rows_ndim": 1, "transpose": True, "column_sums": True}
+        quantize = jax.jit(lambda v: quantize_operand(v, fp8jax.E5M2, None, recipe, **kw))
+        q = quantize(value)  # traced here, under use_pallas
     assert isinstance(q, QuantizedOperand) and not q.has_transposed
     assert q.column_sums.shape == value.shape[1:] and q.column_sums.dtype == jnp.float32
 
@@ -84,8 +90,11 @@ def test_fine_operands_have_the_scale_shape_their_recipe_declares(recipe, role, 
     # granularity recipe.granularity(role) declares, for a (1, rows, K) operand.
     rows, k = 256, 384
     declared = recipe.granularity(role)
-    q = quantize_operand(_value((1, rows, k)), recipe.formats.forward, None, recipe, role=role,
-                         transpose=transpose, rows_are_tokens=role != "kernel")  # fmt: skip
+    # Jitted, one program: eagerly every step of the quantization compiled on its own.
+    quantize = jax.jit(lambda v: quantize_operand(v, recipe.formats.forward, None, recipe,
+                                                  role=role, transpose=transpose,
+                                                  rows_are_tokens=role != "kernel"))  # fmt: skip
+    q = quantize(_value((1, rows, k)))
     assert isinstance(q, QuantizedOperand) and q.granularity == declared and q.amax is None
     assert q.scale_inv.shape == (1, *declared.scale_shape(rows, k))
     assert q.has_transposed == transpose
