@@ -52,6 +52,18 @@ def test_with_accumulation_the_gradients_checked_are_the_first_micro_batchs(monk
     assert len(jax.tree.leaves(maxima)) == len(jax.tree.leaves(state.params))
 
 
+def configs_seen(monkeypatch, module, name) -> list:
+    """The ``config=`` of every call of ``module.name`` from now on (the call goes through)."""
+    seen, wrapped = [], getattr(module, name)
+
+    def spy(*args, config, **kwargs):
+        seen.append(config)
+        return wrapped(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
 def test_an_attention_build_reaches_the_fp8_attention_the_step_traces(monkeypatch):
     import jax.numpy as jnp
     import pytest
@@ -59,14 +71,7 @@ def test_an_attention_build_reaches_the_fp8_attention_the_step_traces(monkeypatc
     import fp8jax
     from fp8jax.kernels import attention as kernel
 
-    seen = []
-    forward = kernel.forward
-
-    def spy(*args, config, **kwargs):
-        seen.append(config)
-        return forward(*args, config=config, **kwargs)
-
-    monkeypatch.setattr(kernel, "forward", spy)
+    seen = configs_seen(monkeypatch, kernel, "forward")
     build = gpt_bench.forward_build("longest_first")
     assert build[1] is None  # no backward build named: the library's
     q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
@@ -91,14 +96,7 @@ def test_a_backward_attention_build_reaches_the_backward_the_step_traces(monkeyp
     import fp8jax
     from fp8jax.kernels import attention_backward as kernels
 
-    seen = []
-    backward = kernels.backward
-
-    def spy(*args, config, **kwargs):
-        seen.append(config)
-        return backward(*args, config=config, **kwargs)
-
-    monkeypatch.setattr(kernels, "backward", spy)
+    seen = configs_seen(monkeypatch, kernels, "backward")
     build = gpt_bench.forward_build("longest_first,bwd_fused")
     q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
 

@@ -225,19 +225,19 @@ def _interpreted_backward(dims, causal, build=()):
     return tuple(np.asarray(x, np.float32) for x in grads)
 
 
-# Head_dim 128 (P and dS as register operands beside two 128-wide accumulators)
-# over a GQA group of two under causality.
-@pytest.mark.parametrize(
-    "tq, tk, heads, kv_heads, d, causal",
-    [
-        (128, 128, 1, 1, 64, True),
-        (128, 128, 4, 2, 64, False),
-        (128, 128, 2, 1, 128, True),
-        (256, 256, 2, 1, 64, True),
-    ],
-    # the last: steps before the diagonal (unmasked) and on it, per head of a group
-    ids=["causal-one-block", "gqa-two-groups", "d128-causal-gqa", "causal-two-tiles-gqa"],
-)
+# (tq, tk, heads, kv_heads, d, causal): head_dim 128 (P and dS as register operands
+# beside two 128-wide accumulators) over a GQA group of two under causality; the
+# last, steps before the diagonal (unmasked) and on it, per head of a group.
+TWIN_SHAPES = [
+    (128, 128, 1, 1, 64, True),
+    (128, 128, 4, 2, 64, False),
+    (128, 128, 2, 1, 128, True),
+    (256, 256, 2, 1, 64, True),
+]
+TWIN_IDS = ["causal-one-block", "gqa-two-groups", "d128-causal-gqa", "causal-two-tiles-gqa"]
+
+
+@pytest.mark.parametrize("tq, tk, heads, kv_heads, d, causal", TWIN_SHAPES, ids=TWIN_IDS)
 def test_backward_kernels_in_interpret_mode_match_their_xla_twin(tq, tk, heads, kv_heads, d,
                                                                  causal):  # fmt: skip
     """The same FP8 scores and BF16 products; only f32 summation order differs.
@@ -292,16 +292,9 @@ def _dq_magnitudes(operands, causal, scale):
 # unmasked over two key tiles, whose CTAs add into the same dQ rows.
 @pytest.mark.parametrize(
     "tq, tk, heads, kv_heads, d, causal",
-    [
-        (128, 128, 1, 1, 64, True),
-        (128, 128, 4, 2, 64, False),
-        (128, 128, 2, 1, 128, True),
-        (256, 256, 2, 1, 64, True),
-        (128, 256, 2, 1, 128, False),
-    ],
-    ids=["causal-one-block", "gqa-two-groups", "d128-causal-gqa", "causal-two-tiles-gqa",
-         "d128-two-tiles-gqa"],
-)  # fmt: skip
+    [*TWIN_SHAPES, (128, 256, 2, 1, 128, False)],
+    ids=[*TWIN_IDS, "d128-two-tiles-gqa"],
+)
 def test_fused_backward_in_interpret_mode_within_dq_order_budget(tq, tk, heads, kv_heads, d,
                                                                  causal):  # fmt: skip
     """``BackwardConfig(fused=True)``: dK and dV bitwise the default build's (the same code
