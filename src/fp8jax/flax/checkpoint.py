@@ -23,18 +23,11 @@ def _manager(directory, max_to_keep: int | None = None, **kwargs) -> ocp.Checkpo
     return ocp.CheckpointManager(os.path.abspath(directory), options=options, **kwargs)
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _shapes_by_path(tree) -> dict[str, tuple[int, ...]]:
     """Each array leaf's shape by its path (``params/kernel``), the same for orbax's metadata."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {
-        "/".join(_key_name(k) for k in path): tuple(leaf.shape)
+        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
         for path, leaf in leaves
         if hasattr(leaf, "shape")
     }

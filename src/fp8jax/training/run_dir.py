@@ -66,17 +66,13 @@ def _differences(saved: dict, wanted: dict, prefix: str = "") -> list[str]:
     return diffs
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _leaves_by_path(tree) -> dict[str, tuple[tuple[int, ...], str]]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {
-        "/".join(_key_name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+        jax.tree_util.keystr(path, simple=True, separator="/"): (
+            tuple(leaf.shape),
+            str(np.dtype(leaf.dtype)),
+        )
         for path, leaf in leaves
     }
 
